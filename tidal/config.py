@@ -1,0 +1,310 @@
+"""Typed run configuration, loaded from YAML with `yaml.safe_load`.
+
+A run is a config file plus a few `key.path=value` overrides. Every default is defined once, here.
+The `cluster:` section takes RLinf's keys as they are (`num_nodes`, `component_placement`,
+`auto_scheduler`, `use_pre_process_policy`, `use_wait_before_last_iter_policy`); the rest are Tidal's.
+
+Devices: `cluster.device: auto` runs on CUDA when the machine has enough GPUs for the placement and on CPU
+"virtual devices" (one worker process per device id) otherwise, so a GPU config runs on a laptop unchanged.
+
+Every failure to load is a `ConfigError` naming the dotted field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tidal.errors import ConfigError
+from tidal.placement import COMPONENTS, Placement, parse_placement
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are immutable once built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1, description="Nodes in the cluster (RLinf key).")
+    num_devices_per_node: int = Field(8, ge=1, description="Devices (GPUs or CPU virtual devices) per node.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA if enough GPUs for the placement, else CPU virtual devices.")
+    cpu_compute_share: float | None = Field(
+        None, gt=0, le=1,
+        description="Fixed share of the machine's cores per CPU virtual device (duty-cycled), e.g. 0.125 for 8 "
+                    "devices: idle capacity is then lost as on a GPU. None: no cap.")
+    component_placement: dict[str, Any] = Field(
+        default_factory=lambda: {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
+        description='RLinf placement: component (or "a,b" for shared) -> device ids like "0-3" or "0-1,4-5".')
+    auto_scheduler: bool = Field(False, description="Dynamic scheduling (RLinf key); needs disjoint, ordered placement.")
+    use_pre_process_policy: bool = Field(
+        False, description="At step start the actor's devices also run rollout, handed back mid-step (RLinf key).")
+    use_wait_before_last_iter_policy: bool = Field(
+        False, description="Before the last actor iter wait for rollout and inference to finish (RLinf key).")
+    ray_address: str | None = Field(None, description="Ray cluster address; None starts an embedded local Ray.")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.num_devices_per_node
+
+
+class ModelConfig(Section):
+    vocab_size: int | None = Field(None, ge=2, description="None: the task tokenizer's size.")
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    num_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention query heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention); divides num_heads.")
+    intermediate_size: int = Field(384, ge=8, description="SwiGLU hidden width.")
+    max_seq_len: int = Field(64, ge=4, description="Longest prompt + response, in tokens.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("head dim (hidden_size / num_heads) must be even for RoPE")
+        return self
+
+
+class ActorConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="Actor TP size (divides heads, kv heads, actor devices).")
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
+    warmup_iters: int = Field(2, ge=0, description="Linear LR warmup, in optimizer steps (iters).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch pulled from the iter's queue.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Compute dtype; auto: fp32 on CPU, bf16 (fp32 master weights) on GPU.")
+
+
+class RolloutConfig(Section):
+    backend: Literal["native", "vllm"] = Field("native", description="Generation engine.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices per rollout instance.")
+    max_running_requests: int = Field(64, ge=1, description="Concurrent sequences per instance (RLinf key).")
+    max_new_tokens: int = Field(16, ge=1, description="Response length cap.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+
+
+class InferenceConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices per inference instance.")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per log-prob forward.")
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (GRPO group).")
+    n_minibatches: int = Field(2, ge=1, description="Optimizer steps (iters) per RL step (RLinf key).")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient; 0 skips the reference model.")
+
+
+class DataConfig(Section):
+    task: str = Field("addition", description="Verifiable-reward task (see `tidal tasks`).")
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts per RL step (RLinf key).")
+    eval_size: int = Field(256, ge=1, description="Held-out prompts per evaluation.")
+    seed: int = Field(0, description="Seed of the train/held-out splits.")
+
+
+class SchedulerConfig(Section):
+    policy: Literal["tidal", "rlinf", "static"] = Field(
+        "tidal", description="Device reallocation policy when cluster.auto_scheduler is on.")
+    pre_process_threshold: float = Field(
+        0.5, gt=0, le=1, description="rlinf pre-process: hand back when running <= threshold x total tasks.")
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name (MLflow run name, output folder).")
+    num_steps: int = Field(10, ge=1, description="RL steps.")
+    seed: int = Field(0, description="Seed of model init and sampling.")
+    output_dir: str = Field("runs", description="Parent of the run's output folder.")
+    eval_every: int = Field(1, ge=1, description="Evaluate held-out accuracy every N steps.")
+    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0: only at the end.")
+
+
+class TrackingConfig(Section):
+    db_url: str = Field("sqlite:///tidal.db", description="Platform database (SQLite default, PostgreSQL by URL).")
+    mlflow_uri: str = Field("sqlite:///mlruns.db", description="MLflow tracking URI; sqlite:/// needs no server.")
+    mlflow_artifacts: str = Field("mlartifacts", description="MLflow artifact location (explicit).")
+    experiment: str = Field("tidal", description="MLflow experiment name.")
+
+
+class TidalConfig(Section):
+    run: RunConfig = RunConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    model: ModelConfig = ModelConfig()
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    inference: InferenceConfig = InferenceConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    data: DataConfig = DataConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @cached_property
+    def placement(self) -> Placement:
+        return parse_placement(self.cluster.component_placement, self.cluster.num_devices,
+                               self.cluster.auto_scheduler)
+
+    @property
+    def sequences_per_iter(self) -> int:
+        """Global batch of one actor iter, in sequences (fixed whatever the DP size)."""
+        return self.data.rollout_batch_size * self.algorithm.group_size // self.algorithm.n_minibatches
+
+
+def _check_cross_fields(cfg: TidalConfig) -> None:
+    """Constraints that span sections. Raises ConfigError."""
+    p = cfg.placement
+    m = cfg.model
+    for comp in COMPONENTS:
+        tp = getattr(cfg, comp).tensor_parallel_size
+        n = len(p.of(comp))
+        if n % tp:
+            raise ConfigError(f"{comp}.tensor_parallel_size", tp,
+                              f"does not divide the {n} devices placed for {comp}",
+                              f"use a divisor of {n} or place a multiple of {tp} devices")
+        if m.num_kv_heads % tp or m.num_heads % tp:
+            raise ConfigError(f"{comp}.tensor_parallel_size", tp,
+                              f"does not divide num_heads={m.num_heads} and num_kv_heads={m.num_kv_heads}",
+                              "use a TP size that divides both")
+    total = cfg.data.rollout_batch_size * cfg.algorithm.group_size
+    if total % cfg.algorithm.n_minibatches:
+        raise ConfigError("algorithm.n_minibatches", cfg.algorithm.n_minibatches,
+                          f"does not divide the step's {total} sequences (rollout_batch_size x group_size)",
+                          "use a divisor so every iter has the same global batch")
+    if cfg.rollout.max_new_tokens >= m.max_seq_len:
+        raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+                          f"leaves no room for the prompt within model.max_seq_len={m.max_seq_len}",
+                          "lower max_new_tokens or raise model.max_seq_len")
+    if cfg.cluster.use_pre_process_policy and not cfg.cluster.auto_scheduler:
+        raise ConfigError("cluster.use_pre_process_policy", True, "needs dynamic scheduling",
+                          "set cluster.auto_scheduler: true or drop the flag")
+    if cfg.cluster.use_wait_before_last_iter_policy and not cfg.cluster.auto_scheduler:
+        raise ConfigError("cluster.use_wait_before_last_iter_policy", True, "needs dynamic scheduling",
+                          "set cluster.auto_scheduler: true or drop the flag")
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = TidalConfig
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        ann = model.model_fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _translate(err: ValidationError) -> ConfigError:
+    e = err.errors()[0]
+    loc = tuple(e.get("loc", ()))
+    field = ".".join(str(x) for x in loc) or "<config>"
+    value = e.get("input")
+    if e["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        known = list(parent.model_fields) if parent else []
+        near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        fix = f"did you mean {'.'.join(map(str, loc[:-1] + (near[0],)))!r}?" if near else \
+            f"remove it; known keys here: {', '.join(known)}"
+        return ConfigError(field, loc[-1], "unknown key", fix)
+    if e["type"] == "model_type" or e["type"] == "dict_type":
+        return ConfigError(field, value, "must be a mapping of keys", "write it as `key: value` lines")
+    fix = "see README's config reference for the allowed values"
+    parent = _model_at(loc[:-1]) if loc else None
+    if parent and loc and str(loc[-1]) in parent.model_fields:
+        doc = parent.model_fields[str(loc[-1])].description
+        if doc:
+            fix = f"{loc[-1]}: {doc}"
+    msg = e.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return ConfigError(field, value, msg, fix)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`["actor.lr=3e-4", "cluster.component_placement.actor=0-3"]` applied onto a plain dict."""
+    data = dict(data)
+    for ov in overrides:
+        key, sep, raw = ov.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("override", ov, "is not key.path=value", "e.g. actor.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def build_config(data: object, overrides: list[str] | None = None) -> TidalConfig:
+    """Validate a plain mapping (plus overrides) into a TidalConfig, or raise ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("<config>", type(data).__name__, "top level must be a mapping of sections",
+                          "start the file with `cluster:`, `actor:` ... sections")
+    for k in data:
+        if not isinstance(k, str):
+            raise ConfigError("<config>", k, "section names must be strings", "use names like `cluster`")
+    data = apply_overrides(data, overrides or [])
+    try:
+        cfg = TidalConfig.model_validate(data)
+    except ValidationError as err:
+        raise _translate(err) from None
+    except (TypeError, ValueError) as err:  # pydantic raises these for unhashable/odd inputs in rare paths
+        raise ConfigError("<config>", str(err)[:80], "could not be read as a config", "check the YAML types") from None
+    _ = cfg.placement
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TidalConfig:
+    """Read YAML (`yaml.safe_load`) at `path` and build the config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", str(path), "file not found", "pass a path like experiments/addition_auto.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise ConfigError("config", str(path), f"is not valid YAML ({where})", "fix the syntax there") from None
+    except UnicodeDecodeError:
+        raise ConfigError("config", str(path), "is not UTF-8 text", "save the file as UTF-8") from None
+    return build_config(data, overrides)
+
+
+def flatten(cfg: TidalConfig) -> dict[str, object]:
+    """Dotted-key view of a config (MLflow params, sweep spaces)."""
+    out: dict[str, object] = {}
+
+    def walk(prefix: str, node: object) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = node
+
+    walk("", cfg.model_dump(mode="json"))
+    return out
