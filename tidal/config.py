@@ -238,6 +238,7 @@ def _translate(err: ValidationError) -> ConfigError:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """`["actor.lr=3e-4", "cluster.component_placement.actor=0-3"]` applied onto a plain dict."""
     data = dict(data)
+    defaults = TidalConfig().model_dump() if overrides else {}
     for ov in overrides:
         key, sep, raw = ov.partition("=")
         if not sep or not key.strip():
@@ -246,10 +247,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
-        node = data
+        node, default = data, defaults
         parts = key.strip().split(".")
         for part in parts[:-1]:
-            child = node.get(part)
+            default = default.get(part) if isinstance(default, dict) else None
+            child = node.get(part, default)  # a missing section starts from its defaults
             child = dict(child) if isinstance(child, dict) else {}
             node[part] = child
             node = child

@@ -92,6 +92,7 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
         raise ConfigError(field, raw, "must map component names to devices",
                           'e.g. {actor: "0-1", rollout: "2-5", inference: "6-7"}')
     sets: dict[str, tuple[int, ...]] = {}
+    taken: dict[int, str] = {}  # device -> entry key: entries are disjoint; sharing is said with "a,b" keys
     for key, spec in raw.items():
         names = [n.strip() for n in str(key).split(",")]
         ids = parse_device_ids(spec, f"{field}.{key}")
@@ -112,6 +113,13 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
             if name in sets:
                 raise ConfigError(f"{field}.{key}", name, "component placed twice", "give each component one entry")
             sets[name] = ids
+        clash = sorted(d for d in ids if d in taken)
+        if clash:
+            other = taken[clash[0]]
+            raise ConfigError(f"{field}.{key}", spec, f"devices {clash} are also placed by entry {other!r}",
+                              f'give each entry its own devices, or share them with one key such as '
+                              f'"{other},{key}"')
+        taken.update({d: str(key) for d in ids})
     for name in COMPONENTS:
         if name not in sets:
             raise ConfigError(field, sorted(sets), f"no placement for {name}", f"add a `{name}:` entry")

@@ -1,0 +1,123 @@
+"""`tidal` command line. Each sub-command is a thin shell over library code.
+
+User errors (`TidalError`) print one line naming the field, the value and the fix, and exit 2; there are no
+tracebacks for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.errors import TidalError
+
+#: sub-command -> ("module:function" taking argv and returning an exit code, one-line help).
+#: Sub-commands whose body lives in another package are imported only when used (fast `--help`).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("tidal.cli:validate_main", "check a config and print its placement"),
+}
+
+
+def register(name: str, target: str, help_text: str) -> None:
+    if name in COMMANDS:
+        raise ValueError(f"sub-command {name!r} registered twice")
+    COMMANDS[name] = (target, help_text)
+
+
+def _optional(name: str, target: str, help_text: str) -> None:
+    module = target.split(":")[0]
+    if importlib.util.find_spec(module) is not None:
+        register(name, target, help_text)
+
+
+import importlib.util  # noqa: E402  (used by _optional above)
+
+_optional("reshard-check", "tidal.reshard_check:main", "self-test: reshard an actor between layouts, verify bytes")
+_optional("train", "tidal.train:main", "run an RL training job from a config")
+_optional("simulate", "tidal.scheduler.cli:main", "simulate a run's scheduling at any scale")
+_optional("sweep", "tidal.sweep:main", "Optuna sweep of scheduler policy settings")
+_optional("compare", "tidal.tracking:compare_main", "side-by-side table of MLflow runs")
+_optional("up", "tidal.services:up_main", "start local Prefect, MLflow and optuna-dashboard on 127.0.0.1")
+_optional("down", "tidal.services:down_main", "stop the services `tidal up` started")
+_optional("serve", "tidal.flows.serve:main", "serve the Prefect deployments (trigger runs from the UI)")
+
+
+def _resolve(target: str) -> Callable[[list[str]], int]:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def validate_main(argv: list[str]) -> int:
+    from tidal.config import load_config
+    from tidal.placement import COMPONENTS, Mode, format_ids
+
+    ap = argparse.ArgumentParser(prog="tidal validate", description="Check a config; print its placement.")
+    ap.add_argument("config", help="YAML config file")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    p = cfg.placement
+    console = Console()
+    console.print(f"[bold]{args.config}[/]: {p.mode.value} placement on {p.num_devices} devices "
+                  f"({cfg.cluster.num_nodes} node(s) x {cfg.cluster.num_devices_per_node})")
+    table = Table()
+    table.add_column("device", justify="right")
+    table.add_column("component")
+    for d, owners in p.owners().items():
+        table.add_row(str(d), ",".join(owners) or "(free)")
+    console.print(table)
+    sizes = Table(title="components")
+    for col in ("component", "devices", "tensor parallel", "instances / dp"):
+        sizes.add_column(col)
+    for comp in COMPONENTS:
+        tp = getattr(cfg, comp).tensor_parallel_size
+        ids = p.of(comp)
+        sizes.add_row(comp, format_ids(ids), str(tp), str(len(ids) // tp))
+    console.print(sizes)
+    if p.mode is Mode.AUTO:
+        tp = cfg.actor.tensor_parallel_size
+        lo, hi = len(p.actor) // tp, p.num_devices // tp
+        seqs = cfg.sequences_per_iter
+        g = cfg.algorithm.group_size
+        rlinf = [dp for dp in range(lo, hi + 1) if seqs % (dp * g) == 0]
+        console.print(f"auto scheduler: policy [bold]{cfg.scheduler.policy}[/]; actor dp reachable: "
+                      f"{lo}..{hi} (any size; tp={tp}); RLinf's rule would allow only {rlinf}")
+        console.print(f"flags: use_pre_process_policy={cfg.cluster.use_pre_process_policy}, "
+                      f"use_wait_before_last_iter_policy={cfg.cluster.use_wait_before_last_iter_policy}")
+    console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
+                  f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tidal COMMAND [ARGS...]\n\nTidal: RL post-training with dynamic scheduling.\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<14} {help_text}")
+        print("\n`tidal COMMAND --help` for a command's options.")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+        near = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        print(f"error: unknown command {name!r}.{hint} Run `tidal --help`.", file=sys.stderr)
+        return 2
+    try:
+        return int(_resolve(COMMANDS[name][0])(rest) or 0)
+    except TidalError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
