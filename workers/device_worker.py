@@ -1,0 +1,186 @@
+"""The per-device worker: one long-lived process that owns one device and a rank in the world.
+
+`DeviceWorker` is a plain class; `tidal.workers.runtime` turns it into a Ray actor (``ray.remote``) at
+start, so importing this module costs torch and nothing else. It runs functions named by a path
+(``"tidal.workers.probes:allreduce_sum"``) with a `WorkerContext` first argument::
+
+    def my_fn(ctx: WorkerContext, value: float) -> float:
+        t = torch.tensor([value], device=ctx.device)
+        dist.all_reduce(t, group=ctx.group)
+        ctx.state["last"] = t.item()      # survives until the next call, and the one after
+        return t.item()
+
+Calls run one at a time, in arrival order, on the actor's default thread (Ray's max_concurrency=1 for the
+default group). `health` runs in a separate "control" group so it answers while a long call is running,
+which is what lets the driver tell a busy worker from a dead or wedged one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+CONTROL_GROUP = "control"
+
+
+@dataclass
+class WorkerContext:
+    """What a function running on a worker knows about where it runs."""
+
+    device_id: int
+    """The device this worker owns (an id of the cluster's placement, not a count)."""
+    rank: int
+    """Rank in the world: the device's position in the group's device list."""
+    world_size: int
+    device_ids: tuple[int, ...]
+    """All devices of the world, in rank order (`device_ids[rank] == device_id`)."""
+    device: torch.device
+    """cpu for a CPU virtual device; cuda:0 for a GPU (Ray hides the other GPUs)."""
+    group: Any
+    """The world's process group (gloo on CPU; gloo for CPU tensors + NCCL for CUDA tensors on GPU)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Per-worker objects kept between calls: a model shard, an optimizer, a generation engine."""
+
+    def rank_of(self, device_id: int) -> int:
+        try:
+            return self.device_ids.index(device_id)
+        except ValueError:
+            raise KeyError(f"device {device_id} is not in this world {list(self.device_ids)}") from None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where a worker landed; reported once at start."""
+
+    device_id: int
+    pid: int
+    hostname: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A worker's answer to `health()`; `busy_fn` is the call running now, if any."""
+
+    device_id: int
+    pid: int
+    calls_done: int
+    busy_fn: str | None
+    busy_for_s: float
+
+
+def resolve(fn_path: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function. Errors name the path and the fix."""
+    mod_name, sep, attr = fn_path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"function path {fn_path!r} must look like 'package.module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"function path {fn_path!r}: cannot import module {mod_name!r} on the worker ({e}); "
+                         "the module must be importable from the worker's Python environment") from e
+    obj: Any = mod
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"function path {fn_path!r}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(obj):
+        raise ValueError(f"function path {fn_path!r} names a {type(obj).__name__}, not a function")
+    return obj
+
+
+class DeviceWorker:
+    """One device, one process, one rank. Driven by `tidal.workers.runtime.WorkerGroup`."""
+
+    def __init__(self, device_id: int, device_kind: str, rank: int, device_ids: tuple[int, ...]):
+        # One intra-op thread: N virtual devices on a small machine must not each spawn a thread per core.
+        torch.set_num_threads(1)
+        self._device_id, self._kind, self._rank = device_id, device_kind, rank
+        self._device_ids = tuple(device_ids)
+        if device_kind == "cuda":
+            # Ray sets CUDA_VISIBLE_DEVICES to the one GPU it granted this actor.
+            torch.cuda.set_device(0)
+            self._device = torch.device("cuda", 0)
+        else:
+            self._device = torch.device("cpu")
+        self._ctx: WorkerContext | None = None
+        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+        self._busy: tuple[str, float] | None = None
+        self._calls_done = 0
+
+    # ----------------------------------------------------------------------------------- start-up
+    def info(self) -> WorkerInfo:
+        import ray  # only called inside a Ray worker, where ray is already loaded
+
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids()) if self._kind == "cuda" else ()
+        return WorkerInfo(self._device_id, os.getpid(), socket.gethostname(), ray.util.get_node_ip_address(),
+                          gpu_ids)
+
+    def open_store(self, host: str) -> int:
+        """Rank 0 only: host the rendezvous store on `host` (loopback locally); returns its port.
+
+        ``init_method="tcp://host:port"`` makes torch's TCPStore listen on every interface whatever `host`
+        says (seen with ``ss -ltnp``), so rank 0 binds the listening socket itself and hands the fd to the
+        store. Binding port 0 here also means no port picked elsewhere can be taken in between.
+        """
+        assert self._rank == 0, "only rank 0 hosts the store"
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(host, port, len(self._device_ids), is_master=True,
+                                    timeout=timedelta(seconds=300), wait_for_workers=False,
+                                    master_listen_fd=sock.detach())
+        return port
+
+    def init_world(self, master_addr: str, master_port: int, timeout_s: float) -> int:
+        """Join the world. Every rank must call this concurrently; returns the rank."""
+        backend = "cpu:gloo,cuda:nccl" if self._kind == "cuda" else "gloo"
+        if self._store is None:
+            self._store = dist.TCPStore(master_addr, master_port, len(self._device_ids), is_master=False,
+                                        timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=self._store, rank=self._rank, world_size=len(self._device_ids),
+                                timeout=timedelta(seconds=timeout_s))
+        self._ctx = WorkerContext(self._device_id, self._rank, len(self._device_ids), self._device_ids,
+                                  self._device, dist.group.WORLD)
+        return self._rank
+
+    # --------------------------------------------------------------------------------------- calls
+    def call(self, fn_path: str, kwargs: dict[str, Any]) -> Any:
+        assert self._ctx is not None, "init_world must run before call"
+        fn = resolve(fn_path)
+        with self._lock:
+            self._busy = (fn_path, time.monotonic())
+        try:
+            return fn(self._ctx, **kwargs)
+        finally:
+            with self._lock:
+                self._busy = None
+                self._calls_done += 1
+
+    def health(self) -> HealthReport:
+        """Answered from the control thread, so it works while `call` is busy."""
+        with self._lock:
+            busy = self._busy
+            done = self._calls_done
+        return HealthReport(self._device_id, os.getpid(), done, busy[0] if busy else None,
+                            time.monotonic() - busy[1] if busy else 0.0)
+
+    def leave_world(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._ctx = None
+        self._store = None
+

@@ -1,0 +1,67 @@
+"""Small worker functions that exercise the runtime: collectives, per-worker state, CPU use.
+
+Each takes the `WorkerContext` first, like every function run through `WorkerGroup.call*`. They are used by
+the tests and by `tidal` commands that check a cluster, and double as examples of the calling convention.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.workers.device_worker import WorkerContext
+
+
+def world_info(ctx: WorkerContext) -> dict[str, Any]:
+    """Who and where this worker is."""
+    return {"device_id": ctx.device_id, "rank": ctx.rank, "world_size": ctx.world_size,
+            "device": str(ctx.device), "pid": os.getpid(), "backend": str(dist.get_backend(ctx.group))}
+
+
+def allreduce_sum(ctx: WorkerContext, value: float) -> float:
+    """Sum of `value` over the world (each rank passes its own or the same)."""
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ctx.group)
+    return float(t.item())
+
+
+def allreduce_rank_weighted(ctx: WorkerContext, base: float) -> float:
+    """Sum over ranks of `base * (rank + 1)`: each rank contributes a different value."""
+    return allreduce_sum(ctx, base * (ctx.rank + 1))
+
+
+def put_state(ctx: WorkerContext, key: str, value: Any) -> None:
+    ctx.state[key] = value
+
+
+def get_state(ctx: WorkerContext, key: str) -> Any:
+    if key not in ctx.state:
+        raise KeyError(f"device {ctx.device_id} has no state {key!r} (keys: {sorted(ctx.state)})")
+    return ctx.state[key]
+
+
+def add_to_state(ctx: WorkerContext, key: str, delta: float) -> float:
+    """state[key] += delta, creating it at 0: shows state carried across calls."""
+    ctx.state[key] = ctx.state.get(key, 0.0) + delta
+    return ctx.state[key]
+
+
+def sleep(ctx: WorkerContext, seconds: float) -> int:
+    time.sleep(seconds)
+    return ctx.device_id
+
+
+def busy_cpu_rate(ctx: WorkerContext, seconds: float) -> float:
+    """Spin for `seconds` of wall time; return the CPU seconds used per wall second (this process)."""
+    c0, t0 = time.process_time(), time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        pass
+    return (time.process_time() - c0) / (time.monotonic() - t0)
+
+
+def fail(ctx: WorkerContext, message: str) -> None:
+    raise RuntimeError(f"device {ctx.device_id}: {message}")

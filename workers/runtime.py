@@ -1,0 +1,341 @@
+"""The worker runtime: one long-lived Ray actor per device, all in one torch.distributed world.
+
+::
+
+    driver (flow / CLI / test)                     one Ray actor per device id
+    ───────────────────────────                    ─────────────────────────────────────────
+    WorkerGroup.start(devices=[0,1,2,3])  ──────►  DeviceWorker(device 0, rank 0)  ┐ rank 0 hosts a TCPStore
+      ComputeShare.apply(pid, cores) per worker    DeviceWorker(device 1, rank 1)  │ on 127.0.0.1:PORT; all
+      rank 0 reports PORT; all init_world  ──────► DeviceWorker(device 2, rank 2)  │ init_process_group(store)
+                                                   DeviceWorker(device 3, rank 3)  ┘ gloo (CPU) / NCCL (GPU)
+    submit_all("mod:fn", x=1) ─ Ray task per worker ─► fn(ctx, x=1)  (ctx.state persists between calls)
+    gather(handles, timeout)  ◄── results ──────────   (one call at a time per worker, in order)
+       │ every poll_s: ray.wait + is each pending worker's pid alive? (+ Ray's actor-death errors)
+       └─► WorkerDied(device_id) | WorkerCallError(device_id) | WorkerTimeout(device_ids) | results
+
+Guarantees:
+
+* Workers are addressed by **device id**. Rank = position in the `devices` list given to `start`.
+* A worker whose process dies is reported as `WorkerDied(device_id, reason)` by the next `gather`/`call`/
+  `check` within about `poll_s` (local workers: its pid leaves /proc; any worker: Ray's actor-death error),
+  never a hang. After a death the group is broken (survivors may sit in a collective with the dead rank):
+  `shutdown()` and start a new group.
+* Waits log progress every `log_every_s` seconds naming the devices still running.
+* CPU virtual devices can get a fixed compute share (`compute_share`, fraction of this machine's cores per
+  device, like `cluster.cpu_compute_share`): see `tidal.workers.compute_share`.
+
+Example::
+
+    group = WorkerGroup.start(devices=[0, 1, 2, 3], device_kind="cpu")
+    try:
+        sums = group.call_all("tidal.workers.probes:allreduce_sum", value=1.0, timeout=30)  # {0: 4.0, ...}
+    finally:
+        group.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Sequence
+
+from tidal.workers.compute_share import ComputeShare, cores_for_share, process_alive
+from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerInfo
+from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
+from tidal.workers.ray_env import RaySession, connect, disconnect
+
+log = logging.getLogger("tidal.workers")
+
+DeviceKind = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class CallHandle:
+    """A call in flight on one device; pass a list of them to `WorkerGroup.gather`."""
+
+    device_id: int
+    fn: str
+    ref: Any  # ray.ObjectRef
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One line of `WorkerGroup.health()`: `state` is alive, dead or unresponsive."""
+
+    device_id: int
+    state: Literal["alive", "dead", "unresponsive"]
+    reason: str
+    report: HealthReport | None
+
+
+class WorkerGroup:
+    """A started set of device workers sharing one world. Make it with `WorkerGroup.start`."""
+
+    def __init__(self, session: RaySession, device_kind: DeviceKind, actors: dict[int, Any],
+                 infos: dict[int, WorkerInfo], local: bool, poll_s: float, log_every_s: float):
+        self._session, self.device_kind = session, device_kind
+        self._actors, self.infos, self._local = actors, infos, local
+        self._poll_s, self._log_every_s = poll_s, log_every_s
+        self._caps: dict[int, ComputeShare] = {}
+        self._dead: dict[int, str] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ start
+    @classmethod
+    def start(cls, devices: Sequence[int], device_kind: DeviceKind = "cpu", compute_share: float | None = None,
+              ray_address: str | None = None, *, world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+              poll_s: float = 0.5, log_every_s: float = 10.0) -> "WorkerGroup":
+        """Start one worker per device id and join them in one world. Connects to (or starts) Ray."""
+        devices = _check_devices(devices)
+        if device_kind not in ("cpu", "cuda"):
+            raise ValueError(f"device_kind={device_kind!r}: use 'cpu' (virtual devices) or 'cuda'")
+        if compute_share is not None:
+            if device_kind != "cpu":
+                raise ValueError(f"compute_share={compute_share!r} applies to CPU virtual devices only; "
+                                 "drop it for device_kind='cuda'")
+            cores = cores_for_share(compute_share)
+        session = connect(ray_address)
+        import ray
+
+        actor_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(DeviceWorker)
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        if session.embedded:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback, like the rest
+        opts: dict[str, Any] = dict(max_restarts=0, max_task_retries=0, runtime_env={"env_vars": env})
+        if device_kind == "cuda":
+            opts.update(num_gpus=1, num_cpus=0.01)
+        else:
+            # Fractional CPUs so N virtual devices fit on a small machine; the real cap is compute_share.
+            total = ray.cluster_resources().get("CPU", 1.0)
+            opts.update(num_gpus=0, num_cpus=max(0.01, min(1.0, int(100 * total / len(devices)) / 100)))
+        tag = uuid.uuid4().hex[:6]
+        actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **opts).remote(d, device_kind, r, devices)
+                  for r, d in enumerate(devices)}
+        group = cls(session, device_kind, actors, {}, local=session.embedded, poll_s=poll_s,
+                    log_every_s=log_every_s)
+        try:
+            handles = [CallHandle(d, "start", a.info.remote()) for d, a in actors.items()]
+            group.infos = dict(zip(devices, group.gather(handles, timeout=start_timeout_s)))
+            if compute_share is not None:
+                if not group._local:
+                    raise ValueError("compute_share needs workers on this machine (embedded Ray); "
+                                     "drop it when joining a cluster with ray_address")
+                group._caps = {d: ComputeShare.apply(i.pid, cores) for d, i in group.infos.items()}
+            addr, port = group._rendezvous(devices[0])
+            handles = [CallHandle(d, "init_world", a.init_world.remote(addr, port, world_timeout_s))
+                       for d, a in actors.items()]
+            group.gather(handles, timeout=world_timeout_s + 10)
+        except BaseException:
+            group.shutdown()
+            raise
+        log.info("world of %d %s workers up: devices %s (rendezvous %s:%d)", len(devices), device_kind,
+                 list(devices), addr, port)
+        return group
+
+    def _rendezvous(self, rank0_device: int) -> tuple[str, int]:
+        """Rank 0 opens the store on loopback (embedded Ray) or on its node's address; returns (host, port)."""
+        import ray
+
+        host = "127.0.0.1" if self._local else self.infos[rank0_device].node_ip
+        port = ray.get(self._actors[rank0_device].open_store.remote(host), timeout=60)
+        return host, port
+
+    # ------------------------------------------------------------------------------------------ calls
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(self._actors)
+
+    def submit(self, device_id: int, fn: str, /, **kwargs: Any) -> CallHandle:
+        """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once."""
+        self._usable(device_id)
+        return CallHandle(device_id, fn, self._actors[device_id].call.remote(fn, kwargs))
+
+    def submit_all(self, fn: str, /, *, device_ids: Iterable[int] | None = None,
+                   **kwargs: Any) -> list[CallHandle]:
+        """`submit` on every device (or on `device_ids`), same kwargs; handles in the given order."""
+        ids = self.device_ids if device_ids is None else tuple(device_ids)
+        for d in ids:
+            self._usable(d)
+        return [self.submit(d, fn, **kwargs) for d in ids]
+
+    def gather(self, handles: Sequence[CallHandle], timeout: float | None = None) -> list[Any]:
+        """Results of `handles`, in order. Raises on the first death, failure, or at the deadline."""
+        import ray
+
+        pending = {h.ref: h for h in handles}
+        results: dict[Any, Any] = {}
+        t0 = time.monotonic()
+        next_log = t0 + self._log_every_s
+        while pending:
+            now = time.monotonic()
+            wait_s = self._poll_s if timeout is None else max(0.0, min(self._poll_s, t0 + timeout - now))
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            for ref in ready:
+                results[ref] = self._result(pending.pop(ref))
+            if not pending:
+                break
+            self._check_processes({h.device_id for h in pending.values()})
+            now = time.monotonic()
+            waiting = sorted({h.device_id for h in pending.values()})
+            fns = sorted({h.fn for h in pending.values()})
+            if timeout is not None and now - t0 >= timeout:
+                raise WorkerTimeout(tuple(waiting), ",".join(fns), timeout)
+            if now >= next_log:
+                log.info("waiting %.0fs for %s on devices %s", now - t0, ",".join(fns), waiting)
+                next_log = now + self._log_every_s
+        return [results[h.ref] for h in handles]
+
+    def call(self, device_id: int, fn: str, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """`fn(ctx, **kwargs)` on one device, waited for."""
+        return self.gather([self.submit(device_id, fn, **kwargs)], timeout)[0]
+
+    def call_all(self, fn: str, /, *, timeout: float | None = None, device_ids: Iterable[int] | None = None,
+                 **kwargs: Any) -> dict[int, Any]:
+        """`fn(ctx, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
+        handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
+        return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
+
+    # ---------------------------------------------------------------------------------------- liveness
+    def health(self, timeout: float = 5.0) -> dict[int, WorkerStatus]:
+        """Ask every worker (on its control thread, so a busy one still answers)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = {}
+        out: dict[int, WorkerStatus] = {}
+        for d, a in self._actors.items():
+            if d in self._dead:
+                out[d] = WorkerStatus(d, "dead", self._dead[d], None)
+            else:
+                refs[d] = a.health.options(concurrency_group=CONTROL_GROUP).remote()
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        ready_set = set(ready)
+        for d, ref in refs.items():
+            reason = self._process_gone(d)
+            if reason:
+                out[d] = WorkerStatus(d, "dead", reason, None)
+            elif ref not in ready_set:
+                out[d] = WorkerStatus(d, "unresponsive", f"no health answer within {timeout:.1f}s", None)
+            else:
+                try:
+                    out[d] = WorkerStatus(d, "alive", "", ray.get(ref))
+                except RayActorError as e:
+                    out[d] = WorkerStatus(d, "dead", self._mark_dead(d, _first_line(e)), None)
+        return dict(sorted(out.items()))
+
+    def check(self) -> None:
+        """Raise `WorkerDied` for the first dead worker; cheap (no round trip for local workers)."""
+        for d in self._actors:
+            self._usable(d)
+        if not self._local:
+            for st in self.health().values():
+                if st.state == "dead":
+                    raise WorkerDied(st.device_id, st.reason)
+
+    def pid(self, device_id: int) -> int:
+        return self.infos[device_id].pid
+
+    # ---------------------------------------------------------------------------------------- shutdown
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Kill every worker, lift compute shares, and stop Ray if this group started it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for cap in self._caps.values():
+            cap.release()  # resumes a SIGSTOPped worker so it can die cleanly
+        import ray
+
+        for a in self._actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except ValueError:  # not an actor handle any more (Ray already shut down)
+                pass
+        if self._local:
+            # ray.kill is asynchronous; wait so the next group's workers do not compete with dying ones.
+            deadline = time.monotonic() + wait_s
+            pids = [i.pid for i in self.infos.values()]
+            while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        disconnect(self._session)
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------ private
+    def _usable(self, device_id: int) -> None:
+        if device_id not in self._actors:
+            raise KeyError(f"device {device_id} has no worker in this group (devices {list(self._actors)})")
+        if self._closed:
+            raise RuntimeError("the worker group is shut down; start a new one")
+        if device_id in self._dead:
+            raise WorkerDied(device_id, self._dead[device_id])
+        reason = self._process_gone(device_id)
+        if reason:
+            raise WorkerDied(device_id, reason)
+
+    def _result(self, h: CallHandle) -> Any:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(h.ref, timeout=0)
+        except RayActorError as e:
+            raise WorkerDied(h.device_id, self._mark_dead(h.device_id, _first_line(e))) from None
+        except RayTaskError as e:
+            raise WorkerCallError(h.device_id, h.fn, str(e)) from None
+
+    def _check_processes(self, device_ids: Iterable[int]) -> None:
+        for d in sorted(device_ids):
+            reason = self._process_gone(d)
+            if reason:
+                raise WorkerDied(d, reason)
+
+    def _process_gone(self, device_id: int) -> str | None:
+        """Local workers only: a pid that left /proc is dead now, before Ray has noticed."""
+        if device_id in self._dead:
+            return self._dead[device_id]
+        info = self.infos.get(device_id)
+        if self._local and info is not None and not process_alive(info.pid):
+            return self._mark_dead(device_id, f"worker process {info.pid} exited")
+        return None
+
+    def _mark_dead(self, device_id: int, reason: str) -> str:
+        self._dead.setdefault(device_id, reason)
+        if device_id in self._caps:
+            self._caps.pop(device_id).release()
+        log.error("worker of device %d died: %s", device_id, self._dead[device_id])
+        return self._dead[device_id]
+
+
+def start_from_config(cluster: Any, devices: Sequence[int] | None = None) -> WorkerGroup:
+    """Start the workers a `tidal.config.ClusterConfig` describes (all its devices unless `devices`)."""
+    devices = list(range(cluster.num_devices)) if devices is None else list(devices)
+    kind = cluster.device
+    if kind == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= len(devices) else "cpu"
+    share = cluster.cpu_compute_share if kind == "cpu" else None
+    return WorkerGroup.start(devices, kind, compute_share=share, ray_address=cluster.ray_address)
+
+
+def _check_devices(devices: Sequence[int]) -> tuple[int, ...]:
+    devs = tuple(devices)
+    if not devs:
+        raise ValueError("devices is empty: give the device ids to start workers on, e.g. [0, 1, 2, 3]")
+    bad = [d for d in devs if not isinstance(d, int) or isinstance(d, bool) or d < 0]
+    if bad:
+        raise ValueError(f"devices {list(devs)}: {bad} are not device ids (ints >= 0)")
+    if len(set(devs)) != len(devs):
+        raise ValueError(f"devices {list(devs)} repeat an id; each device gets exactly one worker")
+    return devs
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
