@@ -283,6 +283,25 @@ def test_database_constraints_back_the_checks(engine):
                 s.add(row)
 
 
+def test_deleting_a_run_deletes_its_rows(engine):
+    """ON DELETE CASCADE holds on both backends (SQLite enforces foreign keys only when asked to)."""
+    from sqlalchemy import delete, func
+
+    from tidal.db.models import Run, SchedulerEvent, Step
+
+    run_id, keep_id = _new_run(engine), _new_run(engine, "keep")
+    with session_scope(engine) as s:
+        for rid in (run_id, keep_id):
+            add_step(s, rid, **STEP)
+            record_scheduler_event(s, rid, **SCHED)
+    with session_scope(engine) as s:
+        s.execute(delete(Run).where(Run.id == run_id))
+    with session_scope(engine) as s:
+        for model in (Step, SchedulerEvent):
+            assert s.scalar(select(func.count()).select_from(model)) == 1
+            assert s.scalar(select(model.run_id)) == keep_id
+
+
 def test_bad_urls_name_the_config_field(tmp_path):
     with pytest.raises(ConfigError, match="tracking.db_url.*mysql"):
         make_engine("mysql://u@127.0.0.1/x")
