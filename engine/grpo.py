@@ -25,8 +25,8 @@ Where this deviates from the paper, and why:
   still count in N and still feel the KL term; `grpo/zero_adv_group_frac` reports how much of a step is
   like that.
 - Old policy: `pi_old` is the log-prob that inference computed with the weights the rollout sampled with
-  (ScoredGroup.old_logprobs), not the sampler's own log-probs, so the ratio is exactly 1 at an iter's
-  first update whatever the sampler's numerics (as in verl and RLinf).
+  (ScoredGroup.old_logprobs), not the sampler's own log-probs, so the ratio is 1 (up to layout round-off)
+  in the step's first iter whatever the sampler's numerics and temperature (as in verl and RLinf).
 - KL: Schulman's k3 estimator of KL(pi || pi_ref), in the loss (as the paper does), evaluated at the
   sampled tokens; `kl_coef=0` skips it and needs no reference log-probs.
 - Clip: `clip_eps_high` (DAPO's "clip-higher") may widen the upper bound; by default it equals clip_eps.

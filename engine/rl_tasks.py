@@ -139,6 +139,7 @@ class Task(ABC):
         """Prompts `start .. start+n-1` of the seeded train stream (uniform over the train side, with
         repeats across positions)."""
         _check_count("n", n)
+        _check_count("start", start)
         out = []
         for k in range(start, start + n):
             attempt = 0

@@ -13,7 +13,9 @@ verifier (`engine/rl_tasks.py`) looks for the literal `<eos>`, so decode respons
 Saved form (`save(dir)` writes `dir/tokenizer.json`) is the `tokenizers` library's JSON: a WordLevel model
 whose vocab is the characters, a `Split` pre-tokenizer on the regex `.` (each character is one piece), a
 `Fuse` decoder (pieces join without spaces) and the specials as `added_tokens`. A checkpoint directory
-therefore carries its tokenizer, and Hugging Face's `PreTrainedTokenizerFast(tokenizer_file=...)` reads it.
+therefore carries its tokenizer. Checked on the GPU machine (tokenizers 0.23.2, transformers 5.17):
+`tokenizers.Tokenizer.from_file` and `PreTrainedTokenizerFast(tokenizer_file=...)` give the same ids and
+the same decoded text as this class (space included), and refuse an unknown character.
 `load` accepts only files of that shape where every non-special token is a single character.
 
 A model and a tokenizer agree when the model's vocab size equals `vocab_size` (`check_compatible`); a
