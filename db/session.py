@@ -20,7 +20,10 @@ SQLite under concurrent writers (threads and processes):
 
     writer A: BEGIN IMMEDIATE ─ insert ─ COMMIT
     writer B:       BEGIN IMMEDIATE (waits on busy_timeout) ───────────────── insert ─ COMMIT
-    reader C:   SELECT (WAL snapshot, never waits)
+    other tool:  SELECT (sqlite3 CLI, a dashboard: a WAL snapshot, never waits)
+
+  Sessions that only read queue like writers do (every transaction is milliseconds long at our rates);
+  tools that read the file directly never wait.
 
 PostgreSQL needs none of this; its engine pings pooled connections before use.
 """

@@ -405,3 +405,20 @@ def test_retry_locked_retries_only_lock_errors_and_gives_up_at_the_deadline():
 
     with pytest.raises(sqlite3.OperationalError, match="locked"):
         retry_locked(always_locked, deadline_s=0.05)
+
+
+def test_db_imports_no_engine_worker_or_orchestration_code():
+    import ast
+    from pathlib import Path
+
+    import tidal.db
+
+    forbidden = ("tidal.engine", "tidal.workers", "tidal.scheduler", "tidal.flows", "tidal.tasks", "torch",
+                 "prefect", "mlflow", "ray", "optuna")
+    root = Path(tidal.db.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[0] in forbidden or n.startswith(forbidden)]
+            assert not bad, f"{path.relative_to(root)} imports {bad}"
