@@ -65,3 +65,19 @@ def busy_cpu_rate(ctx: WorkerContext, seconds: float) -> float:
 
 def fail(ctx: WorkerContext, message: str) -> None:
     raise RuntimeError(f"device {ctx.device_id}: {message}")
+
+
+def allreduce_seeded(ctx: WorkerContext, seed: int, numel: int) -> list[float]:
+    """All-reduce of an integer-valued float64 tensor drawn from `seed + device_id`.
+
+    Integer values keep the sum exact in any reduction order, so the result can be compared for equality
+    with a single-process reference (`seeded_tensor` summed over the device ids).
+    """
+    t = seeded_tensor(seed + ctx.device_id, numel).to(ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ctx.group)
+    return t.cpu().tolist()
+
+
+def seeded_tensor(seed: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1000, 1000, (numel,), generator=g).to(torch.float64)

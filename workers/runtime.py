@@ -49,6 +49,8 @@ from tidal.workers.ray_env import RaySession, connect, disconnect
 log = logging.getLogger("tidal.workers")
 
 DeviceKind = Literal["cpu", "cuda"]
+_DEATH_GRACE_S = 0.3
+CPU_WORKER_NUM_CPUS = 0.01
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,9 @@ class WorkerGroup:
         if device_kind == "cuda":
             opts.update(num_gpus=1, num_cpus=0.01)
         else:
-            # Fractional CPUs so N virtual devices fit on a small machine; the real cap is compute_share.
-            total = ray.cluster_resources().get("CPU", 1.0)
-            opts.update(num_gpus=0, num_cpus=max(0.01, min(1.0, int(100 * total / len(devices)) / 100)))
+            # A token CPU reservation so many virtual devices (and several groups) fit on a small machine:
+            # Ray's CPU accounting does not model them; the real cap is compute_share.
+            opts.update(num_gpus=0, num_cpus=CPU_WORKER_NUM_CPUS)
         tag = uuid.uuid4().hex[:6]
         actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **opts).remote(d, device_kind, r, devices)
                   for r, d in enumerate(devices)}
@@ -117,7 +119,11 @@ class WorkerGroup:
                     log_every_s=log_every_s)
         try:
             handles = [CallHandle(d, "start", a.info.remote()) for d, a in actors.items()]
-            group.infos = dict(zip(devices, group.gather(handles, timeout=start_timeout_s)))
+            try:
+                group.infos = dict(zip(devices, group.gather(handles, timeout=start_timeout_s)))
+            except WorkerTimeout as e:
+                raise WorkerTimeout(e.device_ids, f"start (Ray could not place or start these workers; free "
+                                    f"resources now: {ray.available_resources()})", start_timeout_s) from None
             if compute_share is not None:
                 if not group._local:
                     raise ValueError("compute_share needs workers on this machine (embedded Ray); "
@@ -176,7 +182,8 @@ class WorkerGroup:
                 results[ref] = self._result(pending.pop(ref))
             if not pending:
                 break
-            self._check_processes({h.device_id for h in pending.values()})
+            # Any dead rank breaks the world (peers block in collectives with it), pending or not.
+            self._check_processes(self._actors)
             now = time.monotonic()
             waiting = sorted({h.device_id for h in pending.values()})
             fns = sorted({h.fn for h in pending.values()})
@@ -287,6 +294,14 @@ class WorkerGroup:
         except RayActorError as e:
             raise WorkerDied(h.device_id, self._mark_dead(h.device_id, _first_line(e))) from None
         except RayTaskError as e:
+            # A collective fails on the survivors when a peer dies; name the dead peer, not the survivor.
+            # The peer's sockets close a moment before its pid turns zombie, hence the short grace.
+            deadline = time.monotonic() + _DEATH_GRACE_S
+            while True:
+                self._check_processes(self._actors)
+                if time.monotonic() >= deadline or not self._local:
+                    break
+                time.sleep(0.05)
             raise WorkerCallError(h.device_id, h.fn, str(e)) from None
 
     def _check_processes(self, device_ids: Iterable[int]) -> None:
