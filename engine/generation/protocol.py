@@ -1,0 +1,132 @@
+"""The protocol every generation backend implements (native torch engine here; a vLLM backend later).
+
+    add(request)            queue a request; it is admitted when a slot and KV budget are free
+    step() -> events        one scheduling iteration: admit + prefill new requests, one batched decode step;
+                            returns a `RequestEvent` per streaming token and one per finished request
+    abort(ids)              drop requests (no result is produced)
+    export_state(ids)       freeze requests and return their `RequestState`s (phase 1 of a migration)
+    commit_export(ids)      the target holds them: forget them here (phase 2, success)
+    cancel_export(ids)      the target failed: unfreeze them here, they continue as if nothing happened
+    import_state(states, staged)  take over requests exported elsewhere (all or nothing); `staged=True` holds
+                            them frozen until `activate(ids)` (or `abort(ids)`): the target's half of phase 2
+    update_weights(w, v)    load TP-local weights stamped with policy version v (only when idle)
+    release_memory()        free weights and KV so the device can serve another role
+    resume(weights, v)      reallocate; weights again (or the host copy kept by release_memory(offload=True))
+
+A backend without movable KV (vLLM) exports states with `kv=None` and imports by re-prefilling the prompt plus
+the generated tokens, then continues with the exported generator state: the same protocol, the fallback path.
+
+Rule for weight updates (both backends): updates apply between RL steps, when no request is in flight. An
+engine refuses `update_weights` while any request is queued, running or frozen for export, and every request
+records the single version it sampled with (`RequestResult.policy_version`); a state exported under version v
+can only be imported by an engine at version v. So a response never mixes two policies.
+
+Lifecycle (`EngineStatus`)::
+
+    READY --release_memory--> RELEASED --resume--> READY
+    (update_weights / add / step / migrate only in READY; release_memory refuses while requests are in flight)
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from tidal.engine.generation.requests import Request, RequestEvent, RequestState
+
+
+class EngineStatus(enum.Enum):
+    READY = "ready"
+    RELEASED = "released"
+
+
+# Allowed lifecycle edges, one reason each.
+TRANSITIONS: dict[tuple[EngineStatus, EngineStatus], str] = {
+    (EngineStatus.READY, EngineStatus.RELEASED): "release_memory: the device goes to another role",
+    (EngineStatus.RELEASED, EngineStatus.READY): "resume: weights and KV are allocated again",
+}
+
+
+class GenerationError(RuntimeError):
+    """Misuse of an engine by the caller (our code): the message names the ids/state and what to do."""
+
+
+class UnknownRequestError(GenerationError, KeyError):
+    """abort/export/commit of ids the engine does not hold (never added, finished, aborted, or moved away)."""
+
+    def __init__(self, op: str, problems: Mapping[str, str]):
+        self.op, self.problems = op, dict(problems)
+        listed = ", ".join(f"{rid!r} ({why})" for rid, why in list(self.problems.items())[:8])
+        more = f" and {len(self.problems) - 8} more" if len(self.problems) > 8 else ""
+        super().__init__(f"{op}: cannot act on {listed}{more}; only requests queued or running on this engine "
+                         "can be aborted or exported (check the ids, or the events that finished them)")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class EngineBusyError(GenerationError):
+    """An operation that needs an idle engine (weight update, release) while requests are in flight."""
+
+
+class IllegalTransition(GenerationError):
+    def __init__(self, src: EngineStatus, dst: EngineStatus, op: str):
+        super().__init__(f"{op}: engine is {src.value}, cannot go to {dst.value} "
+                         f"(allowed: {[f'{a.value}->{b.value}' for a, b in TRANSITIONS]})")
+
+
+class GenerationEngine(ABC):
+    """What rollout instances and migration code rely on. Implementations: `NativeEngine`."""
+
+    @property
+    @abstractmethod
+    def policy_version(self) -> int: ...
+
+    @abstractmethod
+    def add(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def step(self) -> list[RequestEvent]: ...
+
+    @abstractmethod
+    def abort(self, ids: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def export_state(self, ids: Sequence[str]) -> list[RequestState]: ...
+
+    @abstractmethod
+    def commit_export(self, ids: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def cancel_export(self, ids: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def import_state(self, states: Sequence[RequestState], staged: bool = False) -> None: ...
+
+    @abstractmethod
+    def activate(self, ids: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    @abstractmethod
+    def release_memory(self, offload: bool = False) -> None: ...
+
+    @abstractmethod
+    def resume(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None: ...
+
+    @abstractmethod
+    def request_ids(self) -> list[str]:
+        """Ids queued or running here, in arrival order (not those frozen in a migration)."""
+
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @abstractmethod
+    def num_waiting(self) -> int: ...
+
+    def has_work(self) -> bool:
+        return self.num_running() + self.num_waiting() > 0

@@ -1,0 +1,45 @@
+"""Batched sampling with per-request randomness, and the rollout log-prob.
+
+    tokens_N = sample(logits_NV, temperature_N, top_p_N, top_k_N, uniform_N)
+
+Each row is sampled by inverse CDF from one uniform number `uniform_N[i]` that the engine draws from the
+request's own `torch.Generator` (one draw per sampled token; greedy rows draw nothing). Drawing the uniforms
+per request is the only per-request Python work of a decode step; everything else is batched tensor math
+whose per-row result does not depend on the other rows. The distribution of row i is
+`softmax(logits / temperature)` restricted to the top-k tokens and then to the smallest prefix (by
+descending probability, ties in vocab order via a stable sort) whose mass reaches top_p (the first token is
+always kept), renormalized. Temperature 0 is greedy: the argmax (lowest id on ties).
+
+Rollout log-prob (what RL needs as the behaviour policy's log-prob): `logprobs(logits, tokens)` is
+log softmax(logits)[token] at temperature 1, in fp32, *before* temperature, top-k or top-p. It is the same
+quantity the actor computes with `Transformer.token_logprobs`, so rollout and actor log-probs agree up to
+fp32 round-off for the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N: torch.Tensor, top_k_N: torch.Tensor,
+           uniform_N: torch.Tensor) -> torch.Tensor:
+    """One token per row (int64 [N]). All inputs on the logits' device; logits are used in fp32."""
+    logits = logits_NV.float()
+    greedy = temperature_N <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature_N), temperature_N)
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    cum = sorted_p.cumsum(dim=-1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    keep = (cum - sorted_p) < top_p_N[:, None]  # mass before this token has not reached top_p yet
+    keep &= (top_k_N[:, None] <= 0) | (rank[None, :] < top_k_N[:, None])
+    kept_cum = (sorted_p * keep).cumsum(dim=-1)
+    target = uniform_N * kept_cum[:, -1]
+    pick = torch.searchsorted(kept_cum, target[:, None].contiguous(), right=True).clamp_max(logits.shape[-1] - 1)
+    sampled = order.gather(-1, pick).squeeze(-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] at temperature 1, fp32 [N]."""
+    return torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, tokens_N[:, None]).squeeze(-1)
