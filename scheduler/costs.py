@@ -1,0 +1,218 @@
+"""Cost models: how long each kind of work takes, as small dataclasses with documented parameters.
+
+The simulator uses them to advance time; the `tidal` policy uses the same models to predict whether a move
+pays for itself. Two presets:
+
+- `gpu_h200_1p5b()`: an H200-class GPU (HBM 4.8 TB/s, 989 TFLOP/s dense bf16, NVLink 450 GB/s per direction,
+  pinned host copies 55 GB/s measured, see DESIGN.md) running a 1.5B Qwen2.5-style model (28 layers,
+  2 KV heads x 128, bf16). Every number is derived below from those figures; none is fitted to a workload.
+- `cpu_tiny()`: CPU virtual devices running the default tiny config (hidden 128, 4 layers). Orders of
+  magnitude from the DESIGN.md facts (gloo 3 GB/s); calibrate with `fit_decode` / `fit_actor` from
+  measured runs before trusting absolute times.
+
+Model forms (t: seconds)::
+
+    decode step, b sequences running:     t = step_s + per_seq_s * b
+    prefill (and migration re-prefill):    t = prefill_per_token_s * tokens          (one instance)
+    inference (log-prob forward):          t = per_token_s * tokens / (devices * tp_eff)
+    actor iter on tp x dp:                 t = iter_fixed_s + train_per_token_s * tokens / (tp * tp_eff * dp)
+                                              + 2 (dp-1)/dp * grad_bytes/tp / link_bw        (ring all-reduce)
+    reshard a -> b:                        t = fixed_s + max bytes received by one device / bandwidth
+    weight sync at step end:               t = sync_fixed_s + param_bytes / sync_bw
+
+`fit_linear` is least squares on measured (x, seconds) samples: (batch, decode-step seconds) gives
+`DecodeCost`, (1/dp, iter seconds) gives the actor's fixed and per-token terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from tidal.errors import TidalError
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A rollout instance's generation speed (one instance = one TP group)."""
+
+    step_s: float              #: fixed time of one decode step (weights read + launch/sampling overhead)
+    per_seq_s: float           #: extra time per running sequence per step (KV read + per-token compute)
+    prefill_per_token_s: float #: prompt (or migrated prompt+generated) tokens, compute bound
+
+    def step_time(self, batch: float) -> float:
+        return self.step_s + self.per_seq_s * batch
+
+    def rate(self, batch: float) -> float:
+        """Tokens per second with `batch` sequences running."""
+        return batch / self.step_time(batch) if batch > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class InferenceCost:
+    per_token_s: float         #: one forward over one token on one device
+    tp_eff: float = 1.0        #: parallel efficiency of an instance's TP group
+    per_group_s: float = 0.0   #: fixed cost per scored group (batching, transfer)
+
+    def group_time(self, tokens: float, tp: int) -> float:
+        return self.per_group_s + self.per_token_s * tokens / (tp * (self.tp_eff if tp > 1 else 1.0))
+
+
+@dataclass(frozen=True)
+class ActorCost:
+    train_per_token_s: float   #: forward + backward of one token on one device (6 x params flops / achieved)
+    iter_fixed_s: float        #: optimizer step, micro-batch pipeline bubbles, logging
+    grad_bytes: float          #: gradient bytes of the whole model (all-reduced across DP)
+    link_bw: float             #: bytes/s of the all-reduce links
+    tp_eff: float = 1.0        #: efficiency of TP > 1
+
+    def iter_time(self, tokens: float, tp: int, dp: int) -> float:
+        eff = self.tp_eff if tp > 1 else 1.0
+        compute = self.train_per_token_s * tokens / (tp * eff * dp)
+        allreduce = 2 * (dp - 1) / dp * (self.grad_bytes / tp) / self.link_bw
+        return self.iter_fixed_s + compute + allreduce
+
+
+@dataclass(frozen=True)
+class ReshardCost:
+    """Actor reshard: parameters to every new DP replica, optimizer state (ZeRO-1 over DP) re-partitioned."""
+
+    param_bytes: float         #: model parameters in the compute dtype
+    optim_bytes: float         #: fp32 master weights + Adam moments
+    bw: float                  #: bytes/s into one device within a node
+    inter_node_bw: float       #: bytes/s into one device from another node
+    devices_per_node: int
+    fixed_s: float             #: plan + barrier + commit (process groups are cached)
+
+    def time(self, from_devices: Sequence[int], from_dp: int, to_devices: Sequence[int], to_dp: int,
+             tp: int) -> float:
+        if tuple(from_devices) == tuple(to_devices) and from_dp == to_dp:
+            return 0.0
+        old = set(from_devices)
+        worst = 0.0
+        for d in to_devices:
+            if d in old:  # keeps its params; receives the optimizer shards that leaving ranks held
+                got = self.optim_bytes / tp * max(0.0, 1 / to_dp - 1 / from_dp)
+            else:
+                got = self.param_bytes / tp + self.optim_bytes / (tp * to_dp)
+            worst = max(worst, got)
+        nodes_old = {d // self.devices_per_node for d in old}
+        far = any(d // self.devices_per_node not in nodes_old for d in to_devices)
+        return self.fixed_s + worst / (self.inter_node_bw if far else self.bw)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """All costs of one hardware + model pair."""
+
+    name: str
+    decode: DecodeCost
+    inference: InferenceCost
+    actor: ActorCost
+    reshard: ReshardCost
+    migration_fixed_s: float   #: abort + resubmit round trip per migration action (re-prefill is extra)
+    rollout_release_s: float   #: free KV cache and weights of a rollout instance
+    inference_release_s: float
+    lend_s: float              #: actor offloads state and a rollout instance loads weights on its devices
+    return_s: float            #: rollout instance offloads and the actor reloads its state
+    sync_fixed_s: float        #: weight sync actor -> rollout/inference at step end
+    sync_bw: float
+
+    def sync_time(self) -> float:
+        return self.sync_fixed_s + self.reshard.param_bytes / self.sync_bw
+
+    def migration_time(self, tokens: float) -> float:
+        """Abort + resubmit + re-prefill of `tokens` (prompt + generated) on the target."""
+        return self.migration_fixed_s + self.decode.prefill_per_token_s * tokens
+
+    def with_decode(self, decode: DecodeCost) -> "CostModel":
+        return replace(self, decode=decode)
+
+
+def gpu_h200_1p5b() -> CostModel:
+    """H200 + 1.5B model. Derivations (P = 1.54e9 params; 989e12 flop/s; HBM 4.8e12 B/s):
+
+    - decode step_s 4 ms: weights 3.1 GB / (4.8 TB/s x 0.65) = 1.0 ms + ~3 ms launch, sampling and
+      scheduling overhead per step (typical for small models in vLLM/SGLang without CUDA-graph gains);
+    - per_seq_s 30 us: KV read at a 2k-token mean context, 28 layers x 2 x 2 heads x 128 x 2 B = 28.7 KB/token
+      -> 59 MB / (4.8 TB/s x 0.6) = 20 us, plus 2P flops at 30% of peak = 10 us;
+    - prefill 6.2 us/token: 2P flops at 50% of peak; inference (log-probs) the same per token;
+    - train 23 us/token: 6P flops at 40% MFU; TP 2 efficiency 0.9; 0.3 s fixed per iter (Adam step etc.);
+    - grads 3.1 GB bf16; NVLink 450 GB/s per direction; 50 GB/s (400 Gb/s InfiniBand) across nodes;
+    - reshard: params 3.1 GB + fp32 master 6.2 GB + Adam 12.3 GB, 0.5 s fixed (RLinf's "within 1 s");
+    - lend/return: actor state per device (21.6 GB / 2) over pinned host copies at 55 GB/s (measured),
+      ~0.2 s each way, plus 1 s instance start / stop.
+    """
+    p = 1.54e9
+    return CostModel(
+        name="gpu-h200-1.5b",
+        decode=DecodeCost(step_s=4e-3, per_seq_s=30e-6, prefill_per_token_s=6.2e-6),
+        inference=InferenceCost(per_token_s=6.2e-6, tp_eff=0.9, per_group_s=0.01),
+        actor=ActorCost(train_per_token_s=23.4e-6, iter_fixed_s=0.3, grad_bytes=2 * p, link_bw=450e9,
+                        tp_eff=0.9),
+        reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=450e9, inter_node_bw=50e9,
+                            devices_per_node=8, fixed_s=0.5),
+        migration_fixed_s=0.05, rollout_release_s=0.5, inference_release_s=0.3,
+        lend_s=1.2, return_s=1.2, sync_fixed_s=0.3, sync_bw=450e9,
+    )
+
+
+def cpu_tiny() -> CostModel:
+    """CPU virtual devices, the default tiny model (~1M params). Estimates to calibrate with the fits:
+    gloo send/recv 3 GB/s and memcpy 20 GB/s are measured (DESIGN.md); compute terms are Python-overhead
+    dominated (a decode step of a 4-layer model is ~1 ms of interpreter and kernel launches)."""
+    p = 1.0e6
+    return CostModel(
+        name="cpu-tiny",
+        decode=DecodeCost(step_s=1.5e-3, per_seq_s=40e-6, prefill_per_token_s=5e-6),
+        inference=InferenceCost(per_token_s=8e-6, tp_eff=0.7, per_group_s=2e-3),
+        actor=ActorCost(train_per_token_s=30e-6, iter_fixed_s=0.02, grad_bytes=4 * p, link_bw=3e9, tp_eff=0.7),
+        reshard=ReshardCost(param_bytes=4 * p, optim_bytes=12 * p, bw=3e9, inter_node_bw=3e9,
+                            devices_per_node=8, fixed_s=0.2),
+        migration_fixed_s=0.01, rollout_release_s=0.05, inference_release_s=0.05,
+        lend_s=0.1, return_s=0.1, sync_fixed_s=0.05, sync_bw=3e9,
+    )
+
+
+PRESETS = {"gpu": gpu_h200_1p5b, "cpu": cpu_tiny}
+
+
+def preset(name: str) -> CostModel:
+    if name not in PRESETS:
+        raise TidalError("costs", name, "unknown cost preset", f"use one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def fit_linear(samples: Sequence[tuple[float, float]], field: str = "samples") -> tuple[float, float]:
+    """Least-squares (intercept, slope) of seconds = intercept + slope * x over (x, seconds) samples."""
+    xs = np.asarray([float(s[0]) for s in samples])
+    ys = np.asarray([float(s[1]) for s in samples])
+    if len(xs) < 2 or np.unique(xs).size < 2:
+        raise TidalError(field, list(samples)[:4], "needs samples at two or more distinct x values",
+                         "measure at least two batch sizes (or DP sizes)")
+    if not np.all(np.isfinite(ys)) or np.any(ys < 0):
+        raise TidalError(field, list(samples)[:4], "seconds must be finite and non-negative", "drop bad samples")
+    a = np.stack([np.ones_like(xs), xs], axis=1)
+    (intercept, slope), *_ = np.linalg.lstsq(a, ys, rcond=None)
+    return float(intercept), float(slope)
+
+
+def fit_decode(samples: Sequence[tuple[int, float]], prefill_per_token_s: float) -> DecodeCost:
+    """`DecodeCost` from measured (batch size, seconds per decode step)."""
+    step_s, per_seq_s = fit_linear(samples, "decode samples")
+    return DecodeCost(step_s=max(step_s, 0.0), per_seq_s=max(per_seq_s, 0.0),
+                      prefill_per_token_s=prefill_per_token_s)
+
+
+def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost) -> ActorCost:
+    """`ActorCost` from measured (dp, iter seconds) at a fixed `tokens` per iter; the all-reduce term of
+    `base` is subtracted first, so only the fixed and per-token terms are fitted."""
+    xs = []
+    for dp, secs in samples:
+        ar = 2 * (dp - 1) / dp * (base.grad_bytes / tp) / base.link_bw
+        xs.append((1.0 / dp, secs - ar))
+    fixed, slope = fit_linear(xs, "actor samples")
+    eff = base.tp_eff if tp > 1 else 1.0
+    return replace(base, iter_fixed_s=max(fixed, 0.0), train_per_token_s=max(slope, 0.0) * tp * eff / tokens)

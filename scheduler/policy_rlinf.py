@@ -1,0 +1,153 @@
+"""`rlinf`: RLinf's dynamic scheduling as its open code behaves (see /work/shared/RLINF_NOTES.md).
+
+Decisions happen at actor iter boundaries (plus RLinf's 1 s pre-process poll), visiting rollout, then
+inference, then actor, with a running count of free devices. Its flaws are kept on purpose, because this is
+the baseline we measure against:
+
+- count based: release is decided from `running` and `max_running_requests` only, the lowest instance ids
+  go first whatever their load, and requests are spread `groups // survivors` with the remainder on the last;
+- only sizes with whole groups per DP rank: free devices that cannot complete such a size stay idle;
+- the actor never shrinks within a step, inference is released only all at once when done;
+- pre-process hands the actor's devices back only when `running <= threshold x total tasks`, polled each 1 s,
+  even if the actor's first mini-batch has long been ready.
+
+Unlike RLinf, devices are named by id (the lowest free ids join the actor: with the contiguous
+actor -> rollout -> inference placement these are the ones rollout just released next to it), and each flag
+has one default (tidal/config.py), read once by `PolicyParams.from_config`.
+
+Worked example (8 devices, actor 0-1 TP 2, rollout 2-5 TP 1, inference 6-7, max_running_requests 512, sizes
+{2, 4, 8}): after iter 0 with 700 sequences running, 2 instances suffice, so 2 may go; size 4 needs 2 devices:
+instances 2 and 3 are released (their groups spread over 4 and 5) and the actor reshards to devices 0-3.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
+                                     ReshardActor, ReturnFromRollout, Wait)
+from tidal.scheduler.signals import ActorLayout, RolloutInstanceSignal, Signals
+from tidal.scheduler.state import PolicyParams, SchedState
+
+
+def spread(sources: list[RolloutInstanceSignal], survivors: list[RolloutInstanceSignal],
+           why: str) -> list[MigrateRequests]:
+    """RLinf's spread: all unfinished groups of `sources`, `total // len(survivors)` to each survivor in id
+    order, the remainder to the last one."""
+    if not survivors:
+        return []
+    per_src = [(s.id, s.groups_unfinished) for s in sources if s.groups_unfinished]
+    total = sum(n for _, n in per_src)
+    quota = [total // len(survivors)] * len(survivors)
+    quota[-1] += total - sum(quota)
+    out: list[MigrateRequests] = []
+    si = 0
+    for src, n in per_src:
+        while n:
+            while quota[si] == 0:
+                si += 1
+            take = min(n, quota[si])
+            out.append(MigrateRequests(why, src=src, dst=survivors[si].id, count=take))
+            quota[si] -= take
+            n -= take
+    return out
+
+
+def _largest_size(sizes: tuple[int, ...], current: int, extra: int) -> int:
+    """Largest valid size reachable with `extra` more devices (current if none)."""
+    best = current
+    for s in sizes:
+        if current < s <= current + extra:
+            best = s
+    return best
+
+
+def _pre_process(p: PolicyParams, sig: Signals) -> list[Action]:
+    lent = [r for r in sig.rollout if r.lent]
+    total = sig.total_tasks
+    if sig.all_registered and sig.running <= p.pre_process_threshold * total:
+        survivors = [r for r in sig.rollout if not r.lent]
+        why = (f"pre-process: running {sig.running} <= {p.pre_process_threshold} x {total} tasks; "
+               f"hand the actor's devices back")
+        moves = spread(lent, survivors, why)
+        devices = tuple(d for r in lent for d in r.devices)
+        return [*moves, ReturnFromRollout(why, instance_ids=tuple(r.id for r in lent), devices=devices,
+                                          migrate_to=tuple(sorted({m.dst for m in moves})))]
+    return [Wait(f"pre-process: running {sig.running} > {p.pre_process_threshold} x {total} tasks",
+                 recheck_s=p.pre_process_check_s)]
+
+
+def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
+    p = state.params
+    if sig.trigger == "start":
+        if not p.use_pre_process_policy:
+            return []
+        devs = sig.actor.layout.devices
+        ids = tuple(devs[k] for k in range(0, len(devs) - len(devs) % p.rollout_tp, p.rollout_tp))
+        return [LendToRollout("pre-process: the actor's devices run rollout until the step's work thins out",
+                              devices=devs[:len(ids) * p.rollout_tp], instance_ids=ids)]
+    if any(r.lent for r in sig.rollout):  # polled every pre_process_check_s (the "tick" trigger) only
+        return _pre_process(p, sig) if sig.trigger == "tick" else [Wait("pre-process: between polls")]
+    if not sig.actor.at_boundary or not (sig.trigger == "boundary" or sig.actor.held):
+        return []  # RLinf decides only when an iter finishes (or re-asks while holding the actor)
+
+    n, k = p.n_minibatches, sig.actor.iters_done
+    layout = sig.actor.layout
+    if k >= n:  # step end: back to the initial layout so next step's rollout gets its devices
+        if layout != p.initial_layout:
+            return [ReshardActor("step end: actor returns to its initial layout", layout, p.initial_layout)]
+        return []
+
+    acts: list[Action] = []
+    free = len(sig.devices.free)
+    holding = False
+    last_wait = p.use_wait_before_last_iter_policy and k == n - 1
+    sizes = p.rlinf_sizes()
+    live = sorted(sig.rollout, key=lambda r: r.id)
+
+    # 1. rollout
+    if live:
+        running = sig.running
+        if running == 0:
+            acts.append(ReleaseRollout("rollout finished: running_tasks == 0", tuple(r.id for r in live),
+                                       tuple(d for r in live for d in r.devices)))
+            free += sum(len(r.devices) for r in live)
+        elif last_wait:
+            acts.append(Wait(f"wait before last iter: {running} tasks still running"))
+            holding = True
+        else:
+            needed = math.ceil(running / p.max_running_requests)
+            may_go = len(live) - needed
+            target = _largest_size(sizes, layout.size, free + may_go * p.rollout_tp)
+            go = max(0, math.ceil((target - layout.size - free) / p.rollout_tp)) if target > layout.size else 0
+            if go:
+                gone, survivors = live[:go], live[go:]
+                why = (f"running {running} fits in {needed} of {len(live)} instances; actor size {target} "
+                       f"absorbs {go} (lowest ids first)")
+                moves = spread(gone, survivors, why)
+                acts += moves
+                acts.append(ReleaseRollout(why, tuple(r.id for r in gone), tuple(d for r in gone for d in r.devices),
+                                           migrate_to=tuple(sorted({m.dst for m in moves}))))
+                free += go * p.rollout_tp
+
+    # 2. inference
+    inf = sig.inference
+    if inf.devices:
+        if inf.done:
+            acts.append(ReleaseInference("inference finished", inf.devices))
+            free += len(inf.devices)
+        elif last_wait and not holding:
+            acts.append(Wait("wait before last iter: inference not finished"))
+            holding = True
+
+    # 3. actor
+    if not holding:
+        target = _largest_size(sizes, layout.size, free)
+        if target > layout.size:
+            released = [d for a in acts if isinstance(a, (ReleaseRollout, ReleaseInference)) for d in a.devices]
+            pool = sorted(set(sig.devices.free) | set(released))
+            new = tuple(sorted(layout.devices + tuple(pool[:target - layout.size])))
+            acts.append(ReshardActor(f"largest valid size with {free} free devices is {target}",
+                                     layout, ActorLayout(layout.tp, target // layout.tp, new)))
+    return acts
+

@@ -1,0 +1,58 @@
+"""`tidal simulate CONFIG [--policy P] [--devices N] [--steps S] [--json PATH]`: the lead wires `cli_simulate`.
+
+CONFIG is a Tidal config (YAML) or `rlinf-example` (RLinf's 8-GPU example workload, built in). With
+`--devices N` the RLinf example placement (actor 1/4, rollout 1/2, inference 1/4) scales to N devices.
+`--policy all` compares static, rlinf and tidal on the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.config import load_config
+from tidal.errors import TidalError
+from tidal.scheduler.policies import POLICIES
+from tidal.scheduler.simulator import SimResult, simulate
+from tidal.scheduler.workload import SimSpec, rlinf_example
+
+
+def _spec(config: str, devices: int | None) -> SimSpec:
+    if config == "rlinf-example":
+        return rlinf_example(devices or 8)
+    cfg = load_config(config)
+    return SimSpec.from_config(cfg, devices)
+
+
+def cli_simulate(args: Namespace) -> int:
+    """args: config (path or `rlinf-example`), policy (name, `all` or None), devices, steps, seed, json."""
+    spec = _spec(args.config, getattr(args, "devices", None))
+    pol = getattr(args, "policy", None)
+    if pol is None and args.config != "rlinf-example":
+        pol = load_config(args.config).scheduler.policy
+    names = list(POLICIES) if pol == "all" else [pol or "tidal"]
+    for n in names:
+        if n not in POLICIES:
+            raise TidalError("--policy", n, "unknown policy", f"use one of {sorted(POLICIES)} or all")
+    steps = getattr(args, "steps", None) or 10
+    seed = getattr(args, "seed", None) or 0
+    results: list[SimResult] = [simulate(spec, n, None, steps, seed) for n in names]
+    base = next((r for r in results if r.policy == "static"), None)
+    table = Table(title=f"simulated {spec.name}: {spec.num_devices} devices, {steps} steps, seed {seed}")
+    for col in ("policy", "mean step s", "vs static", "idle", "migrations", "reshards", "sim wall s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        speed = f"{base.mean_step_s / r.mean_step_s:.2f}x" if base else "-"
+        table.add_row(r.policy, f"{r.mean_step_s:.1f}", speed, f"{r.idle_fraction:.1%}",
+                      str(sum(s.migrations for s in r.steps)), str(sum(s.reshards for s in r.steps)),
+                      f"{r.sim_wall_s:.2f}")
+    Console().print(table)
+    out = getattr(args, "json", None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps([r.to_json() for r in results], indent=1))
+    return 0

@@ -1,0 +1,437 @@
+"""Discrete-event simulator of RL steps, driving the same policy code as the real scheduler service.
+
+One RL step::
+
+    start:  placement restored; decide("start") (pre-process may lend the actor's devices); the step's groups
+            are dealt in fixed contiguous slices over the rollout instances (RLinf's dispatch, all policies)
+    rollout instance --group generated--> inference (FIFO over its instances) --group scored--> actor
+    actor:  iter j starts when (j+1) x groups_per_iter groups are scored, it is at a boundary, not held by a
+            Wait, not lent and not resharding; iter j done -> decide("boundary")
+    end:    after the last iter, decide("boundary") (the actor returns to its initial layout), weight sync
+
+Events are per group (generated, scored) and per actor iter, never per token (`rollout_model.py` computes
+an instance's continuous batching in closed form), so 1,024 devices x 100 steps runs in seconds.
+
+Who calls the policy: iter done ("boundary"); an instance drained ("drain", coalesced: at most one call per
+1/16 of the instances draining); inference done ("inference"); a requested recheck ("tick"). The actor's first
+mini-batch scored while its devices are lent ("data_ready"). While a Wait holds the actor the signal says
+so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through a
+`tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
+
+Metrics: per-step wall time; device idle fraction = 1 - useful device-seconds / (devices x time), useful
+being decode (instance with unfinished sequences), scoring and training; reshard, migration, lend and sync
+time count as not useful. The event list holds step, iter, decision and action events (not group events).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import time as _time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from tidal.config import TidalConfig
+from tidal.devices import DeviceLedger, Owner
+from tidal.errors import TidalError
+from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
+                                     ReshardActor, ReturnFromRollout, Wait, describe)
+from tidal.scheduler.estimate import LengthModel
+from tidal.scheduler.policies import get_policy
+from tidal.scheduler.rollout_model import Instance, Work
+from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
+                                     RolloutInstanceSignal, Signals)
+from tidal.scheduler.state import SchedState
+from tidal.scheduler.workload import SimSpec
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    time: float
+    step: int
+    kind: str      #: step_start, step_end, iter_start, iter_done, decide, action
+    detail: str
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    time_s: float
+    idle_fraction: float
+    groups_generated: int
+    groups_scored: int
+    groups_trained: int
+    migrations: int
+    groups_migrated: int
+    reshards: int
+    decisions: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    spec_name: str
+    policy: str
+    devices: int
+    steps: tuple[StepStats, ...]
+    total_s: float
+    idle_fraction: float
+    busy_s: dict
+    events: tuple[SimEvent, ...]
+    sim_wall_s: float
+    seed: int
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.total_s / max(1, len(self.steps))
+
+    def to_json(self) -> dict:
+        return {"spec": self.spec_name, "policy": self.policy, "devices": self.devices, "seed": self.seed,
+                "mean_step_s": self.mean_step_s, "total_s": self.total_s, "idle_fraction": self.idle_fraction,
+                "busy_device_s": self.busy_s, "sim_wall_s": self.sim_wall_s,
+                "steps": [asdict(s) for s in self.steps], "events": [asdict(e) for e in self.events]}
+
+
+class _Actor:
+    def __init__(self, layout: ActorLayout):
+        self.layout = layout
+        self.iters_done = 0
+        self.running = False
+        self.ready_at = 0.0      # busy resharding / reloading until then
+        self.ready_pushed = -1.0
+        self.held = False
+        self.lent = False
+        self.last_iter_s = 0.0
+
+
+class _Sim:
+    def __init__(self, spec: SimSpec, policy: str, seed: int, keep_events: bool):
+        self.spec, self.p, self.c = spec, spec.params, spec.costs
+        self.policy_name = policy
+        self.decide = get_policy(policy)
+        self.seed = seed
+        self.keep_events = keep_events
+        self.events: list[SimEvent] = []
+        self.now = 0.0
+        self.ledger = DeviceLedger(range(self.p.num_devices), clock=lambda: self.now)
+        self.length_model = LengthModel.prior(spec.max_new_tokens)
+        self.busy = {"rollout": 0.0, "inference": 0.0, "actor": 0.0}
+        self.ledger.assign(self.p.actor_devices, Owner.ACTOR, "placement")
+        self.ledger.assign(self.p.rollout_devices, Owner.ROLLOUT, "placement")
+        self.ledger.assign(self.p.inference_devices, Owner.INFERENCE, "placement")
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def log(self, kind: str, detail: str) -> None:
+        if self.keep_events:
+            self.events.append(SimEvent(round(self.now, 6), self.step, kind, detail))
+
+    def push(self, t: float, kind: str, *payload) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, self._seq, kind, payload))
+
+    def _new_instances(self, devices: tuple[int, ...], lent: bool) -> None:
+        tp = self.p.rollout_tp
+        for k in range(0, len(devices), tp):
+            devs = devices[k:k + tp]
+            self.inst[devs[0]] = Instance(devs[0], devs, self.c.decode, self.p.max_running_requests, lent)
+
+    def _schedule(self, inst: Instance) -> None:
+        t = inst.next_event()
+        if t is not None:
+            self.drained_ids.discard(inst.id)
+            self.push(t, "group", inst.id, inst.version)
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def run_step(self, step: int) -> StepStats:
+        p, c = self.p, self.c
+        self.step = step
+        self.heap: list = []
+        self._seq = 0
+        t_start = self.now
+        self.busy_at_start = dict(self.busy)
+        self.inst: dict[int, Instance] = {}
+        self.drained_ids: set[int] = set()
+        self.dispatched = False
+        self._new_instances(p.rollout_devices, lent=False)
+        self.inf_devices = p.inference_devices
+        self.inf_free = [(self.now, d) for d in range(0, len(p.inference_devices), p.inference_tp)]
+        self.actor = _Actor(p.initial_layout)
+        self.generated: set[int] = set()
+        self.scored: list[int] = []
+        self.trained = 0
+        self.counts = {"migrations": 0, "groups_migrated": 0, "reshards": 0, "decisions": 0}
+        self.drain_pending = 0
+        self.in_call = False
+        self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens))
+        self.log("step_start", f"step {step}")
+
+        rng = np.random.default_rng([self.seed, step])
+        lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens)
+        self.group_tokens = lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens
+
+        self.call("start")
+        ids = sorted(self.inst)
+        per, extra = divmod(p.rollout_batch_size, len(ids))
+        g0 = 0
+        for k, iid in enumerate(ids):
+            n = per + (1 if k < extra else 0)
+            groups = list(range(g0, g0 + n))
+            g0 += n
+            gid = np.repeat(np.arange(groups[0], groups[-1] + 1) if groups else np.zeros(0, np.int64), p.group_size)
+            work = Work(gid.astype(np.int64), lengths[groups].reshape(-1).astype(np.int64),
+                        np.zeros(gid.size, np.int64))
+            inst = self.inst[iid]
+            start = self.now + (c.lend_s if inst.lent else 0.0)
+            prefill = c.decode.prefill_per_token_s * self.spec.prompt_tokens * min(len(work), p.max_running_requests)
+            inst.assign(start, work, groups, prefill)
+            self._schedule(inst)
+            if inst.next_event() is None:
+                self.drained_ids.add(iid)
+        self.dispatched = True
+        if any(i.lent for i in self.inst.values()):
+            self.push(self.now + p.pre_process_check_s, "tick")
+
+        while True:
+            if not self.heap:
+                raise AssertionError(f"step {step} stalled at t={self.now:.3f}: actor iters {self.actor.iters_done}, "
+                                     f"held={self.actor.held} lent={self.actor.lent}, scored {len(self.scored)}")
+            t, _, kind, payload = heapq.heappop(self.heap)
+            self.now = max(self.now, t)
+            if kind == "group":
+                self.on_group(*payload)
+            elif kind == "scored":
+                self.scored.append(payload[0])
+                if len(self.scored) == p.rollout_batch_size:
+                    self.call("inference")
+                elif self.actor.lent and len(self.scored) == (self.actor.iters_done + 1) * p.groups_per_iter:
+                    self.call("data_ready")
+                self.try_start()
+            elif kind == "iter_done":
+                self.actor.running = False
+                self.actor.iters_done += 1
+                self.trained += p.groups_per_iter
+                self.log("iter_done", f"iter {self.actor.iters_done - 1} on {self.actor.layout.size} devices")
+                self.call("boundary")
+                if self.actor.iters_done == p.n_minibatches:
+                    break
+                self.try_start()
+            elif kind == "tick":
+                self.call("tick")
+                self.try_start()
+            elif kind == "ready":
+                self.try_start()
+        # step end: reshard back (decided above), weight sync
+        end = max(self.now, self.actor.ready_at) + c.sync_time()
+        self.now = end
+        self._restore()
+        self.log("step_end", f"step {step} took {end - t_start:.3f}s")
+        self.length_model = LengthModel.fit(lengths.reshape(-1), self.spec.max_new_tokens)
+        dt = end - t_start
+        useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
+        return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), len(self.generated), len(self.scored),
+                         self.trained, self.counts["migrations"], self.counts["groups_migrated"],
+                         self.counts["reshards"], self.counts["decisions"])
+
+    def _restore(self) -> None:
+        """End of step: every device back to its initial role (the next step starts from the placement)."""
+        for inst in self.inst.values():
+            inst.close_epoch(self.now)
+            self.busy["rollout"] += inst.busy_s * len(inst.devices)
+        want = {d: Owner.ACTOR for d in self.p.actor_devices}
+        want.update({d: Owner.ROLLOUT for d in self.p.rollout_devices})
+        want.update({d: Owner.INFERENCE for d in self.p.inference_devices})
+        snap = self.ledger.snapshot()
+        moved = [d for d, o in snap.items() if o is not want[d]]
+        busy = [d for d in moved if snap[d] is not Owner.FREE]
+        self.ledger.release(busy, "step end")
+        self.ledger.free(busy, "step end")
+        for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE):
+            self.ledger.assign([d for d in moved if want[d] is role], role, "step start: placement")
+
+    # --- events -----------------------------------------------------------------------------------------
+    def on_group(self, iid: int, version: int) -> None:
+        inst = self.inst.get(iid)
+        if inst is None or inst.version != version:
+            return
+        self.generated_groups(inst.pop_due(self.now))
+        self._schedule(inst)
+        if inst.next_event() is None:
+            self.on_drain(inst)
+
+    def on_drain(self, inst: Instance) -> None:
+        if inst.id in self.drained_ids:
+            return
+        self.drained_ids.add(inst.id)
+        self.drain_pending += 1
+        if self.in_call:
+            return  # drained by an action of the decision being applied: the policy already knows
+        if self.drain_pending >= max(1, math.ceil(len(self.inst) / 16)) or len(self.generated) == self.p.rollout_batch_size:
+            self.drain_pending = 0
+            self.call("drain")
+            self.try_start()
+
+    def generated_groups(self, groups: list[int]) -> None:
+        c, p = self.c, self.p
+        for g in groups:
+            assert g not in self.generated, f"group {g} generated twice"
+            self.generated.add(g)
+            free_at, k = heapq.heappop(self.inf_free)
+            start = max(self.now, free_at)
+            dur = c.inference.group_time(float(self.group_tokens[g]), p.inference_tp)
+            heapq.heappush(self.inf_free, (start + dur, k))
+            self.busy["inference"] += dur * p.inference_tp
+            self.push(start + dur, "scored", g)
+
+    def try_start(self) -> None:
+        a, p = self.actor, self.p
+        if a.running or a.held or a.lent or a.iters_done >= p.n_minibatches:
+            return
+        if self.now < a.ready_at - 1e-12:
+            if a.ready_pushed != a.ready_at:
+                a.ready_pushed = a.ready_at
+                self.push(a.ready_at, "ready")
+            return
+        if len(self.scored) < (a.iters_done + 1) * p.groups_per_iter:
+            return
+        seq_tokens = self.group_tokens[self.scored[a.iters_done * p.groups_per_iter:
+                                                  (a.iters_done + 1) * p.groups_per_iter]].sum()
+        dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp)
+        a.running, a.last_iter_s = True, dur
+        self.busy["actor"] += dur * a.layout.size
+        self.log("iter_start", f"iter {a.iters_done} tp{a.layout.tp} dp{a.layout.dp} ({dur:.2f}s)")
+        self.push(self.now + dur, "iter_done")
+
+    # --- the policy -------------------------------------------------------------------------------------
+    def signals(self, trigger: str) -> Signals:
+        lm = self.length_model
+        rollout = []
+        for iid in sorted(self.inst):
+            inst = self.inst[iid]
+            s = inst.snapshot(self.now)
+            est = lm.instance_remaining(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            rollout.append(RolloutInstanceSignal(
+                id=iid, devices=inst.devices, groups_queued=s["groups_queued"],
+                groups_unfinished=s["groups_unfinished"], running=s["running"], total=inst.total,
+                tokens_generated=s["tokens"], progress_tokens=int(s["progress"]), token_rate=s["rate"],
+                est_remaining_tokens=est, lent=inst.lent))
+        p, a = self.p, self.actor
+        inf = InferenceSignal(self.inf_devices, len(self.generated) - len(self.scored), len(self.scored),
+                              len(self.scored) == p.rollout_batch_size)
+        act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and self.now >= a.ready_at - 1e-12,
+                          a.layout, a.last_iter_s, a.lent, a.held)
+        return Signals(self.now, self.step, tuple(rollout), inf, act,
+                       DeviceSignal.from_snapshot(self.ledger.snapshot()), p.rollout_batch_size,
+                       len(self.generated), self.dispatched, trigger)
+
+    def call(self, trigger: str) -> None:
+        if self.policy_name == "static":
+            return  # static never acts: skip building signals it would ignore
+        sig = self.signals(trigger)
+        acts = self.decide(self.state, sig, self.now)
+        self.in_call = True
+        self.counts["decisions"] += 1
+        held = False
+        moving: dict[int, float] = {}   # device -> time its old role has freed it
+        for act in acts:
+            self.log("action", describe([act])[0])
+            held |= isinstance(act, Wait)
+            if isinstance(act, Wait) and act.recheck_s:
+                self.push(self.now + act.recheck_s, "tick")
+            self.apply(act, moving)
+        leftover = [d for d in moving if self.ledger.owner(d) is Owner.MOVING]
+        self.ledger.free(leftover, "released; no taker")
+        if acts:
+            self.log("decide", f"{trigger}: {len(acts)} actions")
+        self.actor.held = held
+        self.in_call = False
+
+    def apply(self, act: Action, moving: dict[int, float]) -> None:
+        c, now = self.c, self.now
+        if isinstance(act, MigrateRequests):
+            src, dst = self.inst[act.src], self.inst[act.dst]
+            due, work = src.take_last_groups(now, act.count)
+            self.generated_groups(due)
+            groups = list(dict.fromkeys(work.gid.tolist()))
+            tokens = float(work.prog.sum()) + len(work) * self.spec.prompt_tokens
+            due = dst.receive(now, work, groups, c.migration_time(tokens))
+            self.generated_groups(due)
+            self.counts["migrations"] += 1
+            self.counts["groups_migrated"] += len(groups)
+            for inst in (src, dst):
+                self._schedule(inst)
+                if inst.next_event() is None:
+                    self.on_drain(inst)
+        elif isinstance(act, (ReleaseRollout, ReturnFromRollout)):
+            for iid in act.instance_ids:
+                inst = self.inst.pop(iid)
+                due, rest = inst.settle(now)
+                self.generated_groups(due)
+                assert len(rest) == 0, f"{type(act).__name__} of instance {iid} with {len(rest)} sequences left"
+                inst.close_epoch(now)
+                self.busy["rollout"] += inst.busy_s * len(inst.devices)
+            self.ledger.release(act.devices, act.reason)
+            delay = c.return_s if isinstance(act, ReturnFromRollout) else c.rollout_release_s
+            for d in act.devices:
+                moving[d] = now + delay
+            if isinstance(act, ReturnFromRollout):
+                self.ledger.land(act.devices, Owner.ACTOR, act.reason)
+                self.actor.lent = False
+                self.actor.ready_at = max(self.actor.ready_at, now + delay)
+        elif isinstance(act, ReleaseInference):
+            assert len(self.scored) == self.p.rollout_batch_size, "inference released before it finished"
+            self.ledger.release(act.devices, act.reason)
+            for d in act.devices:
+                moving[d] = now + c.inference_release_s
+            self.inf_devices = ()
+        elif isinstance(act, ReshardActor):
+            a = self.actor
+            assert act.from_layout == a.layout, f"reshard from {act.from_layout} but the actor is {a.layout}"
+            assert not a.running, "reshard while an iter runs"
+            new, old = set(act.to_layout.devices), set(a.layout.devices)
+            leaving = sorted(old - new)
+            self.ledger.release(leaving, act.reason)
+            joining = sorted(new - old)
+            landing = [d for d in joining if self.ledger.owner(d) is Owner.MOVING]
+            self.ledger.land(landing, Owner.ACTOR, act.reason)
+            self.ledger.assign([d for d in joining if d not in landing], Owner.ACTOR, act.reason)
+            for d in leaving:
+                moving[d] = now
+            wait = max([moving.get(d, now) for d in joining] + [now])
+            dur = c.reshard.time(act.from_layout.devices, act.from_layout.dp, act.to_layout.devices,
+                                 act.to_layout.dp, act.to_layout.tp)
+            a.layout = act.to_layout
+            a.ready_at = max(a.ready_at, wait + dur)
+            self.counts["reshards"] += 1
+        elif isinstance(act, LendToRollout):
+            self.ledger.release(act.devices, act.reason)
+            self.ledger.land(act.devices, Owner.ROLLOUT, act.reason)
+            self._new_instances(act.devices, lent=True)
+            assert sorted(act.instance_ids) == sorted(d for d in self.inst if self.inst[d].lent)
+            self.actor.lent = True
+        elif isinstance(act, Wait):
+            pass
+        else:  # pragma: no cover - a new action type must be taught to the simulator
+            raise TypeError(f"unknown action {act!r}")
+
+
+def simulate(cfg: TidalConfig | SimSpec, policy: str | None = None, devices: int | None = None, steps: int = 1,
+             seed: int = 0, keep_events: bool = True) -> SimResult:
+    """Simulate `steps` RL steps of `cfg` under `policy` (default: the config's `scheduler.policy`)."""
+    if isinstance(cfg, SimSpec):
+        spec = cfg.scaled(devices) if devices is not None and devices != cfg.num_devices else cfg
+    else:
+        spec = SimSpec.from_config(cfg, devices)
+        policy = policy or cfg.scheduler.policy
+    policy = policy or "tidal"
+    if steps < 1:
+        raise TidalError("--steps", steps, "must be at least 1", "e.g. --steps 10")
+    t0 = _time.perf_counter()
+    sim = _Sim(spec, policy, seed, keep_events)
+    stats = [sim.run_step(s) for s in range(steps)]
+    total = sum(s.time_s for s in stats)
+    useful = sum(sim.busy.values())
+    return SimResult(spec.name, policy, spec.num_devices, tuple(stats), total,
+                     1.0 - useful / (spec.num_devices * total), dict(sim.busy), tuple(sim.events),
+                     _time.perf_counter() - t0, seed)

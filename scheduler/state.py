@@ -1,0 +1,87 @@
+"""The scheduler's state: what a policy knows besides the signals, derived once from the run config.
+
+`PolicyParams.from_config(cfg)` is the only place the scheduler reads the config, so a flag the user omits
+means the same here as for the workers: both read `cfg.cluster.use_pre_process_policy` (and its one default
+in `tidal/config.py`). RLinf defaults the flag to True in its scheduler and False in its workers; there is no
+second default here to drift.
+
+Valid actor sizes::
+
+    rlinf: dp <= devices / tp  and  (rollout_batch_size * group_size / n_minibatches) % (dp * group_size) == 0
+    tidal: dp <= devices / tp  and  dp <= sequences per iter   (DP ranks pull micro-batches from one queue)
+
+Example, RLinf's 8-device example (TP 2, 512 prompts x 16, 4 iters): rlinf sizes (2, 4, 8); tidal (2, 4, 6, 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.config import TidalConfig
+from tidal.scheduler.costs import CostModel, gpu_h200_1p5b
+from tidal.scheduler.signals import ActorLayout
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    num_devices: int
+    actor_devices: tuple[int, ...]       #: initial (and end-of-step) actor devices
+    rollout_devices: tuple[int, ...]     #: initial rollout devices
+    inference_devices: tuple[int, ...]
+    actor_tp: int
+    rollout_tp: int
+    inference_tp: int
+    rollout_batch_size: int              #: prompts (groups) per step
+    group_size: int
+    n_minibatches: int                   #: actor iters per step
+    max_running_requests: int            #: sequences one rollout instance runs at once
+    use_pre_process_policy: bool
+    use_wait_before_last_iter_policy: bool
+    pre_process_threshold: float
+    pre_process_check_s: float = 1.0     #: RLinf polls the pre-process condition every second
+
+    @classmethod
+    def from_config(cls, cfg: TidalConfig) -> "PolicyParams":
+        p = cfg.placement
+        return cls(
+            num_devices=cfg.cluster.num_devices, actor_devices=p.actor, rollout_devices=p.rollout,
+            inference_devices=p.inference, actor_tp=cfg.actor.tensor_parallel_size,
+            rollout_tp=cfg.rollout.tensor_parallel_size, inference_tp=cfg.inference.tensor_parallel_size,
+            rollout_batch_size=cfg.data.rollout_batch_size, group_size=cfg.algorithm.group_size,
+            n_minibatches=cfg.algorithm.n_minibatches, max_running_requests=cfg.rollout.max_running_requests,
+            use_pre_process_policy=cfg.cluster.use_pre_process_policy,
+            use_wait_before_last_iter_policy=cfg.cluster.use_wait_before_last_iter_policy,
+            pre_process_threshold=cfg.scheduler.pre_process_threshold)
+
+    @property
+    def groups_per_iter(self) -> int:
+        return self.rollout_batch_size // self.n_minibatches
+
+    @property
+    def sequences_per_iter(self) -> int:
+        return self.rollout_batch_size * self.group_size // self.n_minibatches
+
+    @property
+    def initial_layout(self) -> ActorLayout:
+        return ActorLayout(self.actor_tp, len(self.actor_devices) // self.actor_tp, self.actor_devices)
+
+    def rlinf_sizes(self) -> tuple[int, ...]:
+        """Actor device counts RLinf accepts (whole groups per DP rank, fixed global batch)."""
+        per_iter = self.sequences_per_iter
+        return tuple(dp * self.actor_tp for dp in range(1, self.num_devices // self.actor_tp + 1)
+                     if per_iter % (dp * self.group_size) == 0)
+
+    def tidal_sizes(self) -> tuple[int, ...]:
+        """Actor device counts Tidal accepts: any dp that fits and gets at least one sequence."""
+        top = min(self.num_devices // self.actor_tp, self.sequences_per_iter)
+        return tuple(dp * self.actor_tp for dp in range(1, top + 1))
+
+
+@dataclass(frozen=True)
+class SchedState:
+    """A policy's whole non-signal input: the run's parameters and the cost model it predicts with."""
+
+    params: PolicyParams
+    costs: CostModel = field(default_factory=gpu_h200_1p5b)
+    mean_response_tokens: float = 0.0    #: from the length model; 0 = unknown
+    prompt_tokens: float = 0.0           #: mean prompt length

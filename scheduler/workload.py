@@ -1,0 +1,101 @@
+"""Simulated workloads: `SimSpec` (cluster, placement, batch shape, length distribution, costs) and sampling.
+
+Response lengths are long-tailed and correlated within a group (a hard prompt makes every sample long)::
+
+    len[g, s] = clip(round(median * exp(group_sigma * z_g + sigma * z_gs)), 1, max_new_tokens)
+
+with z standard normal from a seeded generator (one stream per step, so a step's lengths do not depend on
+the policy). `kind: pareto` uses a Pareto(alpha) tail instead of the lognormal one, scaled to the median.
+
+`rlinf_example(devices)` is RLinf's shipped 8-GPU example (1.5B model, 512 prompts x 16, 4 iters, actor TP 2;
+actor 1/4, rollout 1/2, inference 1/4 of the devices), with prompts scaled by `prompts_per_device` when the
+cluster grows. `SimSpec.from_config` reads a Tidal config; `devices=N` rescales the placement the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from tidal.config import TidalConfig
+from tidal.errors import TidalError
+from tidal.scheduler.costs import CostModel, cpu_tiny, gpu_h200_1p5b
+from tidal.scheduler.state import PolicyParams
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: Literal["lognormal", "pareto"] = "lognormal"
+    median: float = 1024.0       #: median response length, tokens
+    sigma: float = 0.8           #: per-sample log-spread (lognormal)
+    group_sigma: float = 0.6     #: per-prompt log-spread shared by the group (difficulty)
+    alpha: float = 1.6           #: Pareto tail index (pareto)
+
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int) -> np.ndarray:
+        zg = rng.standard_normal((groups, 1)) * self.group_sigma
+        if self.kind == "lognormal":
+            x = self.median * np.exp(zg + rng.standard_normal((groups, group_size)) * self.sigma)
+        else:  # Pareto with the given median: x_m * 2^(1/alpha) = median
+            xm = self.median / 2 ** (1 / self.alpha)
+            x = xm * np.exp(zg) * (1 + rng.pareto(self.alpha, (groups, group_size)))
+        return np.clip(np.rint(x), 1, max_new).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Everything a simulation needs besides the policy, the step count and the seed."""
+
+    params: PolicyParams
+    costs: CostModel
+    lengths: LengthDist = field(default_factory=LengthDist)
+    max_new_tokens: int = 8192
+    prompt_tokens: int = 256
+    name: str = "custom"
+
+    @property
+    def num_devices(self) -> int:
+        return self.params.num_devices
+
+    def scaled(self, devices: int) -> "SimSpec":
+        """The same workload shape on `devices` devices: actor 1/4, rollout 1/2, inference 1/4."""
+        return replace(self, params=scale_params(self.params, devices, self.params.rollout_batch_size))
+
+    @classmethod
+    def from_config(cls, cfg: TidalConfig, devices: int | None = None) -> "SimSpec":
+        """Costs: the CPU preset when `cluster.device` is cpu, else the GPU preset. Lengths: median at
+        max_new_tokens / 8, the default spreads."""
+        params = PolicyParams.from_config(cfg)
+        if devices is not None:
+            params = scale_params(params, devices, params.rollout_batch_size)
+        costs = cpu_tiny() if cfg.cluster.device == "cpu" else gpu_h200_1p5b()
+        mnt = cfg.rollout.max_new_tokens
+        prompt = max(1, cfg.model.max_seq_len - mnt) // 2 or 1
+        return cls(params=params, costs=costs, lengths=LengthDist(median=max(1.0, mnt / 8)),
+                   max_new_tokens=mnt, prompt_tokens=prompt, name=cfg.run.name)
+
+
+def scale_params(p: PolicyParams, devices: int, prompts: int) -> PolicyParams:
+    """RLinf example placement on `devices`: actor [0, N/4), rollout [N/4, 3N/4), inference [3N/4, N)."""
+    if devices < 4 or devices % 4:
+        raise TidalError("--devices", devices, "must be a multiple of 4 (actor 1/4, rollout 1/2, inference 1/4)",
+                         "e.g. --devices 8, 64 or 1024")
+    q = devices // 4
+    for name, n, tp in (("actor", q, p.actor_tp), ("rollout", 2 * q, p.rollout_tp), ("inference", q, p.inference_tp)):
+        if n % tp:
+            raise TidalError("--devices", devices, f"gives {name} {n} devices, not a multiple of its TP {tp}",
+                             f"use a device count with N/4 divisible by {tp}")
+    return replace(p, num_devices=devices, actor_devices=tuple(range(q)), rollout_devices=tuple(range(q, 3 * q)),
+                   inference_devices=tuple(range(3 * q, devices)), rollout_batch_size=prompts)
+
+
+def rlinf_example(devices: int = 8, prompts_per_device: int = 64, max_running_requests: int = 512) -> SimSpec:
+    """RLinf's 8-GPU example workload (1.5B, 512 prompts x 16, 4 iters, actor TP 2), scaled to `devices`."""
+    base = PolicyParams(
+        num_devices=8, actor_devices=(0, 1), rollout_devices=(2, 3, 4, 5), inference_devices=(6, 7),
+        actor_tp=2, rollout_tp=1, inference_tp=1, rollout_batch_size=512, group_size=16, n_minibatches=4,
+        max_running_requests=max_running_requests, use_pre_process_policy=False,
+        use_wait_before_last_iter_policy=False, pre_process_threshold=0.5)
+    params = base if devices == 8 else scale_params(base, devices, prompts_per_device * devices)
+    return SimSpec(params=params, costs=gpu_h200_1p5b(), name=f"rlinf-example-{devices}")

@@ -1,0 +1,185 @@
+"""Scheduler policies, table-driven: exact action sequences from hand-built signals (no cluster, no simulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tidal.config import ClusterConfig, build_config
+from tidal.devices import Owner
+from tidal.scheduler import policy_rlinf, policy_tidal
+from tidal.scheduler.actions import (LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
+                                     ReshardActor, ReturnFromRollout, Wait)
+from tidal.scheduler.costs import fit_decode, fit_linear, gpu_h200_1p5b
+from tidal.scheduler.estimate import LengthModel
+from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
+                                     RolloutInstanceSignal, Signals)
+from tidal.scheduler.state import PolicyParams, SchedState
+from tidal.scheduler.workload import rlinf_example
+
+P8 = rlinf_example(8).params   # actor 0-1 TP2, rollout 2-5 TP1, inference 6-7, 512 x 16, 4 iters, M=512
+L2 = ActorLayout(2, 1, (0, 1))
+
+
+def inst(i, running, groups, lent=False, est=None, rate=20_000.0):
+    return RolloutInstanceSignal(id=i, devices=(i,), groups_queued=0, groups_unfinished=groups, running=running,
+                                 total=2048, tokens_generated=0, progress_tokens=running * 500, token_rate=rate,
+                                 est_remaining_tokens=running * 800.0 if est is None else est, lent=lent)
+
+
+def sig(rollout, *, iters=1, layout=L2, inf_done=False, inf_devices=(6, 7), free=(), trigger="boundary",
+        held=False, lent_out=False, generated=256, scored=200):
+    owners = [Owner.FREE] * 8
+    for d in layout.devices:
+        owners[d] = Owner.ACTOR
+    for r in rollout:
+        for d in r.devices:
+            owners[d] = Owner.ROLLOUT
+    for d in inf_devices:
+        owners[d] = Owner.INFERENCE
+    for d in free:
+        owners[d] = Owner.FREE
+    return Signals(time=100.0, step=0, rollout=tuple(rollout),
+                   inference=InferenceSignal(inf_devices, 0, scored, inf_done),
+                   actor=ActorSignal(iters, 4, True, layout, 30.0, lent_out, held),
+                   devices=DeviceSignal(tuple(owners)), groups_total=512, groups_generated=generated,
+                   trigger=trigger)
+
+
+def state(**flags):
+    return SchedState(dataclasses.replace(P8, **flags), gpu_h200_1p5b(), 1700.0, 256.0)
+
+
+WHY_700 = "running 700 fits in 2 of 4 instances; actor size 4 absorbs 2 (lowest ids first)"
+
+RLINF_CASES = [
+    ("worked example: 2 instances go, lowest ids, actor 2 -> 4 (contiguous)",
+     {}, sig([inst(2, 400, 25), inst(3, 100, 7), inst(4, 100, 8), inst(5, 100, 6)]),
+     [MigrateRequests(WHY_700, 2, 4, 16), MigrateRequests(WHY_700, 2, 5, 9), MigrateRequests(WHY_700, 3, 5, 7),
+      ReleaseRollout(WHY_700, (2, 3), (2, 3), (4, 5)),
+      ReshardActor("largest valid size with 2 free devices is 4", L2, ActorLayout(2, 2, (0, 1, 2, 3)))]),
+    ("leftover: one instance could go but size 4 needs 2 devices: nothing moves, the device idles",
+     {}, sig([inst(2, 400, 9), inst(3, 400, 9), inst(4, 400, 9), inst(5, 100, 3)]), []),
+    ("leftover: a free device that cannot form a valid size stays idle",
+     {}, sig([inst(3, 500, 9), inst(4, 500, 9), inst(5, 500, 9)], free=(2,)), []),
+    ("not an iter boundary: RLinf does nothing",
+     {}, sig([inst(2, 100, 5), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], trigger="drain"), []),
+    ("rollout done and inference done: everything to the actor, largest valid size 8",
+     {}, sig([inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3, inf_done=True),
+     [ReleaseRollout("rollout finished: running_tasks == 0", (2, 3, 4, 5), (2, 3, 4, 5)),
+      ReleaseInference("inference finished", (6, 7)),
+      ReshardActor("largest valid size with 6 free devices is 8", L2, ActorLayout(2, 4, tuple(range(8))))]),
+    ("wait-before-last-iter: after iter n-2 the actor waits for rollout",
+     {"use_wait_before_last_iter_policy": True},
+     sig([inst(2, 10, 1), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3),
+     [Wait("wait before last iter: 10 tasks still running")]),
+    ("wait-before-last-iter: rollout done, inference not: wait for inference",
+     {"use_wait_before_last_iter_policy": True},
+     sig([inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3, held=True, trigger="drain"),
+     [ReleaseRollout("rollout finished: running_tasks == 0", (2, 3, 4, 5), (2, 3, 4, 5)),
+      Wait("wait before last iter: inference not finished")]),
+    ("without the flag the same state proceeds on 6 devices' worth: size 4 (leftover 2 idle... no: 4 free -> 4)",
+     {}, sig([inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3),
+     [ReleaseRollout("rollout finished: running_tasks == 0", (2, 3, 4, 5), (2, 3, 4, 5)),
+      ReshardActor("largest valid size with 4 free devices is 4", L2, ActorLayout(2, 2, (0, 1, 2, 3)))]),
+    ("step end: back to the initial layout",
+     {}, sig([inst(4, 0, 0), inst(5, 0, 0)], iters=4, layout=ActorLayout(2, 2, (0, 1, 2, 3)), inf_devices=()),
+     [ReshardActor("step end: actor returns to its initial layout", ActorLayout(2, 2, (0, 1, 2, 3)), L2)]),
+    ("pre-process at step start: the actor's devices become rollout instances 0 and 1",
+     {"use_pre_process_policy": True}, sig([inst(2, 0, 0)], iters=0, trigger="start"),
+     [LendToRollout("pre-process: the actor's devices run rollout until the step's work thins out",
+                    devices=(0, 1), instance_ids=(0, 1))]),
+]
+
+
+@pytest.mark.parametrize("name,flags,signals,expected", RLINF_CASES, ids=[c[0][:40] for c in RLINF_CASES])
+def test_rlinf_exact_actions(name, flags, signals, expected):
+    assert policy_rlinf.decide(state(**flags), signals, signals.time) == expected
+
+
+def _lent_sig(running_lent, running_other, trigger="tick"):
+    ro = [inst(0, running_lent, 4, lent=True), inst(1, running_lent, 4, lent=True)]
+    ro += [inst(i, running_other, 5) for i in (2, 3, 4, 5)]
+    ro = [dataclasses.replace(r, total=1000) for r in ro]
+    return sig(ro, iters=0, trigger=trigger, lent_out=True)
+
+
+def test_rlinf_pre_process_polls_then_hands_back():
+    st = state(use_pre_process_policy=True)
+    # 6 x 1000 total tasks, 2 x 900 + 4 x 900 running > half: keep polling every second
+    assert policy_rlinf.decide(st, _lent_sig(900, 900), 0.0) == [
+        Wait("pre-process: running 5400 > 0.5 x 6000 tasks", recheck_s=1.0)]
+    # between polls RLinf does not look even if the condition holds
+    assert policy_rlinf.decide(st, _lent_sig(100, 100, trigger="data_ready"), 0.0) == [
+        Wait("pre-process: between polls")]
+    why = "pre-process: running 600 <= 0.5 x 6000 tasks; hand the actor's devices back"
+    assert policy_rlinf.decide(st, _lent_sig(100, 100), 0.0) == [
+        MigrateRequests(why, 0, 2, 2), MigrateRequests(why, 0, 3, 2), MigrateRequests(why, 1, 4, 2),
+        MigrateRequests(why, 1, 5, 2), ReturnFromRollout(why, (0, 1), (0, 1), (2, 3, 4, 5))]
+
+
+def test_flags_omitted_have_one_source():
+    """RLinf's trap (scheduler defaults True, workers False) cannot exist: the policy reads the config."""
+    cfg = build_config({"cluster": {"auto_scheduler": True}})
+    params = PolicyParams.from_config(cfg)
+    workers_view = cfg.cluster  # what workers read
+    for flag in ("use_pre_process_policy", "use_wait_before_last_iter_policy"):
+        assert getattr(params, flag) is getattr(workers_view, flag) is ClusterConfig.model_fields[flag].default
+        field = next(f for f in dataclasses.fields(PolicyParams) if f.name == flag)
+        assert field.default is dataclasses.MISSING, "a second default would reintroduce the trap"
+    st = SchedState(params)
+    start = sig([inst(2, 0, 0)], iters=0, trigger="start")
+    assert policy_rlinf.decide(st, start, 0.0) == []  # no lend: same as the workers' False
+    cfg_on = build_config({"cluster": {"auto_scheduler": True, "use_pre_process_policy": True}})
+    assert PolicyParams.from_config(cfg_on).use_pre_process_policy is True
+
+
+def test_valid_sizes():
+    assert P8.rlinf_sizes() == (2, 4, 8)
+    assert P8.tidal_sizes() == (2, 4, 6, 8)
+
+
+def test_tidal_releases_least_loaded_not_lowest_id():
+    ro = [inst(2, 500, 30, est=500 * 3000.0), inst(3, 400, 25, est=400 * 2500.0),
+          inst(4, 300, 20, est=300 * 2000.0), inst(5, 0, 0)]
+    acts = policy_tidal.decide(state(), sig(ro, iters=1), 100.0)
+    rel = [a for a in acts if isinstance(a, ReleaseRollout)]
+    assert rel and rel[0].instance_ids[0] == 5, acts
+    assert 2 not in rel[0].instance_ids
+    resh = [a for a in acts if isinstance(a, ReshardActor)]
+    assert resh and set(resh[0].to_layout.devices) >= set(L2.devices)
+    owners = dict(enumerate(sig(ro).devices.owners))
+    for d in set(resh[0].to_layout.devices) - set(L2.devices):  # joins only devices freed in this decision
+        assert owners[d] is Owner.FREE or d in rel[0].devices
+
+
+def test_tidal_uses_any_dp():
+    """The actor has data waiting; one instance is still busy: 3 drained instances + 2 inference devices join
+    a 2-device actor as 6 devices (dp 3), a size RLinf cannot use."""
+    ro = [inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 200, 10, est=200 * 3000.0, rate=60_000)]
+    acts = policy_tidal.decide(state(), sig(ro, iters=1, inf_done=True, generated=502, scored=490), 100.0)
+    resh = [a for a in acts if isinstance(a, ReshardActor)][0]
+    assert resh.to_layout.dp == 3 and 5 not in resh.to_layout.devices
+
+
+def test_tidal_does_nothing_when_nothing_pays():
+    ro = [inst(i, 500, 30, est=500 * 6000.0) for i in (2, 3, 4, 5)]  # rollout-bound: keep it whole
+    assert policy_tidal.decide(state(), sig(ro, iters=1), 100.0) == []
+
+
+def test_fit_recovers_linear_costs():
+    samples = [(b, 0.004 + 30e-6 * b) for b in (1, 8, 64, 256, 512)]
+    a, c = fit_linear(samples)
+    assert a == pytest.approx(0.004) and c == pytest.approx(30e-6)
+    d = fit_decode(samples, 6e-6)
+    assert d.step_time(100) == pytest.approx(0.004 + 30e-6 * 100)
+    with pytest.raises(Exception, match="two or more distinct"):
+        fit_linear([(4, 1.0), (4, 1.1)])
+
+
+def test_length_model_residual_grows_in_the_tail():
+    m = LengthModel.fit([100] * 90 + [4000] * 10, max_new_tokens=8192)
+    assert m.residual(0) == pytest.approx(490.0)
+    assert m.residual(200) > 3000  # past 100 tokens only the long ones are left
+    assert LengthModel.prior(1024).residual(0) == pytest.approx(512.0)
