@@ -1,0 +1,88 @@
+"""Device x time record of a run: which role held each device, and when it was busy.
+
+Every component reports busy intervals `(device, role, what, t0, t1)`; ownership spans come from the device
+ledger's history. From them: the device idle fraction (busy device-seconds / owned device-seconds, using the
+actual device count over time, not the initial one) and a picture (one row per device, colored by role,
+solid where busy, pale where the role holds the device but does nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f"}
+
+
+@dataclass(frozen=True)
+class Span:
+    device: int
+    role: str
+    what: str
+    t0: float
+    t1: float
+
+
+@dataclass
+class Timeline:
+    """Append-only record; times are seconds from the run's start (injected clock)."""
+
+    busy: list[Span] = field(default_factory=list)
+    owned: list[Span] = field(default_factory=list)
+
+    def add_busy(self, devices, role: str, what: str, t0: float, t1: float) -> None:
+        self.busy.extend(Span(d, role, what, t0, t1) for d in devices if t1 > t0)
+
+    def add_owned(self, devices, role: str, t0: float, t1: float) -> None:
+        self.owned.extend(Span(d, role, "owned", t0, t1) for d in devices if t1 > t0)
+
+    def idle_fraction(self, t0: float | None = None, t1: float | None = None) -> float:
+        """1 - busy / owned device-seconds within [t0, t1] (overlapping busy spans on a device count once)."""
+        lo = min((s.t0 for s in self.owned), default=0.0) if t0 is None else t0
+        hi = max((s.t1 for s in self.owned), default=0.0) if t1 is None else t1
+        owned = sum(max(0.0, min(s.t1, hi) - max(s.t0, lo)) for s in self.owned)
+        if owned <= 0:
+            return 0.0
+        busy = 0.0
+        for dev in {s.device for s in self.busy}:
+            spans = sorted((max(s.t0, lo), min(s.t1, hi)) for s in self.busy if s.device == dev)
+            end = lo
+            for a, b in spans:
+                a = max(a, end)
+                if b > a:
+                    busy += b - a
+                    end = b
+        return max(0.0, min(1.0, 1.0 - busy / owned))
+
+    def role_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.busy:
+            out[s.role] = out.get(s.role, 0.0) + (s.t1 - s.t0)
+        return out
+
+    def to_json(self) -> dict:
+        return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned]}
+
+    def draw(self, path, title: str = "") -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        devices = sorted({s.device for s in self.owned} | {s.device for s in self.busy})
+        fig, ax = plt.subplots(figsize=(12, 0.45 * len(devices) + 1.5))
+        for s in self.owned:
+            ax.broken_barh([(s.t0, s.t1 - s.t0)], (s.device - 0.4, 0.8), color=ROLE_COLORS.get(s.role, "k"),
+                           alpha=0.18, linewidth=0)
+        for s in self.busy:
+            ax.broken_barh([(s.t0, s.t1 - s.t0)], (s.device - 0.4, 0.8), color=ROLE_COLORS.get(s.role, "k"),
+                           alpha=0.9, linewidth=0)
+        ax.set_yticks(devices)
+        ax.set_yticklabels([f"dev {d}" for d in devices])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(title or f"device timeline (idle fraction {self.idle_fraction():.2f})")
+        ax.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLORS.items()], loc="upper right",
+                  fontsize=8, ncol=4)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
