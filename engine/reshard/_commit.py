@@ -1,0 +1,109 @@
+"""Two-phase reshard: every rank keeps its old shards until all ranks hold their new ones.
+
+    all world ranks:  groups(new)            collective, outside the failure domain (pure + deterministic)
+                      plan         --fault("plan")
+                      allocate     --fault("allocate")    new buffers from the pool, old ones untouched
+                      vote 1       all-reduce(min ok)     any failure so far: nobody transfers
+                      transfer     --fault("transfer")    old -> new, batched P2P (a local fault finishes the
+                                                          protocol it owes first, then votes no)
+                                   --fault("commit")
+                      vote 2       all-reduce(min ok)
+                      ok: return the new state (caller swaps and releases the old into its pool)
+                      no: drop the new state on every rank; raise ReshardError (old state intact, usable)
+
+Votes travel on the world group, so ranks in neither layout take part (and do nothing else). A peer that dies
+mid-transfer is not covered: its P2P partners would block in the transport (that needs communicator abort and is
+left to the worker layer's timeout); every rank-local failure is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tidal.engine.layout import Layout
+from tidal.engine.optim import BufferPool, ShardState, ZeroShape, rng_seed
+from tidal.engine.reshard import ReshardError, ReshardReport, plan_reshard
+from tidal.engine.reshard._execute import compile_program, execute
+
+
+def _vote(ok: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _phase(fault, name: str) -> None:
+    if fault is not None:
+        fault(name)
+
+
+def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs, *, rank: int,
+                  device: torch.device, param_dtype: torch.dtype, pool: BufferPool, seed: int,
+                  bucket_bytes: int, fault=None) -> tuple[ShardState | None, ReshardReport]:
+    """Move `old_state` (None if this rank is not in `old`) to the new layout; see module doc."""
+    t0 = time.perf_counter()
+    report = ReshardReport(old, new, ok=False)
+    phases = report.phase_seconds
+    error: str | None = None
+    plan = new_state = None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def lap(name: str, start: float) -> float:
+        now = time.perf_counter()
+        phases[name] = now - start
+        return now
+
+    t = t0
+    try:
+        _phase(fault, "plan")
+        plan = plan_reshard(old, new, specs)
+        prog = compile_program(plan, rank, torch.empty((), dtype=param_dtype).element_size(), bucket_bytes)
+        report.bytes_moved = plan.bytes_moved(torch.empty((), dtype=param_dtype).element_size())
+    except Exception as e:
+        error = f"plan: {type(e).__name__}: {e}"
+    t = lap("plan", t)
+    if error is None:
+        try:
+            _phase(fault, "allocate")
+            coord = new.coord(rank)
+            if coord is not None:
+                shape = ZeroShape.of(tuple(specs), new.tp, new.dp, coord[0], coord[1])
+                rng = torch.Generator(device)
+                new_state = ShardState.allocate(shape, param_dtype, device, pool, rng)
+        except Exception as e:
+            error = f"allocate: {type(e).__name__}: {e}"
+    t = lap("allocate", t)
+    ok = _vote(error is None, device)
+    t = lap("vote", t)
+    if ok:
+        rng_bytes = torch.Generator(device).get_state().numel()
+        sent, received, terr = execute(prog, old_state, new_state, device=device, param_dtype=param_dtype,
+                                       pool=pool, bucket_bytes=bucket_bytes, seed=seed, fault=fault,
+                                       rng_bytes=rng_bytes)
+        sync()
+        report.bytes_sent, report.bytes_received = sent, received
+        if terr is not None:
+            error = f"transfer: {terr}"
+        t = lap("transfer", t)
+        if error is None:
+            try:
+                _phase(fault, "commit")
+            except Exception as e:
+                error = f"commit: {type(e).__name__}: {e}"
+        ok = _vote(error is None, device)
+        t = lap("commit", t)
+    report.seconds = time.perf_counter() - t0
+    if not ok:
+        if new_state is not None:
+            new_state.release(None)  # dropped, not pooled: a failed reshard leaves nothing behind
+            del new_state
+        report.error = error or "another rank voted to abort"
+        raise ReshardError(report)
+    report.ok = True
+    return new_state, report
+
+
+__all__ = ["reshard_state", "rng_seed"]

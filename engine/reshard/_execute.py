@@ -1,0 +1,254 @@
+"""Reshard execution: compile a plan into per-peer messages once, then move bytes with batched P2P.
+
+Compile (cached per plan, rank, dtypes, bucket size; pure): every move touching this rank becomes a `Region` (a
+strided view of a flat buffer: offset, size, stride) on each side. Regions of one (src, dst) pair, in plan order,
+grouped by dtype, are cut into messages of at most `bucket_bytes` (large regions split by rows). Sender and
+receiver derive the same message boundaries from the same plan, so they need no handshake.
+
+Execute, per round r (the r-th message of every pair)::
+
+    pack round r (foreach copy into a staging slot) -> post all isend/irecv of round r (batch_isend_irecv)
+    -> wait round r-1 -> unpack round r-1 (foreach copy into the new buffers)
+
+so packing and unpacking overlap the transport (two staging slots per peer). A message that is one contiguous
+region is sent from / received into the state buffer directly (no staging copy): receive straight into the
+destination storage. Local pieces (src == dst) are copied while round 0 is in flight.
+
+A fault raised by the hook at "transfer" does not stop this rank mid-protocol (its peers would wait forever): it
+finishes every round it owes, then reports the error so the commit vote rolls back.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+import torch
+import torch.distributed as dist
+
+from tidal.engine.optim import OPT_KINDS, BufferPool, ShardState, ZeroShape, rng_seed
+from tidal.engine.reshard import ReshardPlan
+from tidal.engine.reshard._plan import shard_box
+
+META_HEAD = 16  # bytes: step (int64), data cursor (int64); the RNG state follows
+
+
+@dataclass(frozen=True)
+class Region:
+    buf: str
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.size)
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.size) == 1 or self.size[0] == 1 or self.size[1] == self.stride[0]
+
+    def rows(self, lo: int, hi: int) -> "Region":
+        return Region(self.buf, self.offset + lo * self.stride[0], (hi - lo,) + self.size[1:], self.stride)
+
+
+@dataclass(frozen=True)
+class Msg:
+    dtype: str                       # "param" or "fp32"
+    parts: tuple[Region, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one rank sends, receives and copies locally in one reshard."""
+
+    sends: dict[int, tuple[Msg, ...]]
+    recvs: dict[int, tuple[Msg, ...]]
+    local: tuple[tuple[Region, Region], ...]
+    meta_to: tuple[int, ...]
+    meta_from: tuple[int, bool] | None     # (src, keep_rng) for this rank in the new layout
+    rounds: int
+
+
+def region(shape: ZeroShape, i: int, kind: str, box) -> Region:
+    spec = shape.specs[i]
+    origin = [b[0] for b in shard_box(spec, shape.tp, shape.t)]
+    local = spec.tp_shape(shape.tp, shape.t)
+    strides = tuple(prod(local[k + 1:]) for k in range(len(local)))
+    flat = sum((box[k][0] - origin[k]) * strides[k] for k in range(len(local)))
+    size = tuple(hi - lo for lo, hi in box)
+    if kind == "param":
+        return Region(kind, shape.param_offsets[i] + flat, size, strides)
+    lo, hi = shape.owned[i]
+    assert lo <= flat and flat + sum((n - 1) * s for n, s in zip(size, strides)) < hi, (spec.name, box, lo, hi)
+    return Region(kind, shape.opt_offsets[i] + flat - lo, size, strides)
+
+
+def _shape(lay, rank: int, specs) -> ZeroShape:
+    t, d = lay.coord(rank)
+    return ZeroShape.of(specs, lay.tp, lay.dp, t, d)
+
+
+def _messages(items: list[tuple[str, Region]], bucket: dict[str, int]) -> tuple[Msg, ...]:
+    out: list[Msg] = []
+    for dtype in ("param", "fp32"):
+        cap = bucket[dtype]
+        parts: list[Region] = []
+        n = 0
+        for kind, r in items:
+            if kind != dtype:
+                continue
+            per_row = prod(r.size[1:]) if len(r.size) > 1 else 1
+            step = max(1, cap // per_row)
+            chunks = [r.rows(a, min(a + step, r.size[0])) for a in range(0, r.size[0], step)]
+            for c in chunks:
+                if parts and n + c.numel > cap:
+                    out.append(Msg(dtype, tuple(parts), n))
+                    parts, n = [], 0
+                parts.append(c)
+                n += c.numel
+        if parts:
+            out.append(Msg(dtype, tuple(parts), n))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def compile_program(plan: ReshardPlan, rank: int, param_bytes: int, bucket_bytes: int) -> Program:
+    specs = plan.specs
+    send_items: dict[int, list] = defaultdict(list)
+    recv_items: dict[int, list] = defaultdict(list)
+    local = []
+    for m in plan.moves:
+        if rank not in (m.src, m.dst):
+            continue
+        kinds = ("param",) if m.what == "param" else OPT_KINDS
+        for kind in kinds:
+            dkey = "param" if kind == "param" else "fp32"
+            src_r = region(_shape(plan.old, m.src, specs), m.spec, kind, m.box) if m.src == rank else None
+            dst_r = region(_shape(plan.new, m.dst, specs), m.spec, kind, m.box) if m.dst == rank else None
+            if m.src == m.dst:
+                local.append((src_r, dst_r))
+            elif m.src == rank:
+                send_items[m.dst].append((dkey, src_r))
+            else:
+                recv_items[m.src].append((dkey, dst_r))
+    bucket = {"param": max(1, bucket_bytes // param_bytes), "fp32": max(1, bucket_bytes // 4)}
+    sends = {p: _messages(v, bucket) for p, v in sorted(send_items.items())}
+    recvs = {p: _messages(v, bucket) for p, v in sorted(recv_items.items())}
+    meta_to = tuple(mm.dst for mm in plan.meta if mm.src == rank and mm.dst != rank)
+    mine = [mm for mm in plan.meta if mm.dst == rank]
+    meta_from = (mine[0].src, mine[0].keep_rng) if mine else None
+    rounds = max([len(v) for v in list(sends.values()) + list(recvs.values())] + [0])
+    return Program(sends, recvs, tuple(local), meta_to, meta_from, rounds)
+
+
+def _view(bufs: dict[str, torch.Tensor], r: Region) -> torch.Tensor:
+    b = bufs[r.buf]
+    return b.as_strided(r.size, r.stride, b.storage_offset() + r.offset)
+
+
+def _staged(stage: torch.Tensor, parts: tuple[Region, ...]) -> list[torch.Tensor]:
+    out, o = [], 0
+    for r in parts:
+        out.append(stage[o:o + r.numel].view(r.size))
+        o += r.numel
+    return out
+
+
+def meta_bytes(state: ShardState, device: torch.device) -> torch.Tensor:
+    head = torch.tensor([state.step, state.data_cursor], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, state.rng.get_state()]).to(device)
+
+
+def apply_meta(state: ShardState, raw: torch.Tensor, keep_rng: bool, seed: int) -> None:
+    raw = raw.cpu()
+    step, cursor = raw[:META_HEAD].view(torch.int64).tolist()
+    state.step, state.data_cursor = step, cursor
+    if keep_rng:
+        state.rng.set_state(raw[META_HEAD:].clone())
+    else:
+        state.rng.manual_seed(rng_seed(seed, step, state.shape.t, state.shape.d))
+
+
+def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, device: torch.device,
+            param_dtype: torch.dtype, pool: BufferPool, bucket_bytes: int, seed: int, fault=None,
+            rng_bytes: int) -> tuple[int, int, str | None]:
+    """Run this rank's program. Returns (bytes sent, bytes received, error of a fault during transfer)."""
+    dtypes = {"param": param_dtype, "fp32": torch.float32}
+    old_bufs = {k: old.buffer(k) for k in ("param",) + OPT_KINDS} if old is not None else {}
+    new_bufs = {k: new.buffer(k) for k in ("param",) + OPT_KINDS} if new is not None else {}
+    error = None
+    sent = received = 0
+
+    # meta first: tiny, and it must land before anything reads step
+    meta_ops, meta_in = [], None
+    if prog.meta_to:
+        raw = meta_bytes(old, device)
+        meta_ops += [dist.P2POp(dist.isend, raw, m) for m in prog.meta_to]
+    if prog.meta_from is not None and prog.meta_from[0] != dist.get_rank():
+        meta_in = torch.empty(META_HEAD + rng_bytes, dtype=torch.uint8, device=device)
+        meta_ops.append(dist.P2POp(dist.irecv, meta_in, prog.meta_from[0]))
+    meta_works = dist.batch_isend_irecv(meta_ops) if meta_ops else []
+
+    staging: dict[tuple, torch.Tensor] = {}
+
+    def stage(peer: int, way: str, slot: int, dtype: str) -> torch.Tensor:
+        key = (peer, way, slot, dtype)
+        if key not in staging:
+            staging[key] = pool.take(max(1, bucket_bytes // torch.empty((), dtype=dtypes[dtype]).element_size()),
+                                     dtypes[dtype], device)
+        return staging[key]
+
+    prev: tuple[list, list] = ([], [])
+    for r in range(prog.rounds + 1):
+        works, unpack = [], []
+        if r < prog.rounds:
+            ops = []
+            for peer, msgs in prog.sends.items():
+                if r < len(msgs):
+                    m = msgs[r]
+                    if len(m.parts) == 1 and m.parts[0].contiguous:
+                        buf = _view(old_bufs, m.parts[0]).reshape(-1)
+                    else:
+                        buf = stage(peer, "send", r % 2, m.dtype)[:m.numel]
+                        torch._foreach_copy_(_staged(buf, m.parts), [_view(old_bufs, p) for p in m.parts])
+                    ops.append(dist.P2POp(dist.isend, buf, peer))
+                    sent += buf.numel() * buf.element_size()
+            for peer, msgs in prog.recvs.items():
+                if r < len(msgs):
+                    m = msgs[r]
+                    if len(m.parts) == 1 and m.parts[0].contiguous:
+                        buf = _view(new_bufs, m.parts[0]).reshape(-1)
+                    else:
+                        buf = stage(peer, "recv", r % 2, m.dtype)[:m.numel]
+                        unpack.append((buf, m.parts))
+                    ops.append(dist.P2POp(dist.irecv, buf, peer))
+                    received += buf.numel() * buf.element_size()
+            works = dist.batch_isend_irecv(ops) if ops else []
+        if r == 0:
+            if prog.local:
+                torch._foreach_copy_([_view(new_bufs, d) for _, d in prog.local],
+                                     [_view(old_bufs, s) for s, _ in prog.local])
+            if fault is not None:
+                try:
+                    fault("transfer")
+                except Exception as e:  # keep the wire protocol aligned; the commit vote rolls back
+                    error = f"{type(e).__name__}: {e}"
+        for w in prev[0]:
+            w.wait()
+        for buf, parts in prev[1]:
+            torch._foreach_copy_([_view(new_bufs, p) for p in parts], _staged(buf, parts))
+        prev = (works, unpack)
+
+    for w in meta_works:
+        w.wait()
+    if new is not None and prog.meta_from is not None:
+        src, keep = prog.meta_from
+        raw = meta_in if meta_in is not None else meta_bytes(old, device)
+        apply_meta(new, raw, keep, seed)
+    for buf in staging.values():
+        pool.give(buf)
+    return sent, received, error
