@@ -188,14 +188,15 @@ def test_null_sink_keeps_values():
     assert isinstance(sink, MetricsSink)
     p = sink.start_run("r", {"a.b": 1})
     sink.log_metrics({"reshard/bytes": 10}, step=1)
-    sink.log_event("reshard", {"bytes": 20})
+    sink.log_event("reshard", {"bytes": 20, "rate": float("nan"), "at": {"x": float("inf")}})
     c = sink.start_run("c", {}, parent_run_id=p)
     sink.end_run()
     sink.end_run("KILLED")
-    assert sink.runs[p]["metrics"] == [("reshard/bytes", 10.0, 1), ("events/reshard", 1.0, 1),
-                                       ("reshard/bytes", 20.0, 1)]
+    assert sink.runs[p]["metrics"][:3] == [("reshard/bytes", 10.0, 1), ("events/reshard", 1.0, 1),
+                                           ("reshard/bytes", 20.0, 1)]
+    assert sink.runs[p]["metrics"][3][0] == "reshard/rate"  # NaN is still a metric value
     assert sink.runs[p]["status"] == "KILLED" and sink.runs[c]["parent"] == p
-    assert sink.runs[p]["events"][0].record == {"bytes": 20}
+    assert sink.runs[p]["events"][0].record == {"bytes": 20, "rate": None, "at": {"x": None}}  # strict JSON
 
 
 def test_library_import_does_not_pull_mlflow():

@@ -33,6 +33,8 @@ path-like (`a//b`, `./a`, `a/..`), up to 250 characters. `sanitize_key` maps any
 Artifacts: the experiment is created with an explicit artifact location (`tracking.mlflow_artifacts`, a
 directory, made absolute) so files land where the config says, not in the current directory. With an
 `http(s)://` tracking server a plain directory is left to the server (its `--artifacts-destination`).
+An experiment that already exists keeps the location it was created with (MLflow cannot move it); the sink
+exposes it as `artifact_root`.
 
 Telemetry: `MLFLOW_DISABLE_TELEMETRY=true` is set before mlflow is first imported here (mlflow reads it at
 each call, so setting it before use suffices); an explicit value in the environment is left alone.
@@ -102,6 +104,17 @@ def _jsonable(obj: object) -> object:
     return str(obj)
 
 
+def _strict_json(obj: Any) -> Any:
+    """NaN/inf -> None: events.json stays standard JSON (browsers' JSON.parse rejects NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
 def _param_value(value: object) -> str:
     if isinstance(value, str):
         return value
@@ -162,7 +175,7 @@ class _EventsMixin:
                 continue
             name = k if str(k).startswith(f"{kind}/") else f"{kind}/{k}"
             metrics[name] = float(v)
-        rec = json.loads(json.dumps(dict(record), default=_jsonable))  # a detached, JSON-safe copy
+        rec = _strict_json(json.loads(json.dumps(dict(record), default=_jsonable)))  # detached, JSON-safe copy
         ev = Event(kind=kind, time=time.time(), step=step, record=rec)
         state.events.append(ev)
         state.dirty = True
@@ -170,7 +183,7 @@ class _EventsMixin:
 
 
 def events_json(events: list[Event]) -> str:
-    return json.dumps([asdict(e) for e in events], indent=1, default=_jsonable, allow_nan=True)
+    return json.dumps([asdict(e) for e in events], indent=1, default=_jsonable, allow_nan=False)
 
 
 class NullSink(_EventsMixin):
