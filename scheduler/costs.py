@@ -91,16 +91,28 @@ class ReshardCost:
         if tuple(from_devices) == tuple(to_devices) and from_dp == to_dp:
             return 0.0
         old = set(from_devices)
-        worst = 0.0
-        for d in to_devices:
-            if d in old:  # keeps its params; receives the optimizer shards that leaving ranks held
-                got = self.optim_bytes / tp * max(0.0, 1 / to_dp - 1 / from_dp)
-            else:
-                got = self.param_bytes / tp + self.optim_bytes / (tp * to_dp)
-            worst = max(worst, got)
+        joining = [d for d in to_devices if d not in old]
         nodes_old = {d // self.devices_per_node for d in old}
-        far = any(d // self.devices_per_node not in nodes_old for d in to_devices)
+        far = any(d // self.devices_per_node not in nodes_old for d in joining)
+        return self.time_counts(len(joining), len(to_devices) - len(joining), from_dp, to_dp, tp, far)
+
+    def time_counts(self, joining: int, kept: int, from_dp: int, to_dp: int, tp: int, far: bool) -> float:
+        """O(1) form: `joining` new devices receive params + their optimizer shard; `kept` devices receive
+        the optimizer shards of leaving ranks; the slowest receiver sets the time."""
+        if joining == 0 and from_dp == to_dp:
+            return 0.0
+        worst = self.param_bytes / tp + self.optim_bytes / (tp * to_dp) if joining else 0.0
+        if kept:
+            worst = max(worst, self.optim_bytes / tp * max(0.0, 1 / to_dp - 1 / from_dp))
         return self.fixed_s + worst / (self.inter_node_bw if far else self.bw)
+
+    def grow_time(self, from_size: int, to_size: int, tp: int) -> float:
+        """Contiguous layouts [0, from_size) -> [0, to_size) (growing or shrinking)."""
+        if from_size == to_size:
+            return 0.0
+        far = (max(from_size, to_size) - 1) // self.devices_per_node != (min(from_size, to_size) - 1) // self.devices_per_node
+        return self.time_counts(max(0, to_size - from_size), min(from_size, to_size), from_size // tp,
+                                to_size // tp, tp, far)
 
 
 @dataclass(frozen=True)

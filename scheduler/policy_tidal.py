@@ -66,7 +66,7 @@ def _predict_end(state: SchedState, sig: Signals, totals: tuple[float, int], n_s
     tp = layout.tp
     iter_tokens = p.sequences_per_iter * seq_tokens
 
-    t = extra_cost + c.reshard.time(layout.devices, layout.dp, tuple(range(actor_size)), actor_size // tp, tp)
+    t = extra_cost + c.reshard.grow_time(layout.size, actor_size, tp)
     size = actor_size
     first = sig.actor.iters_done
     for j in range(first, p.n_minibatches):
@@ -78,11 +78,11 @@ def _predict_end(state: SchedState, sig: Signals, totals: tuple[float, int], n_s
             ready = t_r * frac + lag
         start = max(t, ready)
         if j > first and size < full_size and start >= t_r + lag:  # grows at a later boundary
-            start += c.reshard.time(tuple(range(size)), size // tp, tuple(range(full_size)), full_size // tp, tp)
+            start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
         t = start + c.actor.iter_time(iter_tokens, tp, size // tp)
     init = p.initial_layout
-    t += c.reshard.time(tuple(range(size)), size // tp, init.devices, init.dp, tp)
+    t += c.reshard.grow_time(size, init.size, tp)
     return t
 
 
@@ -166,7 +166,7 @@ def _release_plan(sig: Signals, gone: list[RolloutInstanceSignal], survivors: li
             continue
         per = g.est_remaining_s / g.groups_unfinished if g.groups_unfinished else 0.0
         left = g.groups_unfinished
-        share = max(1, math.ceil(left / max(1, min(len(loads), left))))
+        share = max(1, math.ceil(left / 4))  # each leaving instance feeds at most 4 survivors (few actions)
         while left:
             load, dst = loads[k % len(loads)]
             n = min(share, left)
@@ -201,16 +201,17 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
     if sig.inference.done and sig.inference.devices:
         acts.append(ReleaseInference("inference scored every group of the step", sig.inference.devices))
         free = sorted(free + list(sig.inference.devices))
-    sizes = p.tidal_sizes()
     tp = layout.tp
+    top = min(p.num_devices // tp, p.sequences_per_iter) * tp   # tidal sizes: every multiple of tp up to top
     # every device the actor can have once rollout and inference are done (it grows then)
     all_dev = layout.size + len(free) + sum(len(r.devices) for r in live)
     if not sig.inference.done:
         all_dev += len(sig.inference.devices)
-    full = max((s for s in sizes if s <= all_dev), default=layout.size)
 
     def fit(n_dev: int) -> int:
-        return max((s for s in sizes if s <= n_dev), default=layout.size)
+        return max(tp, min(top, n_dev // tp * tp))
+
+    full = fit(all_dev)
 
     # candidates: j least-loaded instances go (j on a doubling grid, plus "all drained")
     drained = sum(1 for r in live if r.drained)
