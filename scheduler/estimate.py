@@ -9,8 +9,8 @@ scheduling (RLinf) misses.
 lookups are O(1). Before any observation it assumes lengths uniform on [1, max_new_tokens].
 
     >>> m = LengthModel.fit([100, 100, 100, 1000], max_new_tokens=1024)
-    >>> round(m.residual(0)), round(m.residual(500))
-    (325, 500)
+    >>> round(m.residual(0)), round(m.residual(512))
+    (325, 488)
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ RLINF_CASES = [
      sig([inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3, held=True, trigger="drain"),
      [ReleaseRollout("rollout finished: running_tasks == 0", (2, 3, 4, 5), (2, 3, 4, 5)),
       Wait("wait before last iter: inference not finished")]),
-    ("without the flag the same state proceeds on 6 devices' worth: size 4 (leftover 2 idle... no: 4 free -> 4)",
+    ("without the flag: rollout released, inference not done, actor to 4 (no wait)",
      {}, sig([inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 0, 0)], iters=3),
      [ReleaseRollout("rollout finished: running_tasks == 0", (2, 3, 4, 5), (2, 3, 4, 5)),
       ReshardActor("largest valid size with 4 free devices is 4", L2, ActorLayout(2, 2, (0, 1, 2, 3)))]),
