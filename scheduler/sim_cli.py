@@ -56,3 +56,19 @@ def cli_simulate(args: Namespace) -> int:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps([r.to_json() for r in results], indent=1))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="tidal simulate",
+                                 description="Discrete-event simulation of a run's scheduling (same policy code).")
+    ap.add_argument("config", help="Tidal config YAML, or `rlinf-example` (RLinf's 8-GPU workload, built in)")
+    ap.add_argument("--policy", default=None, help=f"one of {sorted(POLICIES)} or `all` (default: the config's)")
+    ap.add_argument("--devices", type=int, default=None, help="scale the placement to N devices")
+    ap.add_argument("--steps", type=int, default=10, help="RL steps to simulate")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.devices is not None and args.devices < 4:
+        raise TidalError("--devices", args.devices, "is too small for actor, rollout and inference", "use >= 4")
+    return cli_simulate(args)

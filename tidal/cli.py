@@ -39,7 +39,7 @@ import importlib.util  # noqa: E402  (used by _optional above)
 
 _optional("reshard-check", "tidal.reshard_check:main", "self-test: reshard an actor between layouts, verify bytes")
 _optional("train", "tidal.train:main", "run an RL training job from a config")
-_optional("simulate", "tidal.scheduler.cli:main", "simulate a run's scheduling at any scale")
+_optional("simulate", "tidal.scheduler.sim_cli:main", "simulate a run's scheduling at any scale")
 _optional("sweep", "tidal.sweep:main", "Optuna sweep of scheduler policy settings")
 _optional("compare", "tidal.tracking:compare_main", "side-by-side table of MLflow runs")
 _optional("up", "tidal.services:up_main", "start local Prefect, MLflow and optuna-dashboard on 127.0.0.1")
