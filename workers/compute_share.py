@@ -7,9 +7,11 @@ core-seconds per second of wall time, whether or not the others are busy.
 
 Mechanisms, first that works wins (``backend="auto"``):
 
-* ``cgroup2``: a child cgroup under the v2 hierarchy with ``cpu.max = "<quota> <period>"``.
-* ``cgroup1``: a child cgroup of the v1 ``cpu`` controller with ``cpu.cfs_quota_us``/``cpu.cfs_period_us``
-  (the kernel's CFS bandwidth control, same semantics as cgroup2's ``cpu.max``).
+* ``cgroup2``: a cgroup ``tidal-dev-<id>`` under the v2 root with ``cpu.max = "<quota> <period>"``.
+* ``cgroup1``: a cgroup ``tidal-dev-<id>`` under the v1 ``cpu`` root with ``cpu.cfs_quota_us`` /
+  ``cpu.cfs_period_us`` (the kernel's CFS bandwidth control, same semantics as cgroup2's ``cpu.max``).
+  Each device's cgroup is a direct child of the root so that, below its cap, it competes for CPU like
+  one ordinary process (CFS weighs sibling groups equally).
 * ``duty``: no writable cgroup (containers, non-root). A companion process (``python -m
   tidal.workers.compute_share``) reads the target's CPU time every few ms and ``SIGSTOP``s it once it
   used its quota of the current period, ``SIGCONT`` at the next period. Overshoot within a period (the poll
@@ -55,7 +57,7 @@ Backend = Literal["auto", "cgroup2", "cgroup1", "duty"]
 
 DEFAULT_PERIOD_S = 0.05
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-_TIDAL_CGROUP = "tidal"
+_CGROUP_PREFIX = "tidal-dev-"
 
 
 def cores_for_share(share: float, num_cores: int | None = None) -> float:
@@ -121,16 +123,15 @@ def _cgroup_parent(backend: str) -> Path | None:
         root = _CGROUP_ROOT / "cpu"
         if not (root / "cpu.cfs_quota_us").exists():
             return None
-    parent = root / _TIDAL_CGROUP
+    # Each device's cgroup sits directly under the root, not under a common "tidal" parent: CFS group
+    # scheduling weighs sibling groups equally, so under a shared parent all capped devices together would
+    # compete for the CPU like ONE process (seen: 2 capped workers got half what an uncapped one did).
     try:
-        parent.mkdir(exist_ok=True)
         if backend == "cgroup2":
-            # Children of `parent` can only get cpu.max if parent delegates the cpu controller.
-            (root / "cgroup.subtree_control").write_text("+cpu")
-            (parent / "cgroup.subtree_control").write_text("+cpu")
+            (root / "cgroup.subtree_control").write_text("+cpu")  # children need the cpu controller
     except OSError:
         return None
-    return parent if os.access(parent, os.W_OK) else None
+    return root if os.access(root, os.W_OK) else None
 
 
 def _own_cgroup_path(pid: int, backend: str) -> Path:
@@ -145,7 +146,7 @@ def _own_cgroup_path(pid: int, backend: str) -> Path:
 
 
 def _make_cgroup(parent: Path, backend: str, cores: float, period_s: float) -> Path:
-    cg = parent / f"dev-{uuid.uuid4().hex[:12]}"
+    cg = parent / f"{_CGROUP_PREFIX}{uuid.uuid4().hex[:12]}"
     cg.mkdir()
     period_us = int(period_s * 1e6)
     quota_us = max(1000, int(cores * period_us))  # the kernel's floor is 1 ms
