@@ -19,6 +19,10 @@ index order, the update is bit-identical for every DP size and every assignment 
 same TP; TP changes the matmul reduction order, so TP sizes agree to fp32 round-off only). The "allreduce" grad
 sum mode (local accumulation, all-reduce, slice) moves less data per iter but depends on DP at round-off level.
 
+RNG: each rank's torch generator is seeded from `rng_seed(seed, step, t, d)` at init and again at the end of every
+iter, so between iters it is a pure function of its coordinates and step; a reshard keeps it for coordinates the
+old layout had and seeds it by the same rule otherwise, so the stream never depends on the resharding history.
+
 Parameters are views of one flat buffer (`ShardState.flat_param`) so a reshard moves flat ranges and a new layout
 only rebinds a model built on the meta device to new storage.
 """
@@ -224,6 +228,9 @@ class ActorShard:
         lr = lr_at(self.hp, st.step)
         adamw_update(st, owned, lr, self.hp)
         self._publish(g)
+        # between iters the generator is a pure function of (seed, step, t, d): resharding (which keeps it for
+        # the same coordinates and seeds it from the same rule otherwise) never changes the random stream
+        st.rng.manual_seed(rng_seed(self.seed, st.step, *self.coord))
         st.data_cursor += len(source) if hasattr(source, "__len__") else 0
         loss_t = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, dtype=torch.float64)
         loss_t = loss_t.to(self.device)
