@@ -229,8 +229,7 @@ def test_dockerfile_in_sync_with_pyproject(pyproject):
     folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     copied = set(re.findall(r"^COPY (\S+) \./\1$", dockerfile, flags=re.M))
     assert folders <= copied, f"Dockerfile misses package folders {folders - copied}"
-    placeholder = re.search(r"mkdir -p ([\w ]+?)\s*\\\n", dockerfile).group(1).split()
-    assert set(placeholder) == folders
+    assert "['project']['dependencies']" in dockerfile  # the dependency layer reads pyproject, not a copy
     ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
     for src in copied | {"pyproject.toml", "README.md"}:
         assert (REPO / src).exists(), src
