@@ -16,7 +16,12 @@ A list without `Wait` lets a boundary-waiting actor proceed.
 
 Which groups a `MigrateRequests` moves is fixed by rule, not chosen by the actuator: the last `count`
 unfinished groups in the source's queue order (so groups that have not started go first, then the most
-recently admitted ones). Migration is abort + resubmit with `prompt + generated so far` (re-prefill).
+recently admitted ones). Migration is abort + resubmit with `prompt + generated so far` (re-prefill), or, with
+`kv=True`, a copy of the sequences' KV cache to the target (Tidal's native engine: `engine/generation`
+migration; no re-prefill, cost = KV bytes / link bandwidth).
+
+`StartRollout` (new in the tidal policy's mid-step lending) starts rollout instances on FREE devices (e.g.
+devices the actor just left by shrinking); they receive work by `MigrateRequests` in the same list.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class MigrateRequests(Action):
     src: int
     dst: int
     count: int
+    kv: bool = False   #: move the KV cache (native engine) instead of abort + resubmit (re-prefill)
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,15 @@ class ReturnFromRollout(Action):
     migrate_to: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class StartRollout(Action):
+    """Start rollout instances `instance_ids` on FREE (or just released) `devices`: instance `instance_ids[k]`
+    on `devices[k*tp:(k+1)*tp]`. They count as ordinary instances (released by `ReleaseRollout`)."""
+
+    devices: tuple[int, ...]
+    instance_ids: tuple[int, ...]
+
+
 def describe(actions: list[Action]) -> list[str]:
     """One line per action (logs, the simulator's event list)."""
     out = []
@@ -103,10 +118,10 @@ def describe(actions: list[Action]) -> list[str]:
             f, t = a.from_layout, a.to_layout
             body = f"tp{f.tp}xdp{f.dp}({f.size}) -> tp{t.tp}xdp{t.dp}({t.size})"
         elif isinstance(a, MigrateRequests):
-            body = f"{a.count} groups {a.src} -> {a.dst}"
+            body = f"{a.count} groups {a.src} -> {a.dst}" + (" (kv)" if a.kv else "")
         elif isinstance(a, (ReleaseRollout, ReturnFromRollout)):
             body = f"instances {list(a.instance_ids)} devices {list(a.devices)}"
-        elif isinstance(a, LendToRollout):
+        elif isinstance(a, (LendToRollout, StartRollout)):
             body = f"devices {list(a.devices)} as instances {list(a.instance_ids)}"
         elif isinstance(a, ReleaseInference):
             body = f"devices {list(a.devices)}"

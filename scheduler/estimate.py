@@ -58,6 +58,12 @@ class LengthModel:
         k = int(x / self.step)
         return self.table[min(max(k, 0), GRID)]
 
+    def remaining_many(self, started: np.ndarray, progress_tokens: np.ndarray, queued: np.ndarray) -> np.ndarray:
+        """`instance_remaining` for many instances at once (arrays)."""
+        mean_x = np.divide(progress_tokens, started, out=np.zeros(started.shape), where=started > 0)
+        k = np.clip((mean_x / self.step).astype(np.int64), 0, GRID)
+        return started * np.asarray(self.table)[k] + queued * self.mean
+
     def instance_remaining(self, started: int, progress_tokens: float, queued: int) -> float:
         """Estimate for one instance: `started` unfinished sequences that generated `progress_tokens` in
         total (their mean progress is used: one lookup per instance), plus `queued` not started."""

@@ -17,8 +17,11 @@ response-length distribution seen so far (`tidal.scheduler.estimate`), never gro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
+
+import numpy as np
 
 from tidal.devices import Owner
 from tidal.errors import LayoutError
@@ -75,6 +78,81 @@ class RolloutInstanceSignal:
         return self.est_remaining_tokens / self.token_rate if self.token_rate > 0 else float("inf")
 
 
+@dataclass(frozen=True, eq=False)
+class RolloutColumns:
+    """`Signals.rollout` as columns (numpy arrays, same order), so a policy at 1,024 devices decides without a
+    Python loop per instance. The producer may pass it (the simulator builds it vectorised); otherwise
+    `Signals.cols` builds it from the tuple once."""
+
+    id: np.ndarray
+    n_devices: np.ndarray
+    groups_queued: np.ndarray
+    groups_unfinished: np.ndarray
+    running: np.ndarray
+    total: np.ndarray
+    progress_tokens: np.ndarray
+    token_rate: np.ndarray
+    est_remaining_tokens: np.ndarray
+    lent: np.ndarray
+
+    @classmethod
+    def of(cls, rollout: tuple[RolloutInstanceSignal, ...]) -> "RolloutColumns":
+        n = len(rollout)
+
+        def col(name: str, dtype) -> np.ndarray:
+            return np.fromiter((getattr(r, name) for r in rollout), dtype, n)
+        return cls(col("id", np.int64), np.fromiter((len(r.devices) for r in rollout), np.int64, n),
+                   col("groups_queued", np.int64), col("groups_unfinished", np.int64), col("running", np.int64),
+                   col("total", np.int64), col("progress_tokens", np.float64), col("token_rate", np.float64),
+                   col("est_remaining_tokens", np.float64), col("lent", bool))
+
+    @cached_property
+    def est_remaining_s(self) -> np.ndarray:
+        """Per instance, as `RolloutInstanceSignal.est_remaining_s` (0 drained, inf when stalled)."""
+        est, rate = self.est_remaining_tokens, self.token_rate
+        out = np.divide(est, rate, out=np.full(est.shape, np.inf), where=rate > 0)
+        return np.where((est <= 0) | (self.running == 0), 0.0, out)
+
+
+class RolloutView(Sequence):
+    """A lazy `Signals.rollout`: the per-instance records made from `RolloutColumns` only when a policy reads
+    them (a producer at 1,024 devices would otherwise build 512 records per decision that a vectorised
+    policy never looks at). Compares equal to the tuple it stands for."""
+
+    def __init__(self, cols: RolloutColumns, devices: list[tuple[int, ...]], tokens: np.ndarray):
+        self._cols, self._devices, self._tokens = cols, devices, tokens
+        self._items: tuple[RolloutInstanceSignal, ...] | None = None
+
+    def _all(self) -> tuple[RolloutInstanceSignal, ...]:
+        if self._items is None:
+            c = self._cols
+            self._items = tuple(
+                RolloutInstanceSignal(*row) for row in zip(
+                    c.id.tolist(), self._devices, c.groups_queued.tolist(), c.groups_unfinished.tolist(),
+                    c.running.tolist(), c.total.tolist(), self._tokens.astype(np.int64).tolist(),
+                    c.progress_tokens.astype(np.int64).tolist(), c.token_rate.tolist(),
+                    c.est_remaining_tokens.tolist(), c.lent.tolist()))
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._devices)
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return f"RolloutView({self._all()!r})"
+
+
 @dataclass(frozen=True)
 class InferenceSignal:
     """The log-prob (inference) component."""
@@ -124,7 +202,7 @@ class Signals:
 
     time: float
     step: int
-    rollout: tuple[RolloutInstanceSignal, ...]
+    rollout: Sequence[RolloutInstanceSignal]   #: a tuple, or a lazy `RolloutView` (same records)
     inference: InferenceSignal
     actor: ActorSignal
     devices: DeviceSignal
@@ -132,11 +210,17 @@ class Signals:
     groups_generated: int                #: groups whose every sequence is generated
     all_registered: bool = True          #: every prompt of the step has been submitted to some instance
     trigger: str = "boundary"            #: why the producer asked (boundary, drain, data_ready, tick, start, ...)
+    columns: RolloutColumns | None = field(default=None, compare=False, repr=False)  #: optional, see `cols`
+
+    @cached_property
+    def cols(self) -> RolloutColumns:
+        """The rollout tuple as columns: the producer's if given, else built once."""
+        return self.columns if self.columns is not None else RolloutColumns.of(self.rollout)
 
     @property
     def running(self) -> int:
-        return sum(r.running for r in self.rollout)
+        return int(self.cols.running.sum())
 
     @property
     def total_tasks(self) -> int:
-        return sum(r.total for r in self.rollout)
+        return int(self.cols.total.sum())

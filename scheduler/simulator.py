@@ -38,12 +38,12 @@ from tidal.config import TidalConfig
 from tidal.devices import DeviceLedger, Owner
 from tidal.errors import TidalError
 from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout, Wait, describe)
+                                     ReshardActor, ReturnFromRollout, StartRollout, Wait, describe)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.policies import get_policy
-from tidal.scheduler.rollout_model import Instance, Work
+from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
-                                     RolloutInstanceSignal, Signals)
+                                     RolloutColumns, RolloutView, Signals)
 from tidal.scheduler.state import SchedState
 from tidal.scheduler.workload import SimSpec
 
@@ -121,6 +121,8 @@ class _Sim:
         self.ledger.assign(self.p.actor_devices, Owner.ACTOR, "placement")
         self.ledger.assign(self.p.rollout_devices, Owner.ROLLOUT, "placement")
         self.ledger.assign(self.p.inference_devices, Owner.INFERENCE, "placement")
+        self.owners = [Owner.FREE] * self.p.num_devices   # mirror of the ledger for cheap DeviceSignals
+        self._sync_owners()
 
     # --- helpers ---------------------------------------------------------------------------------------
     def log(self, kind: str, detail: str) -> None:
@@ -131,17 +133,45 @@ class _Sim:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, payload))
 
-    def _new_instances(self, devices: tuple[int, ...], lent: bool) -> None:
+    def _sync_owners(self) -> None:
+        snap = self.ledger.snapshot()
+        self.owners = [snap[d] for d in range(self.p.num_devices)]
+        self._dev_sig = DeviceSignal(tuple(self.owners))
+
+    def _new_instances(self, devices: tuple[int, ...], lent: bool, ready_at: float) -> list[Instance]:
         tp = self.p.rollout_tp
+        out = []
         for k in range(0, len(devices), tp):
             devs = devices[k:k + tp]
-            self.inst[devs[0]] = Instance(devs[0], devs, self.c.decode, self.p.max_running_requests, lent)
+            inst = Instance(devs[0], devs, self.p.max_running_requests, lent)
+            inst.ready_at = ready_at
+            self.inst[devs[0]] = inst
+            self.inst_order = self.packed = None
+            out.append(inst)
+        return out
 
     def _schedule(self, inst: Instance) -> None:
         t = inst.next_event()
         if t is not None:
             self.drained_ids.discard(inst.id)
             self.push(t, "group", inst.id, inst.version)
+
+    def _relay(self, pending: dict[int, tuple[float, list[Work]]]) -> None:
+        """Lay out every instance a decision touched, in one batch, from its pending (t0, work)."""
+        if not pending:
+            return
+        ids = list(pending)
+        works = [Work.cat(pending[i][1]) for i in ids]
+        epochs = lay_out(works, [pending[i][0] for i in ids], self.p.max_running_requests, self.c.decode)
+        self.packed = None
+        for iid, e in zip(ids, epochs):
+            inst = self.inst[iid]
+            inst.set_epoch(e)
+            self._schedule(inst)
+        for iid in ids:
+            inst = self.inst[iid]
+            if inst.next_event() is None:
+                self.on_drain(inst)
 
     # --- one step ---------------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepStats:
@@ -152,13 +182,16 @@ class _Sim:
         t_start = self.now
         self.busy_at_start = dict(self.busy)
         self.inst: dict[int, Instance] = {}
+        self.inst_order: list[Instance] | None = None
+        self.packed: Packed | None = None
         self.drained_ids: set[int] = set()
         self.dispatched = False
-        self._new_instances(p.rollout_devices, lent=False)
+        self._new_instances(p.rollout_devices, lent=False, ready_at=self.now)
         self.inf_devices = p.inference_devices
         self.inf_free = [(self.now, d) for d in range(0, len(p.inference_devices), p.inference_tp)]
         self.actor = _Actor(p.initial_layout)
-        self.generated: set[int] = set()
+        self.n_generated = 0
+        self.gen_seen = np.zeros(p.rollout_batch_size, dtype=bool)
         self.scored: list[int] = []
         self.trained = 0
         self.counts = {"migrations": 0, "groups_migrated": 0, "reshards": 0, "decisions": 0}
@@ -169,23 +202,26 @@ class _Sim:
 
         rng = np.random.default_rng([self.seed, step])
         lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens)
-        self.group_tokens = lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens
+        self.group_tokens = (lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens).tolist()
 
         self.call("start")
         ids = sorted(self.inst)
         per, extra = divmod(p.rollout_batch_size, len(ids))
-        g0 = 0
+        bounds = np.cumsum([0] + [per + (1 if k < extra else 0) for k in range(len(ids))])
+        flat = lengths.reshape(-1).astype(np.float64)
+        works, t0s = [], []
         for k, iid in enumerate(ids):
-            n = per + (1 if k < extra else 0)
-            groups = list(range(g0, g0 + n))
-            g0 += n
-            gid = np.repeat(np.arange(groups[0], groups[-1] + 1) if groups else np.zeros(0, np.int64), p.group_size)
-            work = Work(gid.astype(np.int64), lengths[groups].reshape(-1).astype(np.int64),
-                        np.zeros(gid.size, np.int64))
+            g0, g1 = int(bounds[k]), int(bounds[k + 1])
             inst = self.inst[iid]
-            start = self.now + (c.lend_s if inst.lent else 0.0)
-            prefill = c.decode.prefill_per_token_s * self.spec.prompt_tokens * min(len(work), p.max_running_requests)
-            inst.assign(start, work, groups, prefill)
+            inst.assign(list(range(g0, g1)), (g1 - g0) * p.group_size)
+            gid = np.repeat(np.arange(g0, g1, dtype=np.int64), p.group_size)
+            works.append(Work(gid, flat[g0 * p.group_size:g1 * p.group_size], np.zeros(gid.size)))
+            prefill = c.decode.prefill_per_token_s * self.spec.prompt_tokens * min(gid.size, p.max_running_requests)
+            t0s.append(max(self.now, inst.ready_at) + prefill)
+        self.packed = None
+        for iid, e in zip(ids, lay_out(works, t0s, p.max_running_requests, c.decode)):
+            inst = self.inst[iid]
+            inst.set_epoch(e)
             self._schedule(inst)
             if inst.next_event() is None:
                 self.drained_ids.add(iid)
@@ -193,28 +229,34 @@ class _Sim:
         if any(i.lent for i in self.inst.values()):
             self.push(self.now + p.pre_process_check_s, "tick")
 
+        gpi, nmb, rbs = p.groups_per_iter, p.n_minibatches, p.rollout_batch_size
+        heap = self.heap
         while True:
-            if not self.heap:
+            if not heap:
                 raise AssertionError(f"step {step} stalled at t={self.now:.3f}: actor iters {self.actor.iters_done}, "
                                      f"held={self.actor.held} lent={self.actor.lent}, scored {len(self.scored)}")
-            t, _, kind, payload = heapq.heappop(self.heap)
-            self.now = max(self.now, t)
-            if kind == "group":
-                self.on_group(*payload)
-            elif kind == "scored":
+            t, _, kind, payload = heapq.heappop(heap)
+            if t > self.now:
+                self.now = t
+            if kind == "scored":
                 self.scored.append(payload[0])
-                if len(self.scored) == p.rollout_batch_size:
+                n = len(self.scored)
+                a = self.actor
+                if n == rbs:
                     self.call("inference")
-                elif self.actor.lent and len(self.scored) == (self.actor.iters_done + 1) * p.groups_per_iter:
+                elif a.lent and n == (a.iters_done + 1) * gpi:
                     self.call("data_ready")
-                self.try_start()
+                if n >= (a.iters_done + 1) * gpi:
+                    self.try_start()
+            elif kind == "group":
+                self.on_group(*payload)
             elif kind == "iter_done":
                 self.actor.running = False
                 self.actor.iters_done += 1
-                self.trained += p.groups_per_iter
+                self.trained += gpi
                 self.log("iter_done", f"iter {self.actor.iters_done - 1} on {self.actor.layout.size} devices")
                 self.call("boundary")
-                if self.actor.iters_done == p.n_minibatches:
+                if self.actor.iters_done == nmb:
                     break
                 self.try_start()
             elif kind == "tick":
@@ -230,7 +272,7 @@ class _Sim:
         self.length_model = LengthModel.fit(lengths.reshape(-1), self.spec.max_new_tokens)
         dt = end - t_start
         useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
-        return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), len(self.generated), len(self.scored),
+        return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, len(self.scored),
                          self.trained, self.counts["migrations"], self.counts["groups_migrated"],
                          self.counts["reshards"], self.counts["decisions"])
 
@@ -249,6 +291,8 @@ class _Sim:
         self.ledger.free(busy, "step end")
         for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE):
             self.ledger.assign([d for d in moved if want[d] is role], role, "step start: placement")
+        if moved:
+            self._sync_owners()
 
     # --- events -----------------------------------------------------------------------------------------
     def on_group(self, iid: int, version: int) -> None:
@@ -256,8 +300,10 @@ class _Sim:
         if inst is None or inst.version != version:
             return
         self.generated_groups(inst.pop_due(self.now))
-        self._schedule(inst)
-        if inst.next_event() is None:
+        t = inst.next_event()
+        if t is not None:
+            self.push(t, "group", iid, inst.version)
+        else:
             self.on_drain(inst)
 
     def on_drain(self, inst: Instance) -> None:
@@ -267,22 +313,27 @@ class _Sim:
         self.drain_pending += 1
         if self.in_call:
             return  # drained by an action of the decision being applied: the policy already knows
-        if self.drain_pending >= max(1, math.ceil(len(self.inst) / 16)) or len(self.generated) == self.p.rollout_batch_size:
+        if self.drain_pending >= max(1, math.ceil(len(self.inst) / 16)) or self.n_generated == self.p.rollout_batch_size:
             self.drain_pending = 0
             self.call("drain")
             self.try_start()
 
     def generated_groups(self, groups: list[int]) -> None:
+        if not groups:
+            return
         c, p = self.c, self.p
+        tp = p.inference_tp
+        seen = self.gen_seen
         for g in groups:
-            assert g not in self.generated, f"group {g} generated twice"
-            self.generated.add(g)
+            assert not seen[g], f"group {g} generated twice"
+            seen[g] = True
             free_at, k = heapq.heappop(self.inf_free)
-            start = max(self.now, free_at)
-            dur = c.inference.group_time(float(self.group_tokens[g]), p.inference_tp)
+            start = self.now if self.now > free_at else free_at
+            dur = c.inference.group_time(self.group_tokens[g], tp)
             heapq.heappush(self.inf_free, (start + dur, k))
-            self.busy["inference"] += dur * p.inference_tp
+            self.busy["inference"] += dur * tp
             self.push(start + dur, "scored", g)
+        self.n_generated += len(groups)
 
     def try_start(self) -> None:
         a, p = self.actor, self.p
@@ -295,8 +346,9 @@ class _Sim:
             return
         if len(self.scored) < (a.iters_done + 1) * p.groups_per_iter:
             return
-        seq_tokens = self.group_tokens[self.scored[a.iters_done * p.groups_per_iter:
-                                                  (a.iters_done + 1) * p.groups_per_iter]].sum()
+        gt = self.group_tokens
+        seq_tokens = sum(gt[g] for g in self.scored[a.iters_done * p.groups_per_iter:
+                                                    (a.iters_done + 1) * p.groups_per_iter])
         dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp)
         a.running, a.last_iter_s = True, dur
         self.busy["actor"] += dur * a.layout.size
@@ -305,25 +357,34 @@ class _Sim:
 
     # --- the policy -------------------------------------------------------------------------------------
     def signals(self, trigger: str) -> Signals:
-        lm = self.length_model
-        rollout = []
-        for iid in sorted(self.inst):
-            inst = self.inst[iid]
-            s = inst.snapshot(self.now)
-            est = lm.instance_remaining(s["started_unfinished"], s["progress"], s["queued_seqs"])
-            rollout.append(RolloutInstanceSignal(
-                id=iid, devices=inst.devices, groups_queued=s["groups_queued"],
-                groups_unfinished=s["groups_unfinished"], running=s["running"], total=inst.total,
-                tokens_generated=s["tokens"], progress_tokens=int(s["progress"]), token_rate=s["rate"],
-                est_remaining_tokens=est, lent=inst.lent))
+        if self.inst_order is None:
+            self.inst_order = [self.inst[i] for i in sorted(self.inst)]
+            self.packed = None
+        live = self.inst_order
+        now = self.now
+        if live:
+            if self.packed is None:
+                k = len(live)
+                self.packed = Packed(live, self.c.decode)
+                self.packed_static = (np.fromiter((i.id for i in live), np.int64, k),
+                                      np.fromiter((len(i.devices) for i in live), np.int64, k),
+                                      np.fromiter((i.total for i in live), np.int64, k),
+                                      np.fromiter((i.lent for i in live), bool, k), [i.devices for i in live])
+            ids, ndev, total, lent, devices = self.packed_static
+            s = self.packed.at(now)
+            est = self.length_model.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
+                                  np.floor(s["progress"]), s["rate"], est, lent)
+            rollout = RolloutView(cols, devices, s["tokens"])
+        else:
+            rollout, cols = (), None
         p, a = self.p, self.actor
-        inf = InferenceSignal(self.inf_devices, len(self.generated) - len(self.scored), len(self.scored),
-                              len(self.scored) == p.rollout_batch_size)
-        act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and self.now >= a.ready_at - 1e-12,
+        n_scored = len(self.scored)
+        inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, n_scored, n_scored == p.rollout_batch_size)
+        act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
-        return Signals(self.now, self.step, tuple(rollout), inf, act,
-                       DeviceSignal.from_snapshot(self.ledger.snapshot()), p.rollout_batch_size,
-                       len(self.generated), self.dispatched, trigger)
+        return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
+                       self.n_generated, self.dispatched, trigger, cols)
 
     def call(self, trigger: str) -> None:
         if self.policy_name == "static":
@@ -334,41 +395,63 @@ class _Sim:
         self.counts["decisions"] += 1
         held = False
         moving: dict[int, float] = {}   # device -> time its old role has freed it
+        pending: dict[int, tuple[float, list[Work]]] = {}   # instances to re-lay: (t0, work parts)
         for act in acts:
-            self.log("action", describe([act])[0])
+            if self.keep_events:
+                self.log("action", describe([act])[0])
             held |= isinstance(act, Wait)
             if isinstance(act, Wait) and act.recheck_s:
                 self.push(self.now + act.recheck_s, "tick")
-            self.apply(act, moving)
+            self.apply(act, moving, pending)
+        self._relay(pending)
         leftover = [d for d in moving if self.ledger.owner(d) is Owner.MOVING]
         self.ledger.free(leftover, "released; no taker")
         if acts:
             self.log("decide", f"{trigger}: {len(acts)} actions")
+            self._sync_owners()
         self.actor.held = held
         self.in_call = False
 
-    def apply(self, act: Action, moving: dict[int, float]) -> None:
+    def _pending(self, inst: Instance, pending: dict) -> tuple[float, list[Work]]:
+        """The instance's unfinished work at now, opened for changes by this decision (settled once)."""
+        if inst.id not in pending:
+            now = self.now
+            inst.close_epoch(now)
+            due, rest = inst.settle(now)
+            self.generated_groups(due)
+            pending[inst.id] = (max(now, inst.ready_at, inst.e.t0 if inst.e.n else now), [rest])
+        return pending[inst.id]
+
+    def apply(self, act: Action, moving: dict[int, float], pending: dict) -> None:
         c, now = self.c, self.now
         if isinstance(act, MigrateRequests):
             src, dst = self.inst[act.src], self.inst[act.dst]
-            due, work = src.take_last_groups(now, act.count)
-            self.generated_groups(due)
-            groups = list(dict.fromkeys(work.gid.tolist()))
-            tokens = float(work.prog.sum()) + len(work) * self.spec.prompt_tokens
-            due = dst.receive(now, work, groups, c.migration_time(tokens))
-            self.generated_groups(due)
+            t_src, parts = self._pending(src, pending)
+            kept, out = src.split_last_groups(now, act.count, Work.cat(parts))
+            pending[src.id] = (t_src, [kept])
+            if not len(out):
+                return
+            t_dst, dparts = self._pending(dst, pending)
+            groups = list(dict.fromkeys(out.gid.tolist()))
+            tokens = float(out.prog.sum()) + len(out) * self.spec.prompt_tokens
+            cost = c.kv_move_time(tokens) if act.kv else c.migration_time(tokens)
+            dst.total += len(out)
+            dst.queue += groups
+            pending[dst.id] = (t_dst + cost, dparts + [out])
             self.counts["migrations"] += 1
             self.counts["groups_migrated"] += len(groups)
-            for inst in (src, dst):
-                self._schedule(inst)
-                if inst.next_event() is None:
-                    self.on_drain(inst)
         elif isinstance(act, (ReleaseRollout, ReturnFromRollout)):
             for iid in act.instance_ids:
-                inst = self.inst.pop(iid)
-                due, rest = inst.settle(now)
-                self.generated_groups(due)
-                assert len(rest) == 0, f"{type(act).__name__} of instance {iid} with {len(rest)} sequences left"
+                inst = self.inst[iid]
+                if iid in pending:
+                    left = sum(len(w) for w in pending.pop(iid)[1])
+                else:
+                    due, rest = inst.settle(now)
+                    self.generated_groups(due)
+                    left = len(rest)
+                assert left == 0, f"{type(act).__name__} of instance {iid} with {left} sequences left"
+                del self.inst[iid]
+                self.inst_order = self.packed = None
                 inst.close_epoch(now)
                 self.busy["rollout"] += inst.busy_s * len(inst.devices)
             self.ledger.release(act.devices, act.reason)
@@ -396,20 +479,30 @@ class _Sim:
             landing = [d for d in joining if self.ledger.owner(d) is Owner.MOVING]
             self.ledger.land(landing, Owner.ACTOR, act.reason)
             self.ledger.assign([d for d in joining if d not in landing], Owner.ACTOR, act.reason)
-            for d in leaving:
-                moving[d] = now
-            wait = max([moving.get(d, now) for d in joining] + [now])
             dur = c.reshard.time(act.from_layout.devices, act.from_layout.dp, act.to_layout.devices,
                                  act.to_layout.dp, act.to_layout.tp)
+            for d in leaving:
+                moving[d] = now + dur   # free once the actor's state has moved off them
+            wait = max([moving.get(d, now) for d in joining] + [now])
             a.layout = act.to_layout
             a.ready_at = max(a.ready_at, wait + dur)
             self.counts["reshards"] += 1
         elif isinstance(act, LendToRollout):
             self.ledger.release(act.devices, act.reason)
             self.ledger.land(act.devices, Owner.ROLLOUT, act.reason)
-            self._new_instances(act.devices, lent=True)
+            made = self._new_instances(act.devices, lent=True, ready_at=now + c.lend_s)
             assert sorted(act.instance_ids) == sorted(d for d in self.inst if self.inst[d].lent)
             self.actor.lent = True
+            if self.dispatched:     # mid-step: the new instances wait for migrated work
+                for inst in made:
+                    pending[inst.id] = (inst.ready_at, [])
+        elif isinstance(act, StartRollout):
+            ready = max([moving.get(d, now) for d in act.devices] + [now]) + c.lend_s
+            landing = [d for d in act.devices if self.ledger.owner(d) is Owner.MOVING]
+            self.ledger.land(landing, Owner.ROLLOUT, act.reason)
+            self.ledger.assign([d for d in act.devices if d not in landing], Owner.ROLLOUT, act.reason)
+            for inst in self._new_instances(act.devices, lent=False, ready_at=ready):
+                pending[inst.id] = (ready, [])
         elif isinstance(act, Wait):
             pass
         else:  # pragma: no cover - a new action type must be taught to the simulator
