@@ -114,15 +114,20 @@ class ActorShard:
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
                  groups: GroupCache | None = None, grad_sum: Literal["ordered", "allreduce"] = "ordered",
-                 bucket_bytes: int = 16 << 20, weights: dict[str, torch.Tensor] | Literal["empty"] | None = None):
+                 bucket_bytes: int = 16 << 20, weights: dict[str, torch.Tensor] | Literal["empty"] | None = None,
+                 keep_pool_on_leave: bool = False):
         check_tp(args, layout.tp)
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.grad_sum, self.bucket_bytes = grad_sum, bucket_bytes
+        # a rank that leaves the actor frees its memory (the device goes to rollout); benchmarks of repeated
+        # reshards on dedicated devices keep the buffers pooled instead
+        self.keep_pool_on_leave = keep_pool_on_leave
         self.specs = tuple(param_specs(args))
         self.groups = groups or GroupCache()
         self.pool = BufferPool()
+        self._skeletons: dict[Layout, tuple[Transformer, list]] = {}
         self.layout = layout
         self.groups.get(layout)
         self.state: ShardState | None = None
@@ -154,14 +159,18 @@ class ActorShard:
         return self.layout.coord(self.rank)
 
     def _bind(self) -> None:
-        g = self.groups.get(self.layout)
-        model = Transformer(self.args, g.tp, self.dtype, device=torch.device("meta"))
-        for i, spec in enumerate(self.specs):
-            mod_name, _, pname = spec.name.rpartition(".")
-            model.get_submodule(mod_name)._parameters[pname] = nn.Parameter(self.state.param(i))
-        cos, sin = rope_tables(self.args, self.device)
-        model.register_buffer("rope_cos", cos, persistent=False)
-        model.register_buffer("rope_sin", sin, persistent=False)
+        """Point a model of this layout at the state's flat storage (skeletons are built once per layout)."""
+        if self.layout not in self._skeletons:
+            g = self.groups.get(self.layout)
+            model = Transformer(self.args, g.tp, self.dtype, device=torch.device("meta"))
+            cos, sin = rope_tables(self.args, self.device)
+            model.register_buffer("rope_cos", cos, persistent=False)
+            model.register_buffer("rope_sin", sin, persistent=False)
+            slots = [(model.get_submodule(s.name.rpartition(".")[0]), s.name.rpartition(".")[2]) for s in self.specs]
+            self._skeletons[self.layout] = (model, slots)
+        model, slots = self._skeletons[self.layout]
+        for i, (mod, pname) in enumerate(slots):
+            mod._parameters[pname] = nn.Parameter(self.state.param(i))
         self.model = model
         self._grad = None
 
@@ -334,9 +343,9 @@ class ActorShard:
         if self.state is not None:
             self.state.release(self.pool)
         self.state, self.layout, self.model, self._grad = new_state, new_layout, None, None
-        if new_state is None:
+        if new_state is None and not self.keep_pool_on_leave:
             self.free()  # left the actor: give the memory back
-        else:
+        elif new_state is not None:
             self._bind()
         return report
 
@@ -412,5 +421,6 @@ class ActorShard:
             self.state.release(None)
         self.state = self.model = self._grad = None
         self.pool.clear()
+        self._skeletons.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -92,6 +92,25 @@ def _shape(lay, rank: int, specs) -> ZeroShape:
     return ZeroShape.of(specs, lay.tp, lay.dp, t, d)
 
 
+KIND_ORDER = {"param": 0, "master": 1, "exp_avg": 2, "exp_avg_sq": 3}
+
+
+def _merge(items: list[tuple[Region, Region]]) -> list[tuple[Region, Region]]:
+    """Fuse consecutive pieces that are contiguous and adjacent on both sides into one 1-D piece (both sides of a
+    pair compute the same fusion from the same plan), so whole runs of parameters travel as one direct message."""
+    out: list[tuple[Region, Region]] = []
+    for s_r, d_r in items:
+        if out and s_r.contiguous and d_r.contiguous:
+            ps, pd = out[-1]
+            if (ps.contiguous and pd.contiguous and ps.buf == s_r.buf and pd.buf == d_r.buf
+                    and ps.offset + ps.numel == s_r.offset and pd.offset + pd.numel == d_r.offset):
+                out[-1] = (Region(ps.buf, ps.offset, (ps.numel + s_r.numel,), (1,)),
+                           Region(pd.buf, pd.offset, (pd.numel + d_r.numel,), (1,)))
+                continue
+        out.append((s_r, d_r))
+    return out
+
+
 def _messages(items: list[tuple[str, Region]], bucket: dict[str, int]) -> tuple[Msg, ...]:
     out: list[Msg] = []
     for dtype in ("param", "fp32"):
@@ -105,6 +124,12 @@ def _messages(items: list[tuple[str, Region]], bucket: dict[str, int]) -> tuple[
             step = max(1, cap // per_row)
             chunks = [r.rows(a, min(a + step, r.size[0])) for a in range(0, r.size[0], step)]
             for c in chunks:
+                if c.numel >= cap // 8:  # big: a message of its own, sent/received in place when contiguous
+                    if parts:
+                        out.append(Msg(dtype, tuple(parts), n))
+                        parts, n = [], 0
+                    out.append(Msg(dtype, (c,), c.numel))
+                    continue
                 if parts and n + c.numel > cap:
                     out.append(Msg(dtype, tuple(parts), n))
                     parts, n = [], 0
@@ -118,23 +143,28 @@ def _messages(items: list[tuple[str, Region]], bucket: dict[str, int]) -> tuple[
 @lru_cache(maxsize=64)
 def compile_program(plan: ReshardPlan, rank: int, param_bytes: int, bucket_bytes: int) -> Program:
     specs = plan.specs
-    send_items: dict[int, list] = defaultdict(list)
-    recv_items: dict[int, list] = defaultdict(list)
+    pairs: dict[tuple[int, int], list] = defaultdict(list)
     local = []
     for m in plan.moves:
         if rank not in (m.src, m.dst):
             continue
         kinds = ("param",) if m.what == "param" else OPT_KINDS
         for kind in kinds:
-            dkey = "param" if kind == "param" else "fp32"
-            src_r = region(_shape(plan.old, m.src, specs), m.spec, kind, m.box) if m.src == rank else None
-            dst_r = region(_shape(plan.new, m.dst, specs), m.spec, kind, m.box) if m.dst == rank else None
+            src_r = region(_shape(plan.old, m.src, specs), m.spec, kind, m.box)
+            dst_r = region(_shape(plan.new, m.dst, specs), m.spec, kind, m.box)
             if m.src == m.dst:
                 local.append((src_r, dst_r))
-            elif m.src == rank:
-                send_items[m.dst].append((dkey, src_r))
             else:
-                recv_items[m.src].append((dkey, dst_r))
+                pairs[(m.src, m.dst)].append((src_r, dst_r))
+    send_items: dict[int, list] = defaultdict(list)
+    recv_items: dict[int, list] = defaultdict(list)
+    for (src, dst), items in pairs.items():
+        for s_r, d_r in _merge(sorted(items, key=lambda x: KIND_ORDER[x[0].buf])):  # stable: plan order per kind
+            dkey = "param" if s_r.buf == "param" else "fp32"
+            if src == rank:
+                send_items[dst].append((dkey, s_r))
+            else:
+                recv_items[src].append((dkey, d_r))
     bucket = {"param": max(1, bucket_bytes // param_bytes), "fp32": max(1, bucket_bytes // 4)}
     sends = {p: _messages(v, bucket) for p, v in sorted(send_items.items())}
     recvs = {p: _messages(v, bucket) for p, v in sorted(recv_items.items())}
