@@ -7,13 +7,23 @@
              finish  stop token / max_new_tokens / max_seq_len -> RequestResult, the slot is free again
 
 Capacity: W = min(max_running_requests, kv_budget_bytes // bytes of one slot) slots; a slot holds
-`max_seq_len` positions of every layer. W is also the decode width (the batch of every decode forward).
+`max_seq_len` positions of every layer. Every decode forward has R rows: R = W on CUDA, W rounded up to a
+multiple of 64 on CPU (padding rows share one dummy slot, so the KV budget holds).
+
+Why R is a multiple of 64 on CPU (measured, torch 2.13 CPU, AVX-512): elementwise kernels run a flat loop
+over numel in vector chunks of 2 x Vec::size() and finish the last `numel % 32` elements with the *scalar*
+function; for SiLU (Sleef exp vs std::exp) that gives other bits. With 5 rows of width 48 the last row's
+last 16 values were computed by the scalar path, so the request in the last slot decoded 1 ulp apart from
+the same request in slot 0 and once flipped a log-prob. With R a multiple of 64 no decode tensor has a tail.
+GEMMs: per-row bits depend on M (classes M=1, 2..15, >=16 measured) but not on row position or other rows at
+fixed M, so R is fixed per engine. Intra-op threads split large elementwise loops into chunks with their own
+tails: run CPU engines with torch.set_num_threads(1) (our workers do) when bit-exactness matters.
 
 Exactness guarantee (measured, see tests/test_generation.py): a request's tokens and log-probs are a function
 of (weights, prompt, sampling params, seed) only, not of which requests share its batch, its slot, or its
 arrival time, and not of migrations between engines with equal `numerics` (decode width, dtype, device type,
 TP size, max_seq_len; same torch build and thread count). Why: prefill is per request; decode has fixed shapes
-(W rows, S keys); sampling uses the request's own generator. Bigger batched prefills or a dynamic decode width
+(R rows, S keys); sampling uses the request's own generator. Bigger batched prefills or a dynamic decode width
 would be faster but change round-off with batch composition (a flipped argmax/sample), so we do not use them.
 
 Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
@@ -49,6 +59,8 @@ from tidal.engine.generation.requests import Request, RequestEvent, RequestResul
 from tidal.engine.model import Transformer
 from tidal.engine.tp import _size
 from tidal.errors import TidalError
+
+CPU_ROW_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -105,14 +117,23 @@ class NativeEngine(GenerationEngine):
         slot = SlotKVCache.slot_bytes(self.args.num_layers, kv_heads, s, self.args.head_dim, self.dtype)
         width = config.max_running_requests
         if config.kv_budget_bytes is not None:
-            width = min(width, config.kv_budget_bytes // slot)
+            fit = config.kv_budget_bytes // slot
+            width = min(width, fit)
+            if self.device.type == "cpu" and width % CPU_ROW_MULTIPLE and width == fit:
+                width -= 1  # leave room for the dummy slot of the padding rows
             if width < 1:
+                need = slot * (2 if self.device.type == "cpu" else 1)  # CPU: + the padding rows' dummy slot
                 raise TidalError("kv_budget_bytes", config.kv_budget_bytes,
-                                 f"is smaller than one request's KV slot ({slot} bytes at max_seq_len={s})",
-                                 f"give at least {slot} bytes, or lower model.max_seq_len")
+                                 f"leaves no room for one request's KV slot ({slot} bytes at max_seq_len={s})",
+                                 f"give at least {need} bytes, or lower model.max_seq_len")
         self.width = width
-        self.numerics = f"width={width},dtype={self.dtype},device={self.device.type},tp={self.tp},seq={s}"
-        self.cache = SlotKVCache(self.args.num_layers, width, kv_heads, s, self.args.head_dim, self.dtype, self.device)
+        # decode rows: on CPU a multiple of 64, so no elementwise kernel has a scalar tail (see module doc)
+        self.rows = width if self.device.type != "cpu" else -(-width // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
+        self.numerics = f"rows={self.rows},dtype={self.dtype},device={self.device.type},tp={self.tp},seq={s}"
+        # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
+        self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
+                                 self.dtype, self.device)
+        self._row_slot = torch.tensor([min(r, width) for r in range(self.rows)], device=self.device)
         self.status = EngineStatus.READY
         self._param_shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
         self._offload: dict[str, torch.Tensor] | None = None
@@ -122,9 +143,9 @@ class NativeEngine(GenerationEngine):
         self._gone: dict[str, str] = {}  # id -> "finished" / "aborted" / "migrated away" (for error messages)
         self.tokens_generated = 0
         # per-slot sampling params, kept on the device (inactive slots are greedy and ignored)
-        self._temp = torch.zeros(width, device=self.device)
-        self._top_p = torch.ones(width, device=self.device)
-        self._top_k = torch.zeros(width, dtype=torch.long, device=self.device)
+        self._temp = torch.zeros(self.rows, device=self.device)
+        self._top_p = torch.ones(self.rows, device=self.device)
+        self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -216,7 +237,7 @@ class NativeEngine(GenerationEngine):
         return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1].float()
 
     def _decode(self, events: list[RequestEvent]) -> None:
-        ids, pos, active, sampling = [0] * self.width, [0] * self.width, [], []
+        ids, pos, active, sampling = [0] * self.rows, [0] * self.rows, [], []
         for slot, rid in enumerate(self._slots):
             if rid is None:
                 continue
@@ -229,9 +250,10 @@ class NativeEngine(GenerationEngine):
             sampling.append(not live.replay)
         ids_W1 = torch.tensor(ids, dtype=torch.long).to(self.device)[:, None]
         pos_W = torch.tensor(pos, dtype=torch.long).to(self.device)
-        logits_local = self.model(ids_W1, pos_W[:, None], self.cache.decode_mask(pos_W), self.cache.decoder(pos_W))
+        decoder = self.cache.decoder(pos_W, None if self.rows == self.width else self._row_slot)
+        logits_local = self.model(ids_W1, pos_W[:, None], self.cache.decode_mask(pos_W), decoder)
         logits = self.model.full_logits(logits_local)[:, -1].float()
-        u = torch.zeros(self.width)
+        u = torch.zeros(self.rows)
         drawn = self._uniforms(active, sampling)
         for live, x in zip(active, drawn.tolist()):
             u[live.slot] = x

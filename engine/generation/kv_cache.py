@@ -1,11 +1,12 @@
 """Slot KV cache: one fixed-capacity slot per running request, laid out so decode is row-exact.
 
-Per layer two slabs `k`, `v` of shape [W, H_kv_local, S, D]: W slots (the decode width), S = the model's
-`max_seq_len`. A request owns one slot from admission to finish; its first `kv_len` positions are valid.
+Per layer two slabs `k`, `v` of shape [W, H_kv_local, S, D]: W slots (+1 dummy slot for padding rows when
+the engine pads the decode batch, see engine.py), S = the model's `max_seq_len`. A request owns one slot from admission to finish; its first `kv_len` positions are valid.
 
 Why fixed shapes: on CPU a GEMM's per-row round-off depends on the number of rows M (measured with torch
 2.13/oneDNN: rows of `F.linear` fall into classes M=1, M=2..15, M>=16 with different bits), but at a fixed M
-a row's result depends neither on its position nor on the other rows' contents. Attention over a fixed key
+a row's result depends neither on its position nor on the other rows' contents (elementwise kernels need the
+row count padded too: engine.py). Attention over a fixed key
 span S with a boolean mask is exact per row too (masked scores are -inf, exp gives exact zeros, and the
 reduction shapes never change). So decode always runs all W rows over all S keys: a request's tokens do not
 depend on which other requests share the batch, which slot it sits in, or which engine (of equal W, dtype,
@@ -68,8 +69,9 @@ class SlotKVCache:
     def prefill_writer(self, slot: int) -> "_PrefillWriter":
         return _PrefillWriter(self, slot)
 
-    def decoder(self, positions_W: torch.Tensor) -> "_Decoder":
-        return _Decoder(self, positions_W)
+    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None = None) -> "_Decoder":
+        """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r)."""
+        return _Decoder(self, positions_R, row_slot_R)
 
     def decode_mask(self, positions_W: torch.Tensor) -> torch.Tensor:
         """[W, 1, S] bool: row b attends to keys 0..positions[b] (its own new token included)."""
@@ -91,14 +93,18 @@ class _PrefillWriter:
 
 
 class _Decoder:
-    """One decode step over all W slots: write each row's new K/V at its position, attend over the whole slab."""
+    """One decode step: write each row's new K/V at its position, attend over the row's whole slot.
 
-    def __init__(self, cache: SlotKVCache, positions_W: torch.Tensor):
-        self.cache, self.positions = cache, positions_W
-        self.rows = torch.arange(cache.num_slots, device=positions_W.device)
+    Padding rows (CPU, see engine.py) all map to one dummy slot; then the slab rows are gathered per row."""
+
+    def __init__(self, cache: SlotKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None):
+        self.cache, self.positions, self.gather = cache, positions_R, row_slot_R is not None
+        self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=positions_R.device)
 
     def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor):
         k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.rows, :, self.positions] = k_BHTD[:, :, 0]
-        v[self.rows, :, self.positions] = v_BHTD[:, :, 0]
+        k[self.slots, :, self.positions] = k_BHTD[:, :, 0]  # padding rows collide in the dummy slot: garbage
+        v[self.slots, :, self.positions] = v_BHTD[:, :, 0]
+        if self.gather:
+            return k.index_select(0, self.slots), v.index_select(0, self.slots)
         return k, v
