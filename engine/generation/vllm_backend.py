@@ -30,7 +30,8 @@ the tokens before the migration are kept as they were; after it, the request con
 generator state, but its next logits come from a prefill of prompt + generated tokens instead of a decode step,
 so they equal the unmigrated logits up to round-off. Greedy continuations are equal unless two logits are
 within that round-off (a near-tie); sampled continuations draw the same random numbers and so are equal under
-the same condition. Log-probs after the migration match to about 1e-5 (fp32), not bit for bit. Native <-> vLLM
+the same condition. Log-probs after the migration are equal up to that round-off (measured 0.0 on the test
+model, fp32 CPU; not guaranteed for other shapes, dtypes or GPU kernels). Native <-> vLLM
 migrations keep the generator state but the two samplers use it differently (native: one uniform per token,
 inverse CDF; vLLM CPU: one randint per token seeding Gumbel noise), so only greedy requests continue with the
 same tokens across backends.
