@@ -42,7 +42,8 @@ QUICK = ModelArgs(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, n
                   intermediate_size=768, max_seq_len=64)
 FULL = ModelArgs(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8,
                  intermediate_size=1536, max_seq_len=64)
-CASES = {4: [("tp=1,dp=2", "tp=1,dp=3,devices=1-3"), ("tp=2,dp=2", "tp=4,dp=1"),
+CASES = {2: [("tp=1,dp=1", "tp=1,dp=1,devices=1"), ("tp=1,dp=2", "tp=2,dp=1")],
+         4: [("tp=1,dp=2", "tp=1,dp=3,devices=1-3"), ("tp=2,dp=2", "tp=4,dp=1"),
              ("tp=2,dp=1,devices=0-1", "tp=2,dp=1,devices=2-3")],
          8: [("tp=2,dp=2", "tp=1,dp=7,devices=1-7"), ("tp=4,dp=2", "tp=2,dp=3,devices=2-7")]}
 SALT = {"param": 11, "master": 11, "exp_avg": 23, "exp_avg_sq": 37}
@@ -232,12 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     args = QUICK if ns.quick else FULL
     worlds = [4] if ns.quick else [4, 8]
     if ns.backend == "nccl":
-        worlds = [w for w in worlds if w <= torch.cuda.device_count()] or [min(2, torch.cuda.device_count())]
+        worlds = [w for w in (2, 4, 8) if w <= torch.cuda.device_count()]
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     cases = []
     for w in worlds:
-        todo = CASES.get(w) or [("tp=1,dp=1", "tp=1,dp=1,devices=1")]
-        cases += run_world(w, ns.backend, _case_body, args.__dict__, todo, ns.backend, ns.reps, shm)[0]
+        cases += run_world(w, ns.backend, _case_body, args.__dict__, CASES[w], ns.backend, ns.reps, shm)[0]
     print(f"{'world':>5} {'from':>28} {'to':>28} {'state MB':>9} {'moved MB':>9} {'s':>7} {'GB/s':>6} "
           f"{'vs raw':>6} {'vs dcp':>7} exact")
     for c in cases:
