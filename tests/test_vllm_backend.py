@@ -43,7 +43,7 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 def native(w, width=4) -> NativeEngine:
     m = Transformer(ARGS)
     m.load_global(w)
-    return NativeEngine(m, EngineConfig(width, reprefill="single_pass"))
+    return NativeEngine(m, EngineConfig(width))
 
 
 def prompts(n, seed=0):
@@ -147,6 +147,11 @@ def test_abort_and_bad_ids_are_clear(vllm_engine):
         vllm_engine.add(Request("m", tuple([1] * ARGS.max_seq_len)))
     with pytest.raises(TidalError, match="temperature"):
         vllm_engine.add(Request("t", (1, 4), SamplingParams(temperature=2.5)))
+    from tidal.engine.generation.vllm_backend import VLLMConfig, VLLMEngine
+    with pytest.raises(TidalError, match="vllm.python.*setup_vllm"):
+        VLLMEngine(ARGS, weights(0), VLLMConfig(python="/nonexistent/bin/python"))
+    with pytest.raises(TidalError, match="global shape"):
+        VLLMEngine(ARGS, {k: v[:1] for k, v in weights(0).items()}, VLLMConfig(python=str(VENV_PY)))
     vllm_engine.add(Request("d", (1, 4)))
     with pytest.raises(GenerationError, match="already in flight"):
         vllm_engine.add(Request("d", (1, 5)))
@@ -179,6 +184,15 @@ def test_migration_reprefill_keeps_greedy_and_sampled_outputs(vllm_engine):
         assert out[rid].num_migrations == 1
         torch.testing.assert_close(torch.tensor(out[rid].logprobs), torch.tensor(unmigrated[rid].logprobs),
                                    atol=1e-4, rtol=0)
+
+    # import is all or nothing; a staged import dropped with abort leaves nothing behind
+    with pytest.raises(GenerationError, match="already here"):
+        vllm_engine.import_state([states[0], states[1], states[0]])
+    assert vllm_engine.request_ids() == [] and not vllm_engine.has_work()
+    vllm_engine.import_state(states[:2], staged=True)
+    assert vllm_engine.request_ids() == []  # staged: frozen until activate
+    vllm_engine.abort([states[0].request_id, states[1].request_id])
+    assert not vllm_engine.has_work() and vllm_engine.step() == []
 
     # cancel_export: the request continues where it was, also by re-prefill
     vllm_engine.add(greedy[0])
