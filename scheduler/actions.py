@@ -110,6 +110,26 @@ class StartRollout(Action):
     instance_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class LendInference(Action):
+    """Inference's idle `devices` (whole inference instances) host rollout instances `instance_ids` (instance
+    `instance_ids[k]` on `devices[k*tp:(k+1)*tp]`, tp: rollout TP). Groups generated meanwhile wait for
+    scoring until `ReturnToInference`. Tidal uses it at step start, before any group is generated."""
+
+    devices: tuple[int, ...]
+    instance_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReturnToInference(Action):
+    """Lent-from-inference instances `instance_ids` (work already migrated to `migrate_to`) stop; `devices`
+    score again."""
+
+    instance_ids: tuple[int, ...]
+    devices: tuple[int, ...]
+    migrate_to: tuple[int, ...] = ()
+
+
 def describe(actions: list[Action]) -> list[str]:
     """One line per action (logs, the simulator's event list)."""
     out = []
@@ -119,9 +139,9 @@ def describe(actions: list[Action]) -> list[str]:
             body = f"tp{f.tp}xdp{f.dp}({f.size}) -> tp{t.tp}xdp{t.dp}({t.size})"
         elif isinstance(a, MigrateRequests):
             body = f"{a.count} groups {a.src} -> {a.dst}" + (" (kv)" if a.kv else "")
-        elif isinstance(a, (ReleaseRollout, ReturnFromRollout)):
+        elif isinstance(a, (ReleaseRollout, ReturnFromRollout, ReturnToInference)):
             body = f"instances {list(a.instance_ids)} devices {list(a.devices)}"
-        elif isinstance(a, (LendToRollout, StartRollout)):
+        elif isinstance(a, (LendToRollout, StartRollout, LendInference)):
             body = f"devices {list(a.devices)} as instances {list(a.instance_ids)}"
         elif isinstance(a, ReleaseInference):
             body = f"devices {list(a.devices)}"

@@ -2,58 +2,100 @@
 
 Each decision compares a few candidate plans by their predicted end of step and picks the earliest; the
 current plan ("do nothing") is always a candidate, so a move must beat it by more than its own cost
-(reshard, migration re-prefill, release) plus a margin. A candidate is "release the j least-loaded rollout
-instances (drained ones first, not the lowest ids), migrate their groups to the survivors, and run the actor on
-all devices that are then free (any dp)".
+(reshard, migration, release, lend) plus a margin. Candidates at an actor boundary:
+
+- grow: release the j least-loaded rollout instances (drained ones first, not the lowest ids; j on a doubling
+  grid), migrate their groups to the least-loaded survivors, run the actor on every device then free (any dp);
+- shrink (mid-step lending): the actor waits for its next mini-batch while rollout is throughput-bound: it
+  gives devices to rollout, keeping `s` of them (any dp; s = 0 lends them all, `LendToRollout`, and they come
+  back when the mini-batch is scored); the heaviest instances hand queued groups to the new instances.
 
 Prediction, per candidate (t = 0 is now)::
 
-    rollout end  T_r = max(all remaining tokens / survivors' rate at the consolidated batch,
-                           slowest survivor's own remaining time) + re-prefill of what moved
+    rollout end  T_r = max(all remaining tokens / instances' rate at the consolidated batch,
+                           slowest instance's own remaining time) + migration of what moved
     mini-batch j ready  ~ linear in groups still to generate over [0, T_r], plus scoring lag
     actor        t = reshard(now -> new); for each iter j left: t = max(t, ready_j) + iter_time(dp);
                  iters that start after T_r run on every device (the actor grows then; one more reshard)
     end          t + reshard back to the initial layout (the next step's rollout needs its devices)
 
-Between boundaries (an instance drained, the actor waits for data) the policy also rebalances: the most
-loaded instance hands groups to the least loaded when the predicted cut of its remaining time exceeds the
-re-prefill cost (RLinf gives each instance one fixed slice and never moves work between survivors).
+Remaining tokens per instance come from the producer's length model (mean residual life E[L - x | L > x]).
+Migration moves the KV cache when the engine can (`PolicyParams.kv_migration`: KV bytes / link bandwidth,
+~100x cheaper than RLinf's re-prefill), else re-prefills.
 
-Cost: one sort of the instances plus O(instances) per candidate and O(log instances) candidates: well under
-1 ms at 1,024 devices (benchmarks/scheduler.py measures it).
+Step start: the actor has nothing to train until its first mini-batch is scored; it lends its devices to
+rollout when the predicted rollout time they save exceeds lend + return + migration (cost model, not a
+fixed threshold), and takes them back when that mini-batch is scored, choosing at that moment how many
+further instances to release so it can start wider. Between boundaries (an instance drained, the actor
+trains) it rebalances: the most loaded instance hands groups to the least loaded when the predicted cut of
+its remaining time exceeds the migration cost (RLinf never moves work between survivors).
+
+Cost: everything is numpy over the instances' columns (`Signals.cols`) plus O(log instances) candidates of
+O(n_minibatches) scalar work; Python loops run only over emitted actions. Well under 1 ms at 1,024 devices
+(benchmarks/scheduler.py reports p50/p99).
 """
 
 from __future__ import annotations
 
 import math
 
-from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout)
-from tidal.scheduler.signals import ActorLayout, RolloutInstanceSignal, Signals
+import numpy as np
+
+from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateRequests, ReleaseInference,
+                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
+                                     StartRollout, Wait)
+from tidal.scheduler.signals import ActorLayout, RolloutColumns, Signals
 from tidal.scheduler.state import SchedState
 
 #: a move must beat doing nothing by this much (seconds) on top of its modelled cost: churn guard
 MARGIN_S = 0.25
 #: rebalance only when the heaviest instance's remaining time exceeds the lightest's by this factor
 REBALANCE_RATIO = 1.5
+#: candidate families (switches for ablations in benchmarks/scheduler.py; all on by default)
+SHRINK = True
+GROW_ON_RETURN = True
 
 
-def _instance_s(r: RolloutInstanceSignal) -> float:
-    return r.est_remaining_s if not r.drained else 0.0
+def move_cost(state: SchedState, tokens: float) -> float:
+    """Seconds a target instance loses receiving sequences of `tokens` (prompt + generated)."""
+    c = state.costs
+    return c.kv_move_time(tokens) if state.params.kv_migration else c.migration_time(tokens)
 
 
-def _predict_end(state: SchedState, sig: Signals, totals: tuple[float, int], n_survivors: int,
-                 slowest_s: float, moved_tokens: float, actor_size: int, full_size: int,
-                 extra_cost: float) -> float:
+def _migrate(state: SchedState, why: str, src: int, dst: int, count: int) -> MigrateRequests:
+    return MigrateRequests(why, src=src, dst=dst, count=count, kv=state.params.kv_migration)
+
+
+def inst_seconds(state: SchedState, cols: RolloutColumns) -> np.ndarray:
+    """Predicted seconds each instance needs for its work. Every decode step costs `step_s + per_seq_s * b`
+    and yields b tokens, so an instance needs `steps * step_s + tokens * per_seq_s` with steps = max(longest
+    remaining sequence, tokens / slots). Without a tail estimate from the producer: tokens / current rate."""
+    d = state.costs.decode
+    rem = cols.est_remaining_tokens
+    steps = np.maximum(cols.est_tail_tokens, rem / state.params.max_running_requests)
+    model = d.step_s * steps + d.per_seq_s * rem
+    out = np.where(cols.est_tail_tokens > 0, model, cols.est_remaining_s)
+    return np.where((cols.running == 0) | (rem <= 0), 0.0, out)
+
+
+def rollout_seconds(state: SchedState, remaining: float, tail: float, n_inst: int) -> float:
+    """Rollout time of `remaining` tokens spread evenly over `n_inst` instances, longest sequence `tail`."""
+    d = state.costs.decode
+    steps = max(tail, remaining / (n_inst * state.params.max_running_requests))
+    return d.step_s * steps + d.per_seq_s * remaining / n_inst
+
+
+def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float, n_inst: int,
+                 slowest_s: float, moved_tokens: float, actor_size: int, full_size: int, extra_cost: float,
+                 lent_until_ready: bool = False) -> float:
     """Predicted seconds from now to the end of the step (see the module docstring)."""
     p, c = state.params, state.costs
     layout = sig.actor.layout
-    remaining, running = totals
-    if remaining > 0 and n_survivors:
-        per = min(p.max_running_requests, running / n_survivors)
-        rate = n_survivors * c.decode.rate(max(per, 1.0))
-        t_r = max(remaining / rate, slowest_s)
-        t_r += c.migration_time(moved_tokens / n_survivors) if moved_tokens else 0.0
+    if remaining > 0 and n_inst:
+        t_r = rollout_seconds(state, remaining, tail, n_inst)
+        if not p.kv_migration:   # running sequences stay put (moving them re-prefills): the slowest bounds
+            t_r = max(t_r, slowest_s)
+        t_r += move_cost(state, moved_tokens / n_inst) if moved_tokens else 0.0
     elif remaining > 0:
         return math.inf
     else:
@@ -61,26 +103,30 @@ def _predict_end(state: SchedState, sig: Signals, totals: tuple[float, int], n_s
     resp = state.mean_response_tokens or 1.0
     seq_tokens = state.prompt_tokens + resp
     lag = c.inference.group_time(p.group_size * seq_tokens, p.inference_tp)
-    left = sig.groups_total - sig.groups_generated
     have = sig.inference.groups_finished
     tp = layout.tp
-    iter_tokens = p.sequences_per_iter * seq_tokens
+    step_tokens = p.sequences_per_iter * p.n_minibatches * seq_tokens
+    total = max(sig.groups_total, 1)
+    f_now = state.time_fraction(sig.groups_generated / total)
 
-    t = extra_cost + c.reshard.grow_time(layout.size, actor_size, tp)
+    t = extra_cost + (0.0 if lent_until_ready else c.reshard.grow_time(layout.size, actor_size, tp))
     size = actor_size
     first = sig.actor.iters_done
     for j in range(first, p.n_minibatches):
         need = (j + 1) * p.groups_per_iter
         if need <= have:
             ready = 0.0
-        else:
-            frac = 1.0 if left <= 0 else min(1.0, max(0.0, (need - sig.groups_generated) / left))
-            ready = t_r * frac + lag
+        elif need <= sig.groups_generated or f_now >= 1.0:
+            ready = lag
+        else:   # the learned readiness curve, rescaled to the rollout time left
+            ready = t_r * (state.time_fraction(need / total) - f_now) / (1.0 - f_now) + lag
         start = max(t, ready)
+        if lent_until_ready and j == first:
+            start = max(t, ready + c.return_s)
         if j > first and size < full_size and start >= t_r + lag:  # grows at a later boundary
             start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
-        t = start + c.actor.iter_time(iter_tokens, tp, size // tp)
+        t = start + c.actor.iter_time(step_tokens * state.iter_share(j), tp, size // tp)
     init = p.initial_layout
     t += c.reshard.grow_time(size, init.size, tp)
     return t
@@ -92,119 +138,204 @@ def _layout_for(layout: ActorLayout, pool: list[int], size: int) -> ActorLayout:
     return ActorLayout(layout.tp, size // layout.tp, new)
 
 
-def _rebalance(state: SchedState, sig: Signals, live: list[RolloutInstanceSignal]) -> list[Action]:
-    """Pair the heaviest instances with the lightest; move groups where the cut exceeds re-prefill cost."""
-    c = state.costs
-    if len(live) < 2:
-        return []
-    order = sorted(live, key=_instance_s)
+def _spread(state: SchedState, why: str, cols: RolloutColumns, gone: np.ndarray, survivors: np.ndarray,
+            srem: np.ndarray) -> list[Action]:
+    """Migrate the unfinished groups of instances `gone` (positions in `cols`) to the survivors with the least
+    predicted remaining time; each leaving instance feeds at most 4 survivors (few actions)."""
     acts: list[Action] = []
-    lo, hi = 0, len(order) - 1
-    while lo < hi:
-        light, heavy = order[lo], order[hi]
-        th, tl = _instance_s(heavy), _instance_s(light)
-        if th <= REBALANCE_RATIO * tl + MARGIN_S or heavy.groups_unfinished < 2 or th == math.inf:
+    g_un = cols.groups_unfinished
+    src = gone[g_un[gone] > 0]
+    if not src.size or not survivors.size:
+        return acts
+    order = survivors[np.lexsort((cols.id[survivors], srem[survivors]))]
+    loads = srem[order].tolist()
+    ids = cols.id[order].tolist()
+    per_group = np.divide(srem[src], g_un[src], out=np.zeros(src.size), where=g_un[src] > 0).tolist()
+    k, m = 0, len(ids)
+    for sid, left, per in zip(cols.id[src].tolist(), g_un[src].tolist(), per_group):
+        share = max(1, math.ceil(left / 4))
+        while left:
+            n = min(share, left)
+            acts.append(_migrate(state, why, sid, ids[k % m], n))
+            loads[k % m] += per * n
+            left -= n
+            k += 1
+    return acts
+
+
+def _rebalance(state: SchedState, sig: Signals, mask: np.ndarray) -> list[Action]:
+    """Pair the heaviest instances with the lightest; move groups where the cut exceeds the migration cost."""
+    cols = sig.cols
+    idx = np.flatnonzero(mask)
+    if idx.size < 2:
+        return []
+    srem = inst_seconds(state, cols)
+    order = idx[np.lexsort((cols.id[idx], srem[idx]))]
+    h = order.size // 2
+    lo, hi = order[:h], order[::-1][:h]
+    tl, th = srem[lo], srem[hi]
+    g_un = cols.groups_unfinished[hi]
+    ok = (th > REBALANCE_RATIO * tl + MARGIN_S) & (g_un >= 2) & np.isfinite(th)
+    k = h if ok.all() else int(np.argmin(ok))
+    if not k:
+        return []
+    lo, hi, tl, th, g_un = lo[:k], hi[:k], tl[:k], th[:k], g_un[:k]
+    count = np.minimum((g_un * (th - tl) / (2 * th)).astype(np.int64), g_un - 1)
+    moved = cols.progress_tokens[hi] * count / g_un + count * state.params.group_size * state.prompt_tokens
+    gain = (th - tl) / 2
+    p = state.params
+    c = state.costs
+    if p.kv_migration:
+        cost = c.kv_fixed_s + c.kv_bytes_per_token * moved / c.kv_bw
+    else:
+        cost = c.migration_fixed_s + c.decode.prefill_per_token_s * moved
+    go = np.flatnonzero((count >= 1) & (gain > cost + MARGIN_S))
+    acts: list[Action] = []
+    ids = cols.id
+    for i in go.tolist():
+        s, d = int(ids[hi[i]]), int(ids[lo[i]])
+        acts.append(_migrate(state, f"rebalance: instance {s} ~{th[i]:.1f}s left vs {d} ~{tl[i]:.1f}s; "
+                                    f"{count[i]} groups, gain {gain[i]:.1f}s > cost {cost[i]:.2f}s",
+                             s, d, int(count[i])))
+    return acts
+
+
+def _fill(state: SchedState, why: str, cols: RolloutColumns, donors: np.ndarray, new_ids: list[int],
+          target_s: float) -> list[Action]:
+    """New (empty) instances `new_ids` take queued groups from the heaviest `donors` down to `target_s` each."""
+    srem = inst_seconds(state, cols)
+    order = donors[np.argsort(-srem[donors], kind="stable")]
+    acts: list[Action] = []
+    room = [target_s] * len(new_ids)
+    k = 0
+    for i in order.tolist():
+        s, g = float(srem[i]), int(cols.groups_unfinished[i])
+        if s <= target_s or g < 2 or not math.isfinite(s) or k >= len(new_ids):
             break
-        per_group = heavy.est_remaining_tokens / heavy.groups_unfinished
-        count = int(heavy.groups_unfinished * (th - tl) / (2 * th))
-        count = min(count, heavy.groups_unfinished - 1)
-        moved_progress = heavy.progress_tokens * count / max(heavy.groups_unfinished, 1)
-        cost = c.migration_time(moved_progress + count * state.params.group_size * state.prompt_tokens)
-        gain = (th - tl) / 2
-        if count >= 1 and gain > cost + MARGIN_S:
-            acts.append(MigrateRequests(
-                f"rebalance: instance {heavy.id} ~{th:.1f}s left vs {light.id} ~{tl:.1f}s; "
-                f"{count} groups (~{per_group * count:.0f} tokens), gain {gain:.1f}s > cost {cost:.2f}s",
-                src=heavy.id, dst=light.id, count=count))
-        lo, hi = lo + 1, hi - 1
+        surplus_groups = min(g - 1, int(g * (s - target_s) / s))
+        per = s / g
+        while surplus_groups > 0 and k < len(new_ids):
+            n = min(surplus_groups, max(1, int(room[k] / per)))
+            acts.append(_migrate(state, why, int(cols.id[i]), new_ids[k], n))
+            surplus_groups -= n
+            room[k] -= n * per
+            if room[k] < per:
+                k += 1
     return acts
 
 
 def _lend(state: SchedState, sig: Signals) -> list[Action]:
-    """Step start: the actor has nothing to train until its first mini-batch is scored. Lend its devices to
-    rollout when the predicted rollout time they save exceeds lend + return + re-prefill of what they hold."""
+    """Step start: the actor has nothing to train until its first mini-batch is scored, and inference nothing
+    to score until groups finish. Lend each one's devices to rollout when the predicted rollout time they save
+    exceeds lend + return + migration of what they then hold (+ for inference, scoring what waited)."""
     p, c = state.params, state.costs
-    devs = sig.actor.layout.devices
-    lend = len(devs) // p.rollout_tp
     r = len(sig.rollout)
-    if not lend or not r:
+    if not r:
         return []
     mean = state.mean_response_tokens or 1.0
     seqs = sig.groups_total * p.group_size
-    rate = c.decode.rate(min(p.max_running_requests, seqs / (r + lend)))
-    first = seqs * mean / p.n_minibatches / (r * rate)           # until the first mini-batch, not lending
-    held = min(p.max_running_requests, seqs / (r + lend)) * lend  # sequences the lent instances hold then
-    cost = c.lend_s + c.return_s + c.migration_time(held * (state.prompt_tokens + mean / 2) / r)
-    gain = first * lend / (r + lend)
-    if gain <= cost + MARGIN_S:
-        return []
-    ids = tuple(devs[k * p.rollout_tp] for k in range(lend))
-    return [LendToRollout(f"actor idle until its first mini-batch (~{first:.0f}s): lending saves ~{gain:.0f}s of "
-                          f"rollout for ~{cost:.1f}s of lend/return/re-prefill", devices=devs[:lend * p.rollout_tp],
-                          instance_ids=ids)]
-
-
-def _return(state: SchedState, sig: Signals) -> list[Action]:
-    """The first mini-batch is scored: lent instances hand their groups to the least-loaded survivors."""
-    lent = [r for r in sig.rollout if r.lent]
-    survivors = [r for r in sig.rollout if not r.lent]
-    why = "the actor's first mini-batch is scored: lent devices go back"
-    acts = _release_plan(sig, lent, survivors, why)
-    rel = acts.pop()
-    assert isinstance(rel, ReleaseRollout)
-    return [*acts, ReturnFromRollout(why, rel.instance_ids, rel.devices, rel.migrate_to)]
-
-
-def _release_plan(sig: Signals, gone: list[RolloutInstanceSignal], survivors: list[RolloutInstanceSignal],
-                  why: str) -> list[Action]:
-    """Migrate `gone`'s groups to the survivors with the least predicted remaining time, then release."""
     acts: list[Action] = []
-    loads = sorted(((_instance_s(s), s.id) for s in survivors))
-    k = 0
-    for g in gone:
-        if not g.groups_unfinished:
-            continue
-        per = g.est_remaining_s / g.groups_unfinished if g.groups_unfinished else 0.0
-        left = g.groups_unfinished
-        share = max(1, math.ceil(left / 4))  # each leaving instance feeds at most 4 survivors (few actions)
-        while left:
-            load, dst = loads[k % len(loads)]
-            n = min(share, left)
-            acts.append(MigrateRequests(why, src=g.id, dst=dst, count=n))
-            loads[k % len(loads)] = (load + per * n, dst)
-            left -= n
-            k += 1
-    acts.append(ReleaseRollout(why, tuple(g.id for g in gone), tuple(d for g in gone for d in g.devices),
-                               migrate_to=tuple(sorted({a.dst for a in acts if isinstance(a, MigrateRequests)}))))
+    devs = sig.actor.layout.devices
+    la = len(devs) // p.rollout_tp
+    inf = sig.inference.devices
+    li = len(inf) // p.rollout_tp if p.inference_tp % p.rollout_tp == 0 or p.rollout_tp % p.inference_tp == 0 else 0
+    li = li // max(1, p.inference_tp // p.rollout_tp) * max(1, p.inference_tp // p.rollout_tp)
+    servers = max(1, len(inf) // p.inference_tp)
+    score_s = c.inference.group_time(p.group_size * (state.prompt_tokens + mean), p.inference_tp)
+
+    def first_s(n: int) -> float:
+        """Time until the first mini-batch is generated with n instances: its share of the rollout."""
+        rate = c.decode.rate(min(p.max_running_requests, seqs / n))
+        t_all = seqs * mean / (n * rate)
+        return t_all * state.time_fraction(p.groups_per_iter / max(sig.groups_total, 1))
+
+    def held_cost(k: int, n: int) -> float:
+        held = min(p.max_running_requests, seqs / n) * k
+        return move_cost(state, held * (state.prompt_tokens + mean / 2) / max(1, n - k))
+
+    base = first_s(r)
+    n = r
+    if la:
+        gain = base - first_s(r + la)
+        cost = c.lend_s + c.return_s + held_cost(la, r + la)
+        if gain > cost + MARGIN_S:
+            ids = tuple(devs[k * p.rollout_tp] for k in range(la))
+            acts.append(LendToRollout(f"actor idle until its first mini-batch (~{base:.0f}s): lending saves "
+                                      f"~{gain:.0f}s of rollout for ~{cost:.1f}s of lend/return/migration",
+                                      devices=devs[:la * p.rollout_tp], instance_ids=ids))
+            n = r + la
+    if li:
+        now_s = first_s(n)
+        gain = now_s - first_s(n + li)
+        # scoring restarts at the return: the groups generated by then wait (about one server's share)
+        cost = c.lend_s + c.return_s + held_cost(li, n + li) + score_s * p.groups_per_iter / (4 * servers)
+        if gain > cost + MARGIN_S:
+            lent = inf[:li * p.rollout_tp]
+            ids = tuple(lent[k * p.rollout_tp] for k in range(li))
+            acts.append(LendInference(f"inference idle until groups finish (~{now_s:.0f}s to the first "
+                                      f"mini-batch): lending saves ~{gain:.0f}s for ~{cost:.1f}s",
+                                      devices=lent, instance_ids=ids))
+            acts.append(Wait("inference lent: decide its return by the scoring backlog", recheck_s=1.0))
     return acts
 
 
-def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
-    p = state.params
-    layout = sig.actor.layout
-    live = sorted(sig.rollout, key=lambda r: (_instance_s(r), r.id))
-    if sig.trigger == "start":
-        return _lend(state, sig)
-    if sig.actor.lent_out:
-        if sig.inference.groups_finished >= p.groups_per_iter or sig.running == 0:
-            return _return(state, sig)
-        return _rebalance(state, sig, [r for r in live if not r.lent])
-    if not sig.actor.at_boundary:
-        return _rebalance(state, sig, [r for r in live if not r.lent])
-    if sig.actor.iters_done >= p.n_minibatches:
-        if layout != p.initial_layout:
-            return [ReshardActor("step end: actor returns to its initial layout", layout, p.initial_layout)]
-        return []
+def _return_inference(state: SchedState, sig: Signals) -> list[Action]:
+    """Inference devices are lent: take them back when scoring what has (and will have) arrived would
+    otherwise delay the next mini-batch past its generation (or when rollout is done)."""
+    p, c = state.params, state.costs
+    cols = sig.cols
+    lent_dev = sig.inference.lent
+    on_inf = np.isin(cols.id, lent_dev)
+    mean = state.mean_response_tokens or 1.0
+    score_s = c.inference.group_time(p.group_size * (state.prompt_tokens + mean), p.inference_tp)
+    servers = max(1, (len(sig.inference.devices) + len(lent_dev)) // p.inference_tp)
+    need = (sig.actor.iters_done + 1) * p.groups_per_iter
+    total = max(sig.groups_total, 1)
+    remaining = float(cols.est_remaining_tokens.sum())
+    running = int(cols.running.sum())
+    tail = float(cols.est_tail_tokens.max()) if running else 0.0
+    n = int(cols.running.size)
+    t_r = rollout_seconds(state, remaining, max(tail, 1.0), n) if running else 0.0
+    f_now = state.time_fraction(sig.groups_generated / total)
+    if need <= sig.groups_generated or f_now >= 1.0:
+        until = 0.0
+    else:
+        until = t_r * (state.time_fraction(need / total) - f_now) / (1.0 - f_now)
+    backlog = c.return_s + min(need, sig.groups_generated) * score_s / servers
+    if running and until > backlog + 1.0:
+        return [Wait(f"inference lent: next mini-batch generated in ~{until:.0f}s, scoring backlog "
+                     f"~{backlog:.1f}s", recheck_s=max(0.5, (until - backlog) / 2))]
+    why = f"scoring backlog ~{backlog:.1f}s vs ~{until:.0f}s to mini-batch {sig.actor.iters_done}: inference back"
+    srem = inst_seconds(state, cols)
+    survivors = np.flatnonzero(~on_inf & ~cols.lent)
+    if not survivors.size:
+        survivors = np.flatnonzero(~on_inf)
+    gone = np.flatnonzero(on_inf)
+    acts = _spread(state, why, cols, gone, survivors, srem)
+    acts.append(ReturnToInference(why, tuple(cols.id[gone].tolist()),
+                                  tuple(d for i in gone.tolist() for d in sig.devices_of(i)), _dsts(acts)))
+    return acts
 
+
+def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
+    """An actor boundary (or, `returning`, its lent devices come back): pick the best grow/shrink candidate."""
+    p, c = state.params, state.costs
+    layout = sig.actor.layout
+    tp = layout.tp
+    cols = sig.cols
     acts: list[Action] = []
     free = sorted(sig.devices.free)
     if sig.inference.done and sig.inference.devices:
         acts.append(ReleaseInference("inference scored every group of the step", sig.inference.devices))
         free = sorted(free + list(sig.inference.devices))
-    tp = layout.tp
+    srem = inst_seconds(state, cols)
+    lent = cols.lent
+    live = np.flatnonzero(~lent)
+    lent_idx = np.flatnonzero(lent)
+    order = live[np.lexsort((cols.id[live], srem[live]))]
+    n = order.size
     top = min(p.num_devices // tp, p.sequences_per_iter) * tp   # tidal sizes: every multiple of tp up to top
-    # every device the actor can have once rollout and inference are done (it grows then)
-    all_dev = layout.size + len(free) + sum(len(r.devices) for r in live)
+    all_dev = layout.size + len(free) + int(cols.n_devices[live].sum())
     if not sig.inference.done:
         all_dev += len(sig.inference.devices)
 
@@ -212,44 +343,116 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
         return max(tp, min(top, n_dev // tp * tp))
 
     full = fit(all_dev)
+    remaining = float(cols.est_remaining_tokens.sum())
+    running = int(cols.running.sum())
+    tail = float(cols.est_tail_tokens.max()) if cols.running.size else 0.0
+    if tail <= 0 and running:   # no tail estimate from the producer: the mean residual (a lower bound)
+        tail = remaining / running
+    prompt = state.prompt_tokens
+    tok = cols.progress_tokens + cols.running * prompt
+    moved_prefix = np.concatenate([[0.0], np.cumsum(tok[order])])
+    dev_prefix = np.concatenate([[0], np.cumsum(cols.n_devices[order])])
+    lent_moved = float(tok[lent_idx].sum())
+    slowest = float(srem[order[-1]]) if n else 0.0
+    extra = c.return_s if returning else 0.0
 
-    # candidates: j least-loaded instances go (j on a doubling grid, plus "all drained")
-    drained = sum(1 for r in live if r.drained)
-    js = {0, drained, len(live)}
+    # grow candidates: j least-loaded instances go (j on a doubling grid, plus "all drained", plus all)
+    drained = int(np.count_nonzero(cols.running[order] == 0))
+    js = {0, drained, n}
     j = 1
-    while j < len(live):
+    while j < n:
         js.add(j)
         j *= 2
-    totals = (sum(r.est_remaining_tokens for r in live), sum(r.running for r in live))
-    # live is sorted by remaining time: prefix sums give each candidate in O(1)
-    moved_prefix, dev_prefix = [0.0], [0]
-    for r in live:
-        moved_prefix.append(moved_prefix[-1] + r.progress_tokens + r.running * state.prompt_tokens)
-        dev_prefix.append(dev_prefix[-1] + len(r.devices))
-    slowest = _instance_s(live[-1]) if live else 0.0
-    best = (_predict_end(state, sig, totals, len(live), slowest, 0.0, layout.size, full, 0.0), 0, layout.size)
+    base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra)
+    best = (base, 0, layout.size)
     for j in sorted(js):
-        if j and j == len(live) and sig.running:
+        if not j or (j == n and running) or (returning and not GROW_ON_RETURN):
             continue
-        size = fit(layout.size + len(free) + dev_prefix[j])
-        if size < layout.size:
+        size = fit(layout.size + len(free) + int(dev_prefix[j]))
+        if size <= layout.size:
             continue
-        cost = state.costs.rollout_release_s if j else 0.0
-        end = _predict_end(state, sig, totals, len(live) - j, slowest, moved_prefix[j], size, full, cost)
+        cost = extra + c.rollout_release_s
+        end = _predict_end(state, sig, remaining, tail, n - j, slowest, lent_moved + moved_prefix[j], size,
+                           full, cost)
         if end + MARGIN_S < best[0]:
             best = (end, j, size)
-    _, j, size = best
-    if j:
-        gone, survivors = live[:j], live[j:]
-        why = (f"release the {j} least-loaded instances (predicted step end {best[0]:.1f}s from now); "
-               f"actor to {size} devices")
-        acts += _release_plan(sig, gone, survivors, why)
-        free = sorted(free + [d for r in gone for d in r.devices])
-        live = survivors
+    # shrink candidates (mid-step lending): only while the actor waits for data and rollout has work
+    need = (sig.actor.iters_done + 1) * p.groups_per_iter
+    waiting = sig.inference.groups_finished < need and not returning
+    if SHRINK and waiting and running and n and p.rollout_tp <= layout.size:
+        for size in sorted({0, layout.size // 2 // tp * tp}):
+            if size >= layout.size:
+                continue
+            new = (layout.size - size) // p.rollout_tp
+            if size:
+                cost = c.reshard.grow_time(layout.size, size, tp) + c.lend_s
+            else:
+                cost = c.lend_s
+            end = _predict_end(state, sig, remaining, tail, n + new, slowest, 0.0,
+                               size or layout.size, full, cost, lent_until_ready=not size)
+            if end + MARGIN_S < best[0]:
+                best = (end, -new, size)
+    end, j, size = best
+    if returning:
+        why = "the actor's first mini-batch is scored: lent devices go back"
+        acts += _spread(state, why, cols, lent_idx, order[j:], srem)
+        acts.append(ReturnFromRollout(why, tuple(cols.id[lent_idx].tolist()),
+                                      tuple(d for i in lent_idx.tolist() for d in sig.devices_of(i)),
+                                      migrate_to=_dsts(acts)))
+    if j > 0:
+        gone, survivors = order[:j], order[j:]
+        why = (f"release the {j} least-loaded instances (predicted step end {end:.1f}s from now vs "
+               f"{base:.1f}s); actor to {size} devices")
+        moves = _spread(state, why, cols, gone, survivors, srem)
+        acts += moves
+        acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()),
+                                   tuple(d for i in gone.tolist() for d in sig.devices_of(i)),
+                                   migrate_to=_dsts(moves)))
+        free = sorted(free + [d for i in gone.tolist() for d in sig.devices_of(i)])
     if size > layout.size:
         pool = [d for d in free if d not in layout.devices]
         acts.append(ReshardActor(f"predicted gain over the remaining iters exceeds reshard cost; dp "
                                  f"{layout.dp} -> {size // tp}", layout, _layout_for(layout, pool, size)))
-    if not j:
-        acts += _rebalance(state, sig, [r for r in live if not r.lent])
+    elif j < 0:
+        leaving = tuple(sorted(layout.devices)[size:])
+        leaving = leaving[:len(leaving) // p.rollout_tp * p.rollout_tp]
+        new_ids = [leaving[k] for k in range(0, len(leaving), p.rollout_tp)]
+        why = (f"actor waits for mini-batch {sig.actor.iters_done} while rollout is throughput-bound: "
+               f"{len(leaving)} devices to rollout (predicted step end {end:.1f}s vs {base:.1f}s)")
+        target = rollout_seconds(state, remaining, tail, n + len(new_ids))
+        if size:
+            keep = tuple(sorted(layout.devices)[:size])
+            acts.append(ReshardActor(why, layout, ActorLayout(tp, size // tp, keep)))
+            acts.append(StartRollout(why, leaving, tuple(new_ids)))
+        else:
+            acts.append(LendToRollout(why, leaving, tuple(new_ids)))
+        acts += _fill(state, why, cols, live, new_ids, target)
+    elif not returning and j == 0:
+        acts += _rebalance(state, sig, ~lent)
     return acts
+
+
+def _dsts(acts: list[Action]) -> tuple[int, ...]:
+    return tuple(sorted({a.dst for a in acts if isinstance(a, MigrateRequests)}))
+
+
+def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
+    p = state.params
+    layout = sig.actor.layout
+    if sig.trigger == "start":
+        return _lend(state, sig)
+    cols = sig.cols
+    if sig.inference.lent:
+        return _return_inference(state, sig)
+    if sig.actor.lent_out:
+        need = (sig.actor.iters_done + 1) * p.groups_per_iter
+        if sig.inference.groups_finished >= need or sig.running == 0:
+            return _plan(state, sig, returning=True)
+        return _rebalance(state, sig, ~cols.lent)
+    if not sig.actor.at_boundary:
+        return _rebalance(state, sig, ~cols.lent)
+    if sig.actor.iters_done >= p.n_minibatches:
+        if layout != p.initial_layout:
+            return [ReshardActor("step end: actor returns to its initial layout", layout, p.initial_layout)]
+        return []
+    return _plan(state, sig, returning=False)

@@ -65,6 +65,7 @@ class RolloutInstanceSignal:
     token_rate: float            #: recent generation rate, tokens/s
     est_remaining_tokens: float  #: producer's estimate of tokens still to generate here
     lent: bool = False           #: runs on devices lent by the actor (pre-process / tidal lend)
+    est_tail_tokens: float = 0.0 #: producer's estimate of the longest remaining sequence here (0: unknown)
 
     @property
     def drained(self) -> bool:
@@ -94,6 +95,8 @@ class RolloutColumns:
     token_rate: np.ndarray
     est_remaining_tokens: np.ndarray
     lent: np.ndarray
+    est_tail_tokens: np.ndarray
+    tokens_generated: np.ndarray
 
     @classmethod
     def of(cls, rollout: tuple[RolloutInstanceSignal, ...]) -> "RolloutColumns":
@@ -104,7 +107,8 @@ class RolloutColumns:
         return cls(col("id", np.int64), np.fromiter((len(r.devices) for r in rollout), np.int64, n),
                    col("groups_queued", np.int64), col("groups_unfinished", np.int64), col("running", np.int64),
                    col("total", np.int64), col("progress_tokens", np.float64), col("token_rate", np.float64),
-                   col("est_remaining_tokens", np.float64), col("lent", bool))
+                   col("est_remaining_tokens", np.float64), col("lent", bool), col("est_tail_tokens", np.float64),
+                   col("tokens_generated", np.float64))
 
     @cached_property
     def est_remaining_s(self) -> np.ndarray:
@@ -119,8 +123,8 @@ class RolloutView(Sequence):
     them (a producer at 1,024 devices would otherwise build 512 records per decision that a vectorised
     policy never looks at). Compares equal to the tuple it stands for."""
 
-    def __init__(self, cols: RolloutColumns, devices: list[tuple[int, ...]], tokens: np.ndarray):
-        self._cols, self._devices, self._tokens = cols, devices, tokens
+    def __init__(self, cols: RolloutColumns, devices: list[tuple[int, ...]]):
+        self._cols, self._devices = cols, devices
         self._items: tuple[RolloutInstanceSignal, ...] | None = None
 
     def _all(self) -> tuple[RolloutInstanceSignal, ...]:
@@ -129,13 +133,16 @@ class RolloutView(Sequence):
             self._items = tuple(
                 RolloutInstanceSignal(*row) for row in zip(
                     c.id.tolist(), self._devices, c.groups_queued.tolist(), c.groups_unfinished.tolist(),
-                    c.running.tolist(), c.total.tolist(), self._tokens.astype(np.int64).tolist(),
+                    c.running.tolist(), c.total.tolist(), c.tokens_generated.astype(np.int64).tolist(),
                     c.progress_tokens.astype(np.int64).tolist(), c.token_rate.tolist(),
-                    c.est_remaining_tokens.tolist(), c.lent.tolist()))
+                    c.est_remaining_tokens.tolist(), c.lent.tolist(), c.est_tail_tokens.tolist()))
         return self._items
 
     def __len__(self) -> int:
         return len(self._devices)
+
+    def devices_of(self, i: int) -> tuple[int, ...]:
+        return self._devices[i]
 
     def __getitem__(self, i):
         return self._all()[i]
@@ -161,6 +168,7 @@ class InferenceSignal:
     groups_queued: int       #: groups received, not yet scored
     groups_finished: int     #: groups scored this step
     done: bool               #: every group of the step is scored (and nothing more will come)
+    lent: tuple[int, ...] = ()  #: inference devices now hosting rollout instances (`LendInference`)
 
 
 @dataclass(frozen=True)
@@ -216,6 +224,11 @@ class Signals:
     def cols(self) -> RolloutColumns:
         """The rollout tuple as columns: the producer's if given, else built once."""
         return self.columns if self.columns is not None else RolloutColumns.of(self.rollout)
+
+    def devices_of(self, i: int) -> tuple[int, ...]:
+        """Devices of `rollout[i]` (without materialising a lazy view)."""
+        r = self.rollout
+        return r.devices_of(i) if isinstance(r, RolloutView) else r[i].devices
 
     @property
     def running(self) -> int:

@@ -37,8 +37,9 @@ import numpy as np
 from tidal.config import TidalConfig
 from tidal.devices import DeviceLedger, Owner
 from tidal.errors import TidalError
-from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout, StartRollout, Wait, describe)
+from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateRequests, ReleaseInference,
+                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
+                                     StartRollout, Wait, describe)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.policies import get_policy
 from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out
@@ -121,6 +122,8 @@ class _Sim:
         self.ledger.assign(self.p.actor_devices, Owner.ACTOR, "placement")
         self.ledger.assign(self.p.rollout_devices, Owner.ROLLOUT, "placement")
         self.ledger.assign(self.p.inference_devices, Owner.INFERENCE, "placement")
+        self.iter_shares: tuple[float, ...] = ()       # learned from the previous step (SchedState)
+        self.ready_curve: tuple[float, ...] = ()
         self.owners = [Owner.FREE] * self.p.num_devices   # mirror of the ledger for cheap DeviceSignals
         self._sync_owners()
 
@@ -130,6 +133,10 @@ class _Sim:
             self.events.append(SimEvent(round(self.now, 6), self.step, kind, detail))
 
     def push(self, t: float, kind: str, *payload) -> None:
+        if kind == "tick":   # one poll per instant, however many decisions asked for it
+            if t in self.ticks:
+                return
+            self.ticks.add(t)
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, payload))
 
@@ -178,6 +185,7 @@ class _Sim:
         p, c = self.p, self.c
         self.step = step
         self.heap: list = []
+        self.ticks: set[float] = set()
         self._seq = 0
         t_start = self.now
         self.busy_at_start = dict(self.busy)
@@ -189,6 +197,8 @@ class _Sim:
         self._new_instances(p.rollout_devices, lent=False, ready_at=self.now)
         self.inf_devices = p.inference_devices
         self.inf_free = [(self.now, d) for d in range(0, len(p.inference_devices), p.inference_tp)]
+        self.inf_lent: tuple[int, ...] = ()       # inference devices lent to rollout
+        self.inf_backlog: list[int] = []          # generated groups waiting for a scoring server
         self.actor = _Actor(p.initial_layout)
         self.n_generated = 0
         self.gen_seen = np.zeros(p.rollout_batch_size, dtype=bool)
@@ -197,7 +207,10 @@ class _Sim:
         self.counts = {"migrations": 0, "groups_migrated": 0, "reshards": 0, "decisions": 0}
         self.drain_pending = 0
         self.in_call = False
-        self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens))
+        self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens), self.iter_shares,
+                                self.ready_curve)
+        self.gen_times: list[float] = []
+        self.iter_tokens: list[float] = []
         self.log("step_start", f"step {step}")
 
         rng = np.random.default_rng([self.seed, step])
@@ -260,6 +273,7 @@ class _Sim:
                     break
                 self.try_start()
             elif kind == "tick":
+                self.ticks.discard(t)
                 self.call("tick")
                 self.try_start()
             elif kind == "ready":
@@ -270,6 +284,11 @@ class _Sim:
         self._restore()
         self.log("step_end", f"step {step} took {end - t_start:.3f}s")
         self.length_model = LengthModel.fit(lengths.reshape(-1), self.spec.max_new_tokens)
+        it = np.asarray(self.iter_tokens)
+        self.iter_shares = tuple((it / it.sum()).tolist())
+        g = np.asarray(self.gen_times) - t_start
+        span = float(g.max()) if g.size and g.max() > 0 else 1.0
+        self.ready_curve = tuple((np.quantile(g, np.linspace(0, 1, 17)) / span).tolist())
         dt = end - t_start
         useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
         return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, len(self.scored),
@@ -327,13 +346,23 @@ class _Sim:
         for g in groups:
             assert not seen[g], f"group {g} generated twice"
             seen[g] = True
+        self.n_generated += len(groups)
+        self.gen_times.extend([self.now] * len(groups))
+        if not self.inf_free or self.inf_backlog:   # every scoring server is lent: groups wait
+            self.inf_backlog.extend(groups)
+            return
+        self._score(groups)
+
+    def _score(self, groups: list[int]) -> None:
+        c, p = self.c, self.p
+        tp = p.inference_tp
+        for g in groups:
             free_at, k = heapq.heappop(self.inf_free)
             start = self.now if self.now > free_at else free_at
             dur = c.inference.group_time(self.group_tokens[g], tp)
             heapq.heappush(self.inf_free, (start + dur, k))
             self.busy["inference"] += dur * tp
             self.push(start + dur, "scored", g)
-        self.n_generated += len(groups)
 
     def try_start(self) -> None:
         a, p = self.actor, self.p
@@ -350,6 +379,7 @@ class _Sim:
         seq_tokens = sum(gt[g] for g in self.scored[a.iters_done * p.groups_per_iter:
                                                     (a.iters_done + 1) * p.groups_per_iter])
         dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp)
+        self.iter_tokens.append(float(seq_tokens))
         a.running, a.last_iter_s = True, dur
         self.busy["actor"] += dur * a.layout.size
         self.log("iter_start", f"iter {a.iters_done} tp{a.layout.tp} dp{a.layout.dp} ({dur:.2f}s)")
@@ -372,15 +402,18 @@ class _Sim:
                                       np.fromiter((i.lent for i in live), bool, k), [i.devices for i in live])
             ids, ndev, total, lent, devices = self.packed_static
             s = self.packed.at(now)
-            est = self.length_model.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            lm = self.length_model
+            est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
-                                  np.floor(s["progress"]), s["rate"], est, lent)
-            rollout = RolloutView(cols, devices, s["tokens"])
+                                  np.floor(s["progress"]), s["rate"], est, lent, tail, np.floor(s["tokens"]))
+            rollout = RolloutView(cols, devices)
         else:
             rollout, cols = (), None
         p, a = self.p, self.actor
         n_scored = len(self.scored)
-        inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, n_scored, n_scored == p.rollout_batch_size)
+        inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, n_scored, n_scored == p.rollout_batch_size,
+                              self.inf_lent)
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
         return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
@@ -503,6 +536,47 @@ class _Sim:
             self.ledger.assign([d for d in act.devices if d not in landing], Owner.ROLLOUT, act.reason)
             for inst in self._new_instances(act.devices, lent=False, ready_at=ready):
                 pending[inst.id] = (ready, [])
+        elif isinstance(act, LendInference):
+            p = self.p
+            servers = {p.inference_devices.index(d) for d in act.devices}
+            assert all(k % p.inference_tp == 0 for k in servers), "lend whole inference instances"
+            busy_until = max([f for f, k in self.inf_free if k in servers] + [now])
+            self.inf_free = [(f, k) for f, k in self.inf_free if k not in servers]
+            heapq.heapify(self.inf_free)
+            self.ledger.release(act.devices, act.reason)
+            self.ledger.land(act.devices, Owner.ROLLOUT, act.reason)
+            self.inf_lent = tuple(sorted(self.inf_lent + act.devices))
+            self.inf_devices = tuple(d for d in self.inf_devices if d not in act.devices)
+            made = self._new_instances(act.devices, lent=False, ready_at=busy_until + c.lend_s)
+            assert sorted(i.id for i in made) == sorted(act.instance_ids)
+            if self.dispatched:
+                for inst in made:
+                    pending[inst.id] = (inst.ready_at, [])
+        elif isinstance(act, ReturnToInference):
+            for iid in act.instance_ids:
+                inst = self.inst[iid]
+                if iid in pending:
+                    left = sum(len(w) for w in pending.pop(iid)[1])
+                else:
+                    due, rest = inst.settle(now)
+                    self.generated_groups(due)
+                    left = len(rest)
+                assert left == 0, f"ReturnToInference of instance {iid} with {left} sequences left"
+                del self.inst[iid]
+                self.inst_order = self.packed = None
+                inst.close_epoch(now)
+                self.busy["rollout"] += inst.busy_s * len(inst.devices)
+            p = self.p
+            self.ledger.release(act.devices, act.reason)
+            self.ledger.land(act.devices, Owner.INFERENCE, act.reason)
+            self.inf_lent = tuple(d for d in self.inf_lent if d not in act.devices)
+            self.inf_devices = tuple(sorted(self.inf_devices + act.devices))
+            for d in act.devices:
+                k = p.inference_devices.index(d)
+                if k % p.inference_tp == 0:
+                    heapq.heappush(self.inf_free, (now + c.return_s, k))
+            backlog, self.inf_backlog = self.inf_backlog, []
+            self._score(backlog)
         elif isinstance(act, Wait):
             pass
         else:  # pragma: no cover - a new action type must be taught to the simulator

@@ -39,6 +39,8 @@ class PolicyParams:
     use_wait_before_last_iter_policy: bool
     pre_process_threshold: float
     pre_process_check_s: float = 1.0     #: RLinf polls the pre-process condition every second
+    kv_migration: bool = True            #: rollout engine can move a sequence's KV cache (native engine; vLLM
+                                         #: cannot: tidal then migrates by re-prefill, like RLinf)
 
     @classmethod
     def from_config(cls, cfg: TidalConfig) -> "PolicyParams":
@@ -51,7 +53,8 @@ class PolicyParams:
             n_minibatches=cfg.algorithm.n_minibatches, max_running_requests=cfg.rollout.max_running_requests,
             use_pre_process_policy=cfg.cluster.use_pre_process_policy,
             use_wait_before_last_iter_policy=cfg.cluster.use_wait_before_last_iter_policy,
-            pre_process_threshold=cfg.scheduler.pre_process_threshold)
+            pre_process_threshold=cfg.scheduler.pre_process_threshold,
+            kv_migration=cfg.rollout.backend == "native")
 
     @property
     def groups_per_iter(self) -> int:
@@ -85,3 +88,21 @@ class SchedState:
     costs: CostModel = field(default_factory=gpu_h200_1p5b)
     mean_response_tokens: float = 0.0    #: from the length model; 0 = unknown
     prompt_tokens: float = 0.0           #: mean prompt length
+    #: learned from the previous step by the producer (empty = unknown: equal shares, linear readiness):
+    iter_shares: tuple[float, ...] = ()  #: fraction of the step's tokens each actor iter trained (later
+                                         #: mini-batches hold the longer responses)
+    ready_curve: tuple[float, ...] = ()  #: fraction of rollout time by which k/16 of the groups were generated,
+                                         #: k = 0..16 (groups finish front-loaded; the tail sets the end)
+
+    def iter_share(self, j: int) -> float:
+        n = self.params.n_minibatches
+        return self.iter_shares[j] if len(self.iter_shares) == n else 1.0 / n
+
+    def time_fraction(self, q: float) -> float:
+        """Fraction of the rollout's time by which a fraction q of its groups is generated."""
+        c = self.ready_curve
+        if len(c) < 2:
+            return min(max(q, 0.0), 1.0)
+        x = min(max(q, 0.0), 1.0) * (len(c) - 1)
+        k = min(int(x), len(c) - 2)
+        return c[k] + (x - k) * (c[k + 1] - c[k])

@@ -165,7 +165,7 @@ def test_tidal_uses_any_dp():
 
 def test_tidal_does_nothing_when_nothing_pays():
     ro = [inst(i, 500, 30, est=500 * 6000.0) for i in (2, 3, 4, 5)]  # rollout-bound: keep it whole
-    assert policy_tidal.decide(state(), sig(ro, iters=1), 100.0) == []
+    assert policy_tidal.decide(state(), sig(ro, iters=1, scored=300), 100.0) == []  # data ready: no lend
 
 
 def test_fit_recovers_linear_costs():

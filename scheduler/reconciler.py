@@ -1,0 +1,249 @@
+"""The reconciler: turns a policy's actions into moves on real workers, keeps device ownership consistent, and
+records every decision and action.
+
+    pipeline (iter boundary / step start / step end)
+        └─► Reconciler.consult(trigger)
+              signals = snapshot of rollout / inference / actor / ledger       (typed, timestamped)
+              actions = policy(state, signals, now)                             (pure; same code as the simulator)
+              for each action: apply -> outcome (ok | failed: reason), one event each
+        ◄── proceed? (False while the policy says Wait)
+
+Ownership rules (tidal.devices): a device leaves its role as MOVING and becomes FREE only after its old role
+freed it; a device joins a role only from FREE. A failed action leaves the cluster as it was before that action
+(migration is two-phase, resharding rolls back inside the engine) and the ledger moves are undone; the failure
+is recorded with its reason and the run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from tidal.devices import Owner
+from tidal.engine.layout import Layout
+from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
+                                     ReshardActor, ReturnFromRollout, Wait, describe)
+from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
+                                     RolloutInstanceSignal, Signals)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tidal.pipeline.driver import Pipeline
+
+log = logging.getLogger("tidal.scheduler")
+ROLES = "tidal.workers.roles"
+
+
+class Reconciler:
+    def __init__(self, pipeline: "Pipeline", min_interval_s: float = 0.2):
+        self.p = pipeline
+        self.min_interval_s = min_interval_s
+        self._last: tuple[str, float] | None = None
+        self._held_since: float | None = None
+
+    # ---- signals --------------------------------------------------------------------------------------------
+    def signals(self, trigger: str) -> Signals:
+        p, c, st = self.p, self.p.cluster, self.p.step_state
+        g = p.cfg.algorithm.group_size
+        rollout = []
+        for inst in sorted(c.rollout):
+            s = st.signals.get(inst, {})
+            running = s.get("running", 0) + s.get("waiting", 0) + s.get("queued", 0) * g
+            given = st.given.get(inst, 0)
+            running = max(running, given * g if not s else running)
+            rate = s.get("token_rate", 0.0)
+            rollout.append(RolloutInstanceSignal(
+                id=inst, devices=(inst,), groups_queued=s.get("queued", given if not s else 0),
+                groups_unfinished=given, running=running, total=st.total_given.get(inst, 0),
+                tokens_generated=s.get("tokens", 0), progress_tokens=0, token_rate=rate,
+                est_remaining_tokens=float(running) * p.cfg.rollout.max_new_tokens / 2, lent=inst in c.lent))
+        done = st.generated == st.num_groups and not st.to_score and st.scoring == 0
+        inference = InferenceSignal(tuple(c.inference), len(st.to_score) + st.scoring, len(st.scored), done)
+        lay = c.actor_layout
+        actor = ActorSignal(st.iters_done, p.cfg.algorithm.n_minibatches, not st.iter_running,
+                            ActorLayout(lay.tp, lay.dp, lay.devices), st.last_iter_s,
+                            lent_out=bool(c.lent & set(lay.devices)), held=st.held)
+        return Signals(p.clock(), st.step, tuple(rollout), inference, actor,
+                       DeviceSignal.from_snapshot(p.ledger.snapshot()), st.num_groups, st.generated,
+                       all_registered=not st.queue, trigger=trigger)
+
+    # ---- decide and act --------------------------------------------------------------------------------------
+    def consult(self, trigger: str) -> bool:
+        """Ask the policy; apply its actions. Returns False if the actor must wait (a `Wait` action)."""
+        now = self.p.clock()
+        if trigger == "boundary" and self._last and self._last[0] == trigger and \
+                now - self._last[1] < self.min_interval_s:
+            return self._held_since is None
+        self._last = (trigger, now)
+        if trigger == "step_end":
+            self.restore()
+            return True
+        sig = self.signals(trigger)
+        t0 = time.perf_counter()
+        actions = self.p.policy(self.p.sched_state, sig, now)
+        decide_s = time.perf_counter() - t0
+        if actions:
+            self.p.cluster.record("decision", step=sig.step, iter=sig.actor.iters_done, trigger=trigger,
+                                  actions=describe(actions), decide_s=decide_s)
+        wait = False
+        for a in actions:
+            if isinstance(a, Wait):
+                wait = True
+                continue
+            self.apply(a, sig)
+        self._held_since = (self._held_since or now) if wait else None
+        return not wait
+
+    def apply(self, a: Action, sig: Signals) -> bool:
+        c = self.p.cluster
+        t0 = self.p.clock()
+        try:
+            extra = self._do(a)
+            ok, why = True, ""
+        except Exception as err:  # a failed action is recorded and the run goes on (state was rolled back)
+            ok, why, extra = False, f"{type(err).__name__}: {err}"[:500], {}
+            log.warning("action %s failed: %s", type(a).__name__, why)
+        c.record("action", step=sig.step, iter=sig.actor.iters_done, action=type(a).__name__,
+                 reason=a.reason, ok=ok, error=why, seconds=self.p.clock() - t0, **extra)
+        return ok
+
+    def _do(self, a: Action) -> dict:
+        if isinstance(a, MigrateRequests):
+            return self.migrate(a.src, a.dst, a.count)
+        if isinstance(a, ReleaseRollout):
+            return self.release_rollout(a.instance_ids, a.migrate_to)
+        if isinstance(a, ReturnFromRollout):
+            out = self.release_rollout(a.instance_ids, a.migrate_to, back_to=Owner.ACTOR)
+            self.p.cluster.lent -= set(a.instance_ids)
+            return out
+        if isinstance(a, ReleaseInference):
+            return self.release_inference(a.devices)
+        if isinstance(a, ReshardActor):
+            t = a.to_layout
+            return self.reshard(Layout(t.tp, t.dp, tuple(t.devices)))
+        if isinstance(a, LendToRollout):
+            return self.lend(a.devices)
+        raise TypeError(f"no actuator for {type(a).__name__}")
+
+    # ---- actuators ------------------------------------------------------------------------------------------
+    def _idle(self, devices) -> None:
+        self.p.cluster.drain(self.p._on_result, set(devices))
+
+    def migrate(self, src: int, dst: int, count: int | None) -> dict:
+        """Move `count` unfinished groups (None: all) of instance `src` to `dst`, two-phase, KV included."""
+        c, g, st = self.p.cluster, self.p.group, self.p.step_state
+        self._idle([src, dst])
+        t0 = self.p.clock()
+        pkg = g.call(src, f"{ROLES}:rollout_export", count=count)
+        moved = len(pkg["queued"]) + len(pkg["open"])
+        try:
+            g.call(dst, f"{ROLES}:rollout_import", package=pkg)
+        except Exception:
+            g.call(src, f"{ROLES}:rollout_cancel_export", package=pkg)
+            raise
+        g.call(src, f"{ROLES}:rollout_commit_export", package=pkg)
+        st.given[src] = max(0, st.given.get(src, 0) - moved)
+        st.given[dst] = st.given.get(dst, 0) + moved
+        kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in s.kv)
+                 for s in pkg["states"] if s.kv is not None)
+        c.timeline.add_busy([src, dst], "moving", "migrate", t0, self.p.clock())
+        c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=len(pkg["states"]),
+                 kv_bytes=kv, mode="kv", seconds=self.p.clock() - t0)
+        return {"groups": moved, "kv_bytes": kv}
+
+    def release_rollout(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
+        c, st = self.p.cluster, self.p.step_state
+        targets = [t for t in migrate_to if t in c.rollout and t not in instance_ids] or \
+            [t for t in c.rollout if t not in instance_ids]
+        for k, inst in enumerate(instance_ids):
+            self._idle([inst])
+            if st.given.get(inst, 0) and targets:
+                self.migrate(inst, targets[k % len(targets)], None)
+            if st.given.get(inst, 0):
+                raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
+                                   "take them")
+            self.p.ledger.release([inst], "rollout instance released")
+            self.p.group.call(inst, f"{ROLES}:rollout_release")
+            c.rollout.remove(inst)
+            if back_to is Owner.FREE:
+                self.p.ledger.free([inst], "rollout freed its memory")
+            else:
+                self.p.ledger.land([inst], back_to, "returned to the actor")
+        return {"devices": list(instance_ids)}
+
+    def release_inference(self, devices) -> dict:
+        c = self.p.cluster
+        self._idle(devices)
+        for d in devices:
+            if d not in c.inference:
+                raise ValueError(f"device {d} is not an inference device ({c.inference})")
+        if len(devices) == len(c.inference) and (self.p.step_state.to_score or self.p.step_state.scoring):
+            raise RuntimeError("inference still has groups to score; release it when done")
+        self.p.ledger.release(devices, "inference released")
+        for d in devices:
+            self.p.group.call(d, f"{ROLES}:inference_release")
+            c.inference.remove(d)
+        self.p.ledger.free(devices, "inference freed its memory")
+        return {"devices": list(devices)}
+
+    def reshard(self, layout: Layout) -> dict:
+        """Collective over the world: every worker must be idle first."""
+        c, g, ledger = self.p.cluster, self.p.group, self.p.ledger
+        old = c.actor_layout
+        if layout == old:
+            return {}
+        self._idle(set(g.device_ids))
+        joining = [d for d in layout.devices if d not in old.devices]
+        leaving = [d for d in old.devices if d not in layout.devices]
+        ledger.assign(joining, Owner.ACTOR, f"actor grows to {layout}")
+        t0 = self.p.clock()
+        try:
+            reports = g.gather(g.submit_all(f"{ROLES}:actor_reshard", layout=layout))
+        except Exception:
+            ledger.release(joining, "reshard failed: rolled back")
+            ledger.free(joining, "reshard failed: rolled back")
+            raise
+        c.actor_layout = layout
+        if leaving:
+            ledger.release(leaving, f"actor shrinks to {layout}")
+            ledger.free(leaving, "actor freed its shards")
+        secs = self.p.clock() - t0
+        moved = sum(r["bytes_moved"] for r in reports)
+        c.timeline.add_busy(sorted(set(old.devices) | set(layout.devices)), "moving", "reshard", t0, t0 + secs)
+        c.record("reshard", step=self.p.step_state.step, iter=self.p.step_state.iters_done, from_layout=str(old),
+                 to_layout=str(layout), bytes_moved=moved, seconds=secs, devices=list(layout.devices))
+        return {"bytes_moved": moved}
+
+    def lend(self, devices) -> dict:
+        """Actor devices host rollout instances for a while (the actor cannot train until they return)."""
+        c, p = self.p.cluster, self.p
+        self._idle(devices)
+        p.ledger.release(devices, "lent to rollout")
+        p.ledger.land(devices, Owner.ROLLOUT, "lent to rollout")
+        for d in devices:
+            p.group.call(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=None, version=p.version,
+                         step=p.step_state.step)
+            c.rollout.append(d)
+            c.lent.add(d)
+        return {"devices": list(devices)}
+
+    # ---- end of step ---------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Back to the initial placement for the next step's rollout (RLinf does the same)."""
+        p, c = self.p, self.p.cluster
+        for inst in sorted(c.lent):
+            self.release_rollout([inst], back_to=Owner.ACTOR)
+        c.lent.clear()
+        if c.actor_layout != p.initial_layout:
+            self.reshard(p.initial_layout)
+        pl = p.cfg.placement
+        back_r = [d for d in pl.rollout if d not in c.rollout]
+        back_i = [d for d in pl.inference if d not in c.inference]
+        if back_r:
+            p.ledger.assign(back_r, Owner.ROLLOUT, "step end: rollout placement restored")
+            c.rollout = sorted(c.rollout + back_r)
+        if back_i:
+            p.ledger.assign(back_i, Owner.INFERENCE, "step end: inference placement restored")
+            c.inference = sorted(c.inference + back_i)
+        if back_r or back_i:
+            c.record("restore", step=p.step_state.step, rollout=back_r, inference=back_i)
