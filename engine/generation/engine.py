@@ -196,6 +196,15 @@ class NativeEngine(GenerationEngine):
             self._decode(events)
         return events
 
+    @torch.no_grad()
+    def admit(self) -> list[RequestEvent]:
+        """Admit waiting requests into free slots (prefill, or load moved KV) without a decode step. `step()`
+        does this first anyway; calling it alone lets a driver prefill ahead or time a migration."""
+        self._need_ready("admit")
+        events: list[RequestEvent] = []
+        self._admit(events)
+        return events
+
     def _admit(self, events: list[RequestEvent]) -> None:
         skipped: list[str] = []
         while self._waiting and None in self._slots:

@@ -1,0 +1,211 @@
+"""Rollout benchmark: native engine tokens/s vs Hugging Face `generate`, and migration cost (KV move vs re-prefill).
+
+    python benchmarks/rollout.py --quick --json out.json            # CPU, tiny model, < 2 min
+    python benchmarks/rollout.py --device cuda --json out.json      # GPU: 16-layer model, batch 64
+
+Throughput: the same model (our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow
+HF Llama), the same prompts (equal length, no padding), the same batch, greedy, exactly `new_tokens` tokens each
+(no stop tokens), in the same process. Time includes prefill. If transformers is missing (our CPU machines) the
+HF part is skipped with a note and `hf_tokens_per_s` is null.
+
+Migration: one request with `context - 8` prompt tokens and 8 generated tokens on engine A, moved to engine B on
+the same device. `kv_move_s`: export_state + import_state + admission (KV written into B's slot), in process;
+`kv_move_wire_s` adds the cross-process wire format (safetensors bytes to host and back). `reprefill_s`: the
+fallback path, export without KV + import + admission with a one-pass re-prefill of the whole context (the
+cheapest re-prefill, so the ratio is conservative; the exact native "replay" mode adds 7 decode steps).
+`ratio` = kv_move_s / reprefill_s (goal <= 0.2). Each number is the median of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
+from tidal.engine.generation.migration import states_from_bytes, states_to_bytes
+from tidal.engine.model import ModelArgs, Transformer, init_global_weights
+
+GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
+                 intermediate_size=2816)
+CPU_MODEL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(model_kw, max_seq_len, device, dtype):
+    args = ModelArgs(max_seq_len=max_seq_len, **model_kw)
+    weights = init_global_weights(args, 0)
+    m = Transformer(args, dtype=dtype, device=device)
+    m.load_global(weights)
+    return args, m, weights
+
+
+def prompts(args, batch, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, args.vocab_size, (batch, length), generator=g)
+
+
+def native_generate(m, ids_BT, new_tokens):
+    engine = NativeEngine(m, EngineConfig(max_running_requests=ids_BT.shape[0]))
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for i, row in enumerate(ids_BT.tolist()):
+        engine.add(Request(f"b{i}", tuple(row), params, seed=i))
+    out = {}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.finished:
+                out[ev.request_id] = ev.result.token_ids
+    sync(engine.device)
+    return time.perf_counter() - t0, [out[f"b{i}"] for i in range(ids_BT.shape[0])]
+
+
+def hf_model(args, weights, device, dtype):
+    import transformers  # noqa: F401  (only on machines that have it)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                      intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+                      num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+                      head_dim=args.head_dim, max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps,
+                      rope_theta=args.rope_theta, tie_word_embeddings=args.tie_embeddings, attention_bias=False,
+                      mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if getattr(cfg, "rope_parameters", None) is not None:  # transformers 5 keeps rope settings here
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta}
+    hf = LlamaForCausalLM(cfg)
+    state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in weights.items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"HF weight mapping: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return hf.to(device=device, dtype=dtype).eval(), transformers.__version__
+
+
+@torch.no_grad()
+def hf_generate(hf, ids_BT, new_tokens, device):
+    ids = ids_BT.to(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+def throughput(a, device, dtype, report):
+    args, m, weights = build(a.model, a.prompt_len + a.new_tokens, device, dtype)
+    ids = prompts(args, a.batch, a.prompt_len)
+    native_generate(m, ids[: min(4, a.batch)], 4)  # warm-up (allocator, kernels)
+    times, tokens = [], None
+    for _ in range(a.repeats):
+        t, tokens = native_generate(m, ids, a.new_tokens)
+        times.append(t)
+    report["native_s"] = statistics.median(times)
+    report["native_tokens_per_s"] = a.batch * a.new_tokens / report["native_s"]
+    try:
+        hf, version = hf_model(args, weights, device, dtype)
+    except ImportError:
+        report.update(hf_tokens_per_s=None, speedup_vs_hf=None,
+                      hf_note="transformers is not installed here: HF comparison skipped (run on the GPU machine)")
+        return
+    hf_generate(hf, ids[: min(4, a.batch)], 4, device)
+    times = []
+    for _ in range(a.repeats):
+        t, hf_tokens = hf_generate(hf, ids, a.new_tokens, device)
+        times.append(t)
+    report["hf_s"] = statistics.median(times)
+    report["hf_tokens_per_s"] = a.batch * a.new_tokens / report["hf_s"]
+    report["speedup_vs_hf"] = report["native_tokens_per_s"] / report["hf_tokens_per_s"]
+    report["hf_version"] = version
+    # sanity of the weight mapping: greedy first tokens agree (later ones may drift in bf16)
+    report["hf_first_token_agreement"] = sum(x[0] == y[0] for x, y in zip(tokens, hf_tokens)) / a.batch
+    del hf
+
+
+def migration(a, device, dtype, report):
+    generated = 8
+    args, m, _ = build(a.model, max(a.contexts) + 64, device, dtype)
+    rows = []
+    for ctx in a.contexts:
+        prompt = tuple(prompts(args, 1, ctx - generated, seed=ctx)[0].tolist())
+        params = SamplingParams(temperature=1.0, max_new_tokens=64)
+        res = {"kv": [], "wire": [], "reprefill": []}
+        for rep in range(a.repeats + 1):  # the first round warms up
+            for mode in res:
+                src = NativeEngine(m, EngineConfig(2))
+                dst = NativeEngine(m, EngineConfig(2, reprefill="single_pass"))
+                src.add(Request("x", prompt, params, seed=1))
+                for _ in range(generated - 1):  # step 1: prefill samples a token and decode samples one more
+                    src.step()
+                sync(device)
+                t0 = time.perf_counter()
+                states = src.export_state(["x"])
+                if mode == "reprefill":
+                    states = [st.without_kv() for st in states]
+                if mode == "wire":
+                    states = states_from_bytes(states_to_bytes(states), device)
+                dst.import_state(states, staged=True)
+                src.commit_export(["x"])
+                dst.activate(["x"])
+                dst.admit()
+                sync(device)
+                if rep:
+                    res[mode].append(time.perf_counter() - t0)
+                assert len(states[0].token_ids) == generated
+                del src, dst
+        kv, wire, rp = (statistics.median(res[k]) for k in ("kv", "wire", "reprefill"))
+        rows.append({"context_tokens": ctx, "kv_move_s": kv, "kv_move_wire_s": wire, "reprefill_s": rp,
+                     "ratio": kv / rp, "ratio_wire": wire / rp})
+    report["migration"] = rows
+
+
+def machine(device):
+    info = f"{platform.node()} {platform.machine()} torch {torch.__version__} threads {torch.get_num_threads()}"
+    if device.type == "cuda":
+        info += f" {torch.cuda.get_device_name(device)}"
+    return info
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model and batch (CPU smoke run, < 2 min)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    a.model = GPU_MODEL if gpu and not a.quick else CPU_MODEL
+    a.batch = a.batch or (8 if a.quick or not gpu else 64)
+    a.prompt_len = a.prompt_len or (16 if a.quick else 128)
+    a.new_tokens = a.new_tokens or (32 if a.quick else 256)
+    a.repeats = a.repeats or (1 if a.quick else 3)
+    a.contexts = [512, 2048, 4096]
+    torch.set_num_threads(torch.get_num_threads() if gpu else 1)  # CPU: one thread, like our workers
+    report = {"name": "rollout", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(device), "device": str(device), "dtype": str(dtype), "model": a.model,
+              "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
+    throughput(a, device, dtype, report)
+    migration(a, device, dtype, report)
+    print(json.dumps(report, indent=2))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
