@@ -121,6 +121,14 @@ class DataConfig(Section):
     seed: int = Field(0, description="Seed of the train/held-out splits.")
 
 
+class WarmStartConfig(Section):
+    num_examples: int = Field(600, ge=1, description="Labelled examples of the supervised warm start (small on purpose).")
+    iters: int = Field(800, ge=0, description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
+    lr: float = Field(1e-3, gt=0, description="Warm-start AdamW learning rate.")
+    batch_size: int = Field(64, ge=1, description="Warm-start sequences per step.")
+    checkpoint: str | None = Field(None, description="Load warm-start weights from this safetensors file instead.")
+
+
 class SchedulerConfig(Section):
     policy: Literal["tidal", "rlinf", "static"] = Field(
         "tidal", description="Device reallocation policy when cluster.auto_scheduler is on.")
@@ -153,6 +161,7 @@ class TidalConfig(Section):
     inference: InferenceConfig = InferenceConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     data: DataConfig = DataConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tracking: TrackingConfig = TrackingConfig()
 

@@ -1,0 +1,349 @@
+"""One RL training run on device workers: stream prompt groups rollout -> inference -> actor, step by step.
+
+The driver owns the step's shared work queue and the event loop; workers own the state (see
+`tidal.workers.roles`). Everything the scheduler decides is applied through `Cluster` (the actuation
+surface the reconciler drives), so a static run is simply a run whose policy never acts.
+
+Who waits on whom, within a step::
+
+    driver queue ──groups──► rollout_run (each instance, time slices)  ──finished groups──┐
+                                                                                           v
+    actor_train_iter(k) ◄──iter k's samples (whole groups, group-id order)── inference_score (what arrived)
+          │ at every iter boundary: signals -> policy.decide -> reconciler.apply (migrate, release, reshard)
+          v after the last iter
+    weights -> rollout + inference (version + 1); actor back to its initial layout; evaluate
+
+Determinism: iter k always trains on the sequences [k*S/n, (k+1)*S/n) of the step in group-id order, and the
+actor sums micro-batch gradients in index order, so a dynamic run updates exactly like a static one; only
+wall time changes. Sampling seeds derive from (run seed, step, group id, sample index), so migration does not
+change a single token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tidal.devices import DeviceLedger, Owner
+from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
+from tidal.engine.layout import Layout
+from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.pipeline.timeline import Timeline
+from tidal.workers.rollout_instance import PromptGroup
+from tidal.workers.runtime import CallHandle, WorkerGroup
+
+log = logging.getLogger("tidal.pipeline")
+ROLES = "tidal.workers.roles"
+
+
+@dataclass
+class StepResult:
+    step: int
+    seconds: float
+    metrics: dict[str, float]
+    phase_seconds: dict[str, float]
+    events: list[dict]
+
+
+@dataclass
+class _Flight:
+    """A call in flight: what it is, on which device, when it started."""
+
+    kind: str
+    device: int
+    handle: CallHandle
+    t0: float
+    payload: Any = None
+
+
+@dataclass
+class StepState:
+    """What the driver knows during one step (rebuilt each step)."""
+
+    step: int
+    queue: deque
+    num_groups: int
+    given: dict[int, int] = field(default_factory=dict)          # instance -> groups handed out, not emitted
+    total_given: dict[int, int] = field(default_factory=dict)    # instance -> sequences ever given this step
+    signals: dict[int, dict] = field(default_factory=dict)       # instance -> last rollout signals
+    to_score: list[RolloutGroup] = field(default_factory=list)
+    scoring: int = 0
+    scored: dict[int, ScoredGroup] = field(default_factory=dict)
+    generated: int = 0
+    iters_done: int = 0
+    iter_running: bool = False
+    last_iter_s: float = 0.0
+    held: bool = False
+    actor_metrics: list[dict] = field(default_factory=list)
+
+
+class Cluster:
+    """The actuation surface: devices by id, components, and the moves the scheduler may ask for."""
+
+    def __init__(self, group: WorkerGroup, ledger: DeviceLedger, timeline: Timeline, clock: Callable[[], float],
+                 actor_layout: Layout, rollout: tuple[int, ...], inference: tuple[int, ...]):
+        self.group, self.ledger, self.timeline, self.clock = group, ledger, timeline, clock
+        self.actor_layout = actor_layout
+        self.rollout: list[int] = list(rollout)       # instance id == its device id (rollout TP 1)
+        self.inference: list[int] = list(inference)
+        self.lent: set[int] = set()                   # rollout instances running on actor devices
+        self.inflight: dict[Any, _Flight] = {}
+        self.events: list[dict] = []
+
+    # ---- calls -------------------------------------------------------------------------------------------
+    def submit(self, kind: str, device: int, fn: str, payload: Any = None, **kwargs) -> _Flight:
+        f = _Flight(kind, device, self.group.submit(device, f"{ROLES}:{fn}", **kwargs), self.clock(), payload)
+        self.inflight[f.handle.ref] = f
+        return f
+
+    def busy(self, device: int) -> bool:
+        return any(f.device == device for f in self.inflight.values())
+
+    def wait_any(self, timeout: float) -> list[tuple[_Flight, Any]]:
+        import ray  # imported late: Ray reads its environment (loopback, auth) at import time
+        if not self.inflight:
+            return []
+        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+        out = []
+        for ref in ready:
+            f = self.inflight.pop(ref)
+            out.append((f, self.group.gather([f.handle])[0]))
+        return out
+
+    def drain(self, handle: Callable[[_Flight, Any], None], devices: set[int] | None = None) -> None:
+        """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`."""
+        while any(devices is None or f.device in devices for f in self.inflight.values()):
+            for f, res in self.wait_any(1.0):
+                handle(f, res)
+
+    def record(self, kind: str, **fields) -> dict:
+        ev = {"kind": kind, "time": self.clock(), **fields}
+        self.events.append(ev)
+        log.info("%s %s", kind, {k: v for k, v in fields.items() if k != "kind"})
+        return ev
+
+
+class Pipeline:
+    """A training run's driver. `policy(state, signals, now) -> actions` is consulted at actor iter boundaries."""
+
+    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict, policy, sched_state,
+                 clock: Callable[[], float] | None = None, on_event: Callable[[dict], None] | None = None):
+        from tidal.engine.rl_tasks import get_task
+        from tidal.engine.tokenizer import CharTokenizer
+        t0 = time.monotonic()
+        self.clock = clock or (lambda: time.monotonic() - t0)
+        self.cfg, self.group, self.spec = cfg, group, spec
+        self.policy, self.sched_state = policy, sched_state
+        self.on_event = on_event or (lambda ev: None)
+        self.task, self.tok = get_task(cfg.data.task), CharTokenizer(spec.tokenizer_chars)
+        p = cfg.placement
+        tp = cfg.actor.tensor_parallel_size
+        self.initial_layout = Layout(tp, len(p.actor) // tp, p.actor)
+        self.ledger = DeviceLedger(range(p.num_devices), self.clock)
+        self.timeline = Timeline()
+        self.cluster = Cluster(group, self.ledger, self.timeline, self.clock, self.initial_layout, p.rollout,
+                               p.inference)
+        self.version = 0
+        self.data_pos = 0
+        self._weights = weights
+        self.reconciler = None  # set by start(); see tidal.scheduler.reconciler
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+        from tidal.scheduler.reconciler import Reconciler
+        c, g = self.cluster, self.group
+        g.gather(g.submit_all(f"{ROLES}:setup", spec=self.spec))
+        ref = ray.put(self._weights)
+        g.gather(g.submit_all(f"{ROLES}:actor_init", layout=self.initial_layout, weights=ref))
+        self.ledger.assign(self.initial_layout.devices, Owner.ACTOR, "placement")
+        self.ledger.assign(c.rollout, Owner.ROLLOUT, "placement")
+        self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
+        self._load_generation(ref, step=0)
+        self.reconciler = Reconciler(self)
+        self._weights = None
+
+    def _load_generation(self, weights_ref, step: int) -> None:
+        c, g = self.cluster, self.group
+        hs = [g.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=weights_ref,
+                       version=self.version, step=step) for d in c.rollout]
+        hs += [g.submit(d, f"{ROLES}:inference_load", weights=weights_ref, version=self.version)
+               for d in c.inference]
+        g.gather(hs)
+
+    # ---- one RL step ---------------------------------------------------------------------------------------
+    def run_step(self, step: int) -> StepResult:
+        cfg, c = self.cfg, self.cluster
+        t_start = self.clock()
+        prompts = self.task.train_prompts(cfg.data.rollout_batch_size, cfg.data.seed, self.data_pos)
+        groups = [PromptGroup(i, tuple(self.task.prompt_ids(p, self.tok))) for i, p in enumerate(prompts)]
+        st = StepState(step, deque(groups), len(groups))
+        self.step_state = st
+        self.reconciler.consult("start")
+        n = cfg.algorithm.n_minibatches
+        while st.iters_done < n:
+            self._feed_rollout()
+            self._feed_inference()
+            if not st.iter_running:
+                self._maybe_train()
+            for f, res in c.wait_any(0.5):
+                self._on_result(f, res)
+        c.drain(self._on_result)
+        self.reconciler.consult("step_end")
+        self._sync_weights(step)
+        self.data_pos += cfg.data.rollout_batch_size
+        metrics = step_metrics(list(st.scored.values()))
+        for m in st.actor_metrics:
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v / max(len(st.actor_metrics), 1) if k.startswith("actor/") \
+                    else metrics.get(k, 0.0) + v
+        seconds = self.clock() - t_start
+        metrics["step/seconds"] = seconds
+        metrics["step/idle_fraction"] = self.idle_fraction(t_start)
+        metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
+        events = [e for e in c.events if e["time"] >= t_start]
+        return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
+
+    def idle_fraction(self, t0: float = 0.0) -> float:
+        self._close_ownership()
+        return self.timeline.idle_fraction(t0, self.clock())
+
+    def _close_ownership(self) -> None:
+        """Ownership spans from the ledger history (recomputed; cheap at these sizes)."""
+        now = self.clock()
+        self.timeline.owned = []
+        open_: dict[int, tuple[str, float]] = {}
+        for tr in self.ledger.history:
+            if tr.device in open_:
+                role, since = open_.pop(tr.device)
+                self.timeline.add_owned([tr.device], role, since, tr.time)
+            if tr.dst is not Owner.FREE:
+                open_[tr.device] = (tr.dst.value, tr.time)
+        for d, (role, since) in open_.items():
+            self.timeline.add_owned([d], role, since, now)
+
+    def _phase_seconds(self, t0: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.timeline.busy:
+            if s.t1 >= t0:
+                out[s.role] = out.get(s.role, 0.0) + s.t1 - max(s.t0, t0)
+        return out
+
+    # ---- feeding components ----------------------------------------------------------------------------------
+    def _capacity_groups(self) -> int:
+        return max(1, self.cfg.rollout.max_running_requests // self.cfg.algorithm.group_size)
+
+    def _feed_rollout(self) -> None:
+        st, c = self.step_state, self.cluster
+        for inst in list(c.rollout):
+            if c.busy(inst):
+                continue
+            give = []
+            while st.queue and st.given.get(inst, 0) + len(give) < self._capacity_groups():
+                give.append(st.queue.popleft())
+            if not give and st.given.get(inst, 0) == 0:
+                continue  # nothing to do there
+            st.given[inst] = st.given.get(inst, 0) + len(give)
+            st.total_given[inst] = st.total_given.get(inst, 0) + len(give) * self.cfg.algorithm.group_size
+            c.submit("rollout", inst, "rollout_run", groups=give, budget_s=0.3)
+
+    def _feed_inference(self) -> None:
+        st, c = self.step_state, self.cluster
+        idle = [d for d in c.inference if not c.busy(d)]
+        if not st.to_score or not idle:
+            return
+        per = max(1, -(-len(st.to_score) // len(idle)))
+        for d in idle:
+            batch, st.to_score = st.to_score[:per], st.to_score[per:]
+            if not batch:
+                break
+            st.scoring += len(batch)
+            c.submit("inference", d, "inference_score", payload=len(batch), groups=batch)
+
+    def _iter_groups(self, k: int) -> list[int]:
+        g, n = self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
+        seqs = self.step_state.num_groups * g
+        lo, hi = k * seqs // n, (k + 1) * seqs // n
+        return list(range(lo // g, (hi - 1) // g + 1))
+
+    def iter_ready(self) -> bool:
+        st = self.step_state
+        return all(gid in st.scored for gid in self._iter_groups(st.iters_done))
+
+    def _maybe_train(self) -> None:
+        import ray
+        st = self.step_state
+        if not self.reconciler.consult("boundary"):
+            st.held = True
+            return
+        st.held = False
+        if not self.iter_ready():
+            return
+        k, g, n = st.iters_done, self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
+        gids = self._iter_groups(k)
+        samples = flatten_groups([st.scored[i] for i in gids])
+        seqs = st.num_groups * g
+        lo, hi = k * seqs // n - gids[0] * g, (k + 1) * seqs // n - gids[0] * g
+        samples = samples[lo:hi]
+        ref = ray.put(samples)
+        st.iter_running = True
+        for d in self.cluster.actor_layout.devices:
+            self.cluster.submit("actor", d, "actor_train_iter", payload=k, samples=ref,
+                                num_tokens=count_response_tokens(samples))
+
+    # ---- results ------------------------------------------------------------------------------------------
+    def _on_result(self, f: _Flight, res: Any) -> None:
+        st, c, now = self.step_state, self.cluster, self.clock()
+        if f.kind == "rollout":
+            records, sig = res
+            st.signals[f.device] = sig
+            c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
+            st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
+            st.generated += len(records)
+            st.to_score.extend(records)
+        elif f.kind == "inference":
+            c.timeline.add_busy([f.device], "inference", "score", f.t0, now)
+            st.scoring -= f.payload
+            for g in res:
+                assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
+                st.scored[g.group_id] = g
+        elif f.kind == "actor":
+            c.timeline.add_busy([f.device], "actor", f"iter {f.payload}", f.t0, now)
+            if res is not None:
+                st.actor_metrics.append(res)
+            if not any(x.kind == "actor" for x in c.inflight.values()):
+                st.iter_running = False
+                st.iters_done += 1
+                st.last_iter_s = now - f.t0
+        elif f.kind == "eval":
+            self.last_eval = (f.payload, res)
+
+    # ---- end of step ----------------------------------------------------------------------------------------
+    def _sync_weights(self, step: int) -> None:
+        import ray
+        c, g = self.cluster, self.group
+        shards = [w for w in g.gather(g.submit_all(f"{ROLES}:actor_weights", device_ids=c.actor_layout.devices))
+                  if w is not None]
+        shards.sort(key=lambda w: int(w["__tp__"][1]))
+        from tidal.engine.generation.weights import rollout_shard
+        full = rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)
+        self.version += 1
+        t0 = self.clock()
+        self._load_generation(ray.put(full), step + 1)
+        c.timeline.add_busy(c.rollout + c.inference, "moving", "weight sync", t0, self.clock())
+        c.record("weight_sync", step=step, version=self.version, tensors=len(full))
+
+    def evaluate(self, prompts: list[str]) -> float:
+        return float(self.group.call(self.cluster.inference[0], f"{ROLES}:evaluate", prompts=prompts))
+
+    def global_weights(self) -> dict:
+        """Current actor weights in global coordinates (for checks and checkpoints of the driver)."""
+        c, g = self.cluster, self.group
+        shards = [w for w in g.gather(g.submit_all(f"{ROLES}:actor_weights", device_ids=c.actor_layout.devices))
+                  if w is not None]
+        shards.sort(key=lambda w: int(w["__tp__"][1]))
+        from tidal.engine.generation.weights import rollout_shard
+        return rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)

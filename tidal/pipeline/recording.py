@@ -1,0 +1,54 @@
+"""Database rows for a run: one per step, reshard, migration, scheduler decision/action and device move.
+
+The pipeline and the reconciler produce plain event dicts (`Cluster.record`); this is the one place that turns
+them into rows (via `tidal.db.repository`, in one transaction per step).
+"""
+
+from __future__ import annotations
+
+from tidal.db import repository as repo
+from tidal.db.session import session_scope
+
+
+def _layout(text: str) -> dict:
+    out = {}
+    for part in text.split(","):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k] = int(v) if v.isdigit() else v
+    return out
+
+
+class DbRecorder:
+    def __init__(self, engine, run_id: int, policy: str):
+        self.engine, self.run_id, self.policy = engine, run_id, policy
+
+    def step(self, step: int, res, metrics: dict) -> None:
+        with session_scope(self.engine) as s:
+            repo.add_step(s, self.run_id, step=step, step_seconds=res.seconds, phase_seconds=res.phase_seconds,
+                          reward=metrics.get("grpo/reward_mean"), eval_accuracy=metrics.get("eval/heldout_accuracy"),
+                          device_idle_fraction=metrics.get("step/idle_fraction"))
+            for ev in res.events:
+                kind = ev["kind"]
+                if kind == "reshard":
+                    repo.record_reshard(s, self.run_id, step=ev["step"], iter=ev["iter"],
+                                        from_layout=_layout(ev["from_layout"]), to_layout=_layout(ev["to_layout"]),
+                                        devices=ev["devices"], bytes_moved=int(ev["bytes_moved"]),
+                                        seconds=float(ev["seconds"]), ok=True, reason="scheduler")
+                elif kind == "migration":
+                    repo.record_migration(s, self.run_id, step=ev["step"], request_id=f"{ev['requests']} requests",
+                                          group_id=f"{ev['groups']} groups", source_instance=ev["src"],
+                                          target_instance=ev["dst"], mode=ev["mode"], tokens=0,
+                                          bytes=int(ev["kv_bytes"]), seconds=float(ev["seconds"]), ok=True,
+                                          reason="scheduler")
+                elif kind in ("decision", "action"):
+                    repo.record_scheduler_event(
+                        s, self.run_id, step=ev["step"], time=float(ev["time"]), policy=self.policy, kind=kind,
+                        devices=ev.get("devices", []) if isinstance(ev.get("devices"), list) else [],
+                        reason="; ".join(ev["actions"]) if kind == "decision" else ev.get("reason", ""),
+                        iter=ev.get("iter"), action_type=ev.get("action"),
+                        outcome=None if kind == "decision" else ("ok" if ev.get("ok") else f"failed: {ev.get('error')}"))
+
+    def transitions(self, history) -> None:
+        with session_scope(self.engine) as s:
+            repo.record_transitions(s, self.run_id, history)

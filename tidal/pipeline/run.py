@@ -1,0 +1,217 @@
+"""A whole training run: warm start, workers, the pipeline's steps, tracking, summary.
+
+    run_training(cfg, out_dir, sink, db_url) -> RunSummary
+      1. tokenizer + task + model args (checked against each other)
+      2. warm start (cached by its settings under <output_dir>/.warmstart/) or a given checkpoint
+      3. one worker per device (Ray; CPU virtual devices unless enough GPUs), the pipeline on top
+      4. for each step: run_step -> metrics, events -> MLflow sink + database rows; evaluate every N steps
+      5. timeline.png, summary.json in the run's folder
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tidal.config import TidalConfig, flatten
+from tidal.errors import ConfigError, TidalError
+
+log = logging.getLogger("tidal.run")
+
+
+@dataclass
+class RunSummary:
+    name: str
+    steps: int
+    wall_s: float
+    eval_accuracy_start: float
+    eval_accuracy_end: float
+    reward_per_step: list[float]
+    eval_per_step: list[tuple[int, float]]
+    phase_seconds: dict[str, float]
+    device_idle_fraction: float
+    step_seconds: list[float]
+    policy: str
+    device_kind: str
+    output_dir: str
+    reshards: int = 0
+    migrations: int = 0
+    warm_start: dict = field(default_factory=dict)
+    final_weights_sha: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def device_kind(cfg: TidalConfig) -> str:
+    want = cfg.cluster.device
+    n = cfg.cluster.num_devices
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and have < n:
+        raise ConfigError("cluster.device", want, f"the placement needs {n} GPUs, this machine has {have}",
+                          "use cluster.device: auto (CPU virtual devices) or a smaller placement")
+    if want == "auto":
+        return "cuda" if have >= n else "cpu"
+    return want
+
+
+def weights_sha(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(weights):
+        h.update(k.encode())
+        h.update(weights[k].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=None) -> tuple[dict, dict]:
+    """Warm-start weights (global, fp32) and a description of how they were made."""
+    from safetensors.torch import load_file, save_file
+
+    from tidal.engine.model import Transformer, init_global_weights
+    from tidal.engine.warmstart import WarmStartSpec, plateaued, warm_start
+    ws = cfg.warm_start
+    if ws.checkpoint:
+        path = Path(ws.checkpoint)
+        if not path.is_file():
+            raise ConfigError("warm_start.checkpoint", ws.checkpoint, "file not found", "give a safetensors path")
+        weights = load_file(str(path))
+        from tidal.engine.model import param_specs
+        for spec in param_specs(args):
+            w = weights.get(spec.name)
+            if w is None or tuple(w.shape) != spec.shape:
+                raise TidalError("warm_start.checkpoint", ws.checkpoint,
+                                 f"does not fit this model ({spec.name}: "
+                                 f"{None if w is None else tuple(w.shape)} vs {spec.shape})",
+                                 "use a checkpoint of the same model config (model.* keys) and tokenizer")
+        return weights, {"source": str(path)}
+    if ws.iters == 0:
+        return init_global_weights(args, cfg.run.seed), {"source": "random init"}
+    spec = WarmStartSpec(num_examples=ws.num_examples, iters=ws.iters, batch_size=ws.batch_size, lr=ws.lr,
+                         eval_every=max(1, ws.iters // 8), eval_size=cfg.data.eval_size, seed=cfg.data.seed)
+    key = hashlib.sha256(json.dumps([asdict(spec), asdict(args), cfg.data.task, cfg.run.seed],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"warmstart-{key}.safetensors"
+    meta_path = path.with_suffix(".json")
+    if path.is_file() and meta_path.is_file():
+        return load_file(str(path)), json.loads(meta_path.read_text())
+    torch.manual_seed(cfg.run.seed)
+    model = Transformer(args)
+    model.load_global(init_global_weights(args, cfg.run.seed))
+    history = warm_start(model, task, tok, spec, log=log_fn)
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    meta = {"source": "warm start", "examples": ws.num_examples, "iters": ws.iters,
+            "history": [asdict(h) for h in history], "plateaued": plateaued(history),
+            "heldout_accuracy": history[-1].heldout_accuracy}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(weights, str(tmp))
+    tmp.replace(path)
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return weights, meta
+
+
+def run_spec(cfg: TidalConfig, args, tok):
+    from tidal.engine.generation.requests import SamplingParams
+    from tidal.engine.optim import OptimConfig
+    from tidal.workers.roles import RunSpec
+    total_iters = cfg.run.num_steps * cfg.algorithm.n_minibatches
+    return RunSpec(args=args, optim=OptimConfig.from_actor(cfg.actor, total_iters),
+                   sampling=SamplingParams.from_config(cfg.rollout, (tok.eos_id,)),
+                   max_running_requests=cfg.rollout.max_running_requests, group_size=cfg.algorithm.group_size,
+                   micro_batch_size=cfg.actor.micro_batch_size, clip_eps=cfg.algorithm.clip_eps,
+                   kl_coef=cfg.algorithm.kl_coef, task=cfg.data.task, tokenizer_chars=tok.chars, seed=cfg.run.seed)
+
+
+def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
+                 on_step: Callable[[int, dict], None] | None = None, log_fn=None) -> RunSummary:
+    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db events."""
+    from tidal.engine.model import ModelArgs
+    from tidal.engine.rl_tasks import get_task
+    from tidal.engine.tokenizer import check_compatible, default_tokenizer
+    from tidal.pipeline.driver import Pipeline
+    from tidal.scheduler.costs import cpu_tiny
+    from tidal.scheduler.policies import get_policy
+    from tidal.scheduler.state import PolicyParams, SchedState
+    from tidal.tracking import NullSink
+    from tidal.workers.runtime import WorkerGroup
+
+    if sink is None:
+        sink = NullSink()
+        sink.start_run(cfg.run.name, flatten(cfg))
+    if cfg.rollout.tensor_parallel_size != 1 or cfg.inference.tensor_parallel_size != 1:
+        raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
+                          "the pipeline runs rollout and inference instances on one device each for now",
+                          "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
+    if cfg.placement.mode.value in ("collocated", "hybrid"):
+        raise ConfigError("cluster.component_placement", cfg.placement.mode.value,
+                          "the streaming pipeline needs disjoint devices per component",
+                          "place actor, rollout and inference on separate devices")
+    tok = default_tokenizer()
+    task = get_task(cfg.data.task)
+    task.check_tokenizer(tok)
+    args = ModelArgs.from_config(cfg.model, tok.vocab_size)
+    check_compatible(tok, args.vocab_size)
+    if task.max_response_tokens > cfg.rollout.max_new_tokens:
+        raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+                          f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
+                          f"set rollout.max_new_tokens >= {task.max_response_tokens}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_run = time.monotonic()
+    weights, ws_meta = prepare_weights(cfg, args, task, tok, Path(cfg.run.output_dir) / ".warmstart", log_fn)
+    heldout = task.heldout_prompts(cfg.data.eval_size, cfg.data.seed)
+    kind = device_kind(cfg)
+    policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+    group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=kind,
+                              compute_share=cfg.cluster.cpu_compute_share, ray_address=cfg.cluster.ray_address)
+    try:
+        pipe = Pipeline(cfg, group, run_spec(cfg, args, tok), weights, get_policy(policy_name),
+                        SchedState(PolicyParams.from_config(cfg), costs=cpu_tiny()))
+        pipe.start()
+        acc0 = pipe.evaluate(heldout)
+        evals = [(0, acc0)]
+        rewards, step_s = [], []
+        phase: dict[str, float] = {}
+        n_reshard = n_migr = 0
+        for step in range(cfg.run.num_steps):
+            res = pipe.run_step(step)
+            m = dict(res.metrics)
+            if (step + 1) % cfg.run.eval_every == 0 or step == cfg.run.num_steps - 1:
+                acc = pipe.evaluate(heldout)
+                evals.append((step + 1, acc))
+                m["eval/heldout_accuracy"] = acc
+            rewards.append(m.get("grpo/reward_mean", 0.0))
+            step_s.append(res.seconds)
+            for k, v in res.phase_seconds.items():
+                phase[k] = phase.get(k, 0.0) + v
+                m[f"phase/{k}_s"] = v
+            sink.log_metrics(m, step)
+            for ev in res.events:
+                sink.log_event(ev["kind"], ev)
+                n_reshard += ev["kind"] == "reshard"
+                n_migr += ev["kind"] == "migration"
+            if recorder:
+                recorder.step(step, res, m)
+            if on_step:
+                on_step(step, m)
+        if recorder:
+            recorder.transitions(pipe.ledger.history)
+        pipe._close_ownership()
+        idle = pipe.timeline.idle_fraction()
+        final = pipe.global_weights()
+        pipe.timeline.draw(out_dir / "timeline.png", f"{cfg.run.name}: {policy_name} policy, idle {idle:.2f}")
+        (out_dir / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
+        (out_dir / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
+    finally:
+        group.shutdown()
+    summary = RunSummary(cfg.run.name, cfg.run.num_steps, time.monotonic() - t_run, acc0, evals[-1][1], rewards,
+                         evals, phase, idle, step_s, policy_name, kind, str(out_dir), n_reshard, n_migr,
+                         {k: v for k, v in ws_meta.items() if k != "history"}, weights_sha(final))
+    (out_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
+    return summary

@@ -1,0 +1,119 @@
+"""`tidal train CONFIG [key=value ...] [--json PATH] [--no-track]`: the main job.
+
+Runs an RL training job (GRPO) on the config's placement: CPU virtual devices unless the machine has enough
+GPUs. Prints a live progress line per step and a final summary; writes the run's folder (timeline.png,
+summary.json, events.json); logs to MLflow (`tracking.mlflow_uri`, local sqlite by default) and the platform
+database (`tracking.db_url`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.config import flatten, load_config
+
+
+def _spark(values: list[float]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in values)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tidal train", description="Run an RL training job from a config.")
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    ap.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
+    ap.add_argument("--no-track", action="store_true", help="skip MLflow and the database")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
+        os.environ.setdefault(k, v)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    console = Console()
+    out_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    policy = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+    console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
+                  f"{cfg.cluster.num_devices} devices, policy [bold]{policy}[/], {cfg.run.num_steps} steps, "
+                  f"task {cfg.data.task}; output {out_dir}")
+    if cfg.cluster.cpu_compute_share:
+        console.print(f"CPU virtual devices capped at {cfg.cluster.cpu_compute_share:.3f} of the machine each "
+                      "(fixed compute share: idle capacity is lost, as on a GPU)")
+
+    from tidal.pipeline.run import run_training
+    sink = recorder = engine = None
+    run_id = None
+    if not args.no_track:
+        from tidal.db import repository as repo
+        from tidal.db.migrate import open_database
+        from tidal.db.session import session_scope
+        from tidal.pipeline.recording import DbRecorder
+        from tidal.tracking import MlflowSink
+        engine = open_database(cfg.tracking.db_url)
+        with session_scope(engine) as s:
+            run_id = repo.add_run(s, name=cfg.run.name, config=cfg.model_dump(mode="json"),
+                                  output_dir=str(out_dir)).id
+        recorder = DbRecorder(engine, run_id, policy)
+        sink = MlflowSink.from_config(cfg.tracking)
+        mlflow_id = sink.start_run(cfg.run.name, flatten(cfg), {"policy": policy, "tidal.db_run_id": str(run_id)})
+        with session_scope(engine) as s:
+            repo.attach_mlflow_run(s, run_id, mlflow_id)
+
+    def on_step(step: int, m: dict) -> None:
+        ev = f" heldout {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
+        console.print(f"step {step + 1:>3}/{cfg.run.num_steps}  reward {m.get('grpo/reward_mean', 0):.3f}{ev}  "
+                      f"{m['step/seconds']:.1f}s  idle {m['step/idle_fraction']:.2f}  "
+                      f"actor {m.get('phase/actor_s', 0):.1f}s rollout {m.get('phase/rollout_s', 0):.1f}s "
+                      f"inference {m.get('phase/inference_s', 0):.1f}s")
+
+    status = "FAILED"
+    try:
+        with console.status("warm start, workers, first step..."):
+            pass
+        summary = run_training(cfg, out_dir, sink, recorder, on_step,
+                               log_fn=lambda p: console.print(f"  warm start iter {p.iter}: loss {p.loss:.3f} "
+                                                              f"held-out {p.heldout_accuracy:.3f}"))
+        status = "FINISHED"
+    finally:
+        if sink is not None:
+            if status == "FINISHED":
+                for name in ("timeline.png", "summary.json", "events.json"):
+                    if (out_dir / name).is_file():
+                        sink.log_artifact(out_dir / name)
+            sink.end_run(status)
+        if engine is not None:
+            from tidal.db import repository as repo
+            from tidal.db.session import session_scope
+            with session_scope(engine) as s:
+                repo.finish_run(s, run_id, status="finished" if status == "FINISHED" else "failed")
+    t = Table(title=f"summary: {cfg.run.name}")
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("steps, wall", f"{summary.steps}, {summary.wall_s:.1f} s")
+    t.add_row("held-out accuracy", f"{summary.eval_accuracy_start:.3f} -> {summary.eval_accuracy_end:.3f}")
+    t.add_row("reward curve", f"{_spark(summary.reward_per_step)}  "
+                              f"({summary.reward_per_step[0]:.3f} -> {summary.reward_per_step[-1]:.3f})")
+    t.add_row("time per phase (device-s)", ", ".join(f"{k} {v:.1f}" for k, v in summary.phase_seconds.items()))
+    t.add_row("device idle fraction", f"{summary.device_idle_fraction:.2f}")
+    t.add_row("reshards, migrations", f"{summary.reshards}, {summary.migrations}")
+    t.add_row("timeline", str(out_dir / "timeline.png"))
+    console.print(t)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "steps": summary.steps, "wall_s": summary.wall_s, "eval_accuracy_start": summary.eval_accuracy_start,
+            "eval_accuracy_end": summary.eval_accuracy_end, "reward_per_step": summary.reward_per_step,
+            "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
+            "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
+            "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha}, indent=1))
+    return 0

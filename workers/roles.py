@@ -1,0 +1,292 @@
+"""Worker-side role functions of the RL pipeline: what a device does as actor, rollout or inference.
+
+The driver (`tidal.pipeline.driver`) calls these through `WorkerGroup.submit(device, "tidal.workers.roles:fn",
+...)`; each runs inside the device's worker process with its `WorkerContext` and keeps its objects in
+`ctx.state` between calls. One call runs at a time per worker, so a role never races with itself.
+
+    ctx.state["run"]       RunSpec: model args, optimizer config, sampling, task, seeds (set once by `setup`)
+    ctx.state["actor"]     ActorShard (every worker has one: world-collective group creation and reshard votes;
+                           it holds memory only while the device is in the actor's layout)
+    ctx.state["rollout"]   RolloutInstance + NativeEngine while the device serves rollout
+    ctx.state["inference"] Transformer with the current weights while the device serves inference
+
+Values crossing the driver are records (`tidal.engine.records`) or plain dicts of tensors; Ray carries them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.engine.actor import ActorShard, SharedQueue
+from tidal.engine.generation.engine import EngineConfig, NativeEngine
+from tidal.engine.generation.requests import RequestState, SamplingParams
+from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
+from tidal.engine.layout import Layout
+from tidal.engine.model import ModelArgs, Transformer
+from tidal.engine.optim import OptimConfig
+from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.engine.rl_tasks import get_task
+from tidal.engine.tokenizer import CharTokenizer
+from tidal.engine.warmstart import greedy_accuracy
+from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs to play any role in one run (sent once)."""
+
+    args: ModelArgs
+    optim: OptimConfig
+    sampling: SamplingParams
+    max_running_requests: int
+    group_size: int
+    micro_batch_size: int
+    clip_eps: float
+    kl_coef: float
+    task: str
+    tokenizer_chars: str
+    seed: int
+
+
+def _resolve(value: Any) -> Any:
+    """Ray resolves ObjectRefs passed at top level only; our kwargs travel in a dict, so resolve here."""
+    try:
+        import ray
+        if isinstance(value, ray.ObjectRef):
+            return ray.get(value)
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return value
+
+
+def setup(ctx, spec: RunSpec) -> int:
+    torch.set_num_threads(1)
+    ctx.state["run"] = spec
+    ctx.state["tok"] = CharTokenizer(spec.tokenizer_chars)
+    return ctx.device_id
+
+
+# ---- actor ------------------------------------------------------------------------------------------------
+def actor_init(ctx, layout: Layout, weights: Any) -> bool:
+    """Every worker: build its ActorShard (holding state only if in `layout`) from global `weights`."""
+    spec: RunSpec = ctx.state["run"]
+    weights = _resolve(weights)
+    shard = ActorShard(spec.args, spec.optim, layout, ctx.rank, seed=spec.seed, device=ctx.device,
+                       weights=weights if layout.coord(ctx.rank) is not None else "empty")
+    ctx.state["actor"] = shard
+    return shard.state is not None
+
+
+def _grpo_loss_fn(spec: RunSpec):
+    def loss_fn(model, batch, num_tokens_in_iter):
+        loss, metrics = grpo_loss(model.token_logprobs(batch.input_ids_BT), batch, num_tokens_in_iter,
+                                  clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
+        loss_fn.metrics.append(metrics)
+        return loss
+    loss_fn.metrics = []
+    return loss_fn
+
+
+def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
+    """Ranks of the actor's layout: one optimizer step on the iter's samples (micro-batches from one shared
+    queue; static claim order, so the update is identical whatever the DP size). Others return None."""
+    shard: ActorShard = ctx.state["actor"]
+    if shard.state is None:
+        return None
+    spec: RunSpec = ctx.state["run"]
+    samples: list[ScoredSample] = _resolve(samples)
+    tok = ctx.state["tok"]
+    mbs = spec.micro_batch_size
+    batches = [pack_samples(samples[i:i + mbs], tok.pad_id) for i in range(0, len(samples), mbs)]
+    loss_fn = _grpo_loss_fn(spec)
+    report = shard.train_iter(SharedQueue(batches), loss_fn, num_tokens)
+    out = report.metrics()
+    for m in loss_fn.metrics:  # sum-style metrics: this rank's share of the iter's value
+        for k, v in m.items():
+            if k != "grpo/loss":
+                out[k] = out.get(k, 0.0) + v
+    out["actor/microbatches"] = report.num_microbatches
+    return out
+
+
+def actor_reshard(ctx, layout: Layout) -> dict:
+    """Every worker (collective over the world): move the actor to `layout`."""
+    shard: ActorShard = ctx.state["actor"]
+    report = shard.reshard(layout)
+    return {"bytes_moved": report.bytes_moved, "seconds": report.seconds, "held_bytes": shard.held_bytes(),
+            **{f"phase_{k}_s": v for k, v in getattr(report, "phase_seconds", {}).items()}}
+
+
+def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
+    """DP rank 0 of each TP rank: its TP-local weights (copies), keyed by parameter name; others None."""
+    shard: ActorShard = ctx.state["actor"]
+    exported = shard.export_weights()
+    if exported is None or shard.coord[1] != 0:
+        return None
+    return {"__tp__": torch.tensor([exported.tp, exported.t]),
+            **{k: v.detach().to("cpu", torch.float32).clone() for k, v in exported.tensors.items()}}
+
+
+# ---- rollout ----------------------------------------------------------------------------------------------
+def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Transformer:
+    model = Transformer(spec.args, device=device)
+    model.load_global({k: v for k, v in weights.items() if not k.startswith("__")})
+    model.eval()
+    return model
+
+
+def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) -> str:
+    """Become (or stay) a rollout instance for `step` with weights `version`."""
+    spec: RunSpec = ctx.state["run"]
+    weights = _resolve(weights)
+    old = ctx.state.get("rollout")
+    if old is not None and old["version"] == version and weights is None:
+        engine = old["engine"]
+    else:
+        engine = NativeEngine(_model_with(spec, weights, ctx.device),
+                              EngineConfig(max_running_requests=spec.max_running_requests), policy_version=version)
+    queue = GroupQueue([])
+    out: list = []
+    inst = RolloutInstance(instance_id, engine, queue, out.append, spec.sampling, spec.group_size, spec.seed, step)
+    ctx.state["rollout"] = {"engine": engine, "queue": queue, "inst": inst, "out": out, "version": version,
+                            "step": step}
+    return instance_id
+
+
+def _to_record(g, task, tok, step: int) -> RolloutGroup:
+    prompt = tok.decode(g.prompt_ids[1:])  # without <bos>
+    rewards = tuple(task.reward(prompt, tok.decode(s.token_ids)) for s in g.samples)
+    return RolloutGroup(g.group_id, step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
+                        tuple(torch.tensor(s.logprobs, dtype=torch.float32) for s in g.samples), rewards,
+                        g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples))
+
+
+def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[RolloutGroup], dict]:
+    """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
+    done), and return the finished groups with rewards plus this instance's signals."""
+    r = ctx.state["rollout"]
+    spec: RunSpec = ctx.state["run"]
+    r["queue"].extend(groups)
+    inst: RolloutInstance = r["inst"]
+    inst.reopen()  # new work may have arrived in the local queue
+    t0 = time.perf_counter()
+    while not inst.done() and time.perf_counter() - t0 < budget_s:
+        inst.pump()
+        if r["out"] and time.perf_counter() - t0 > budget_s / 4:
+            break
+    finished, r["out"][:] = list(r["out"]), []
+    task, tok = get_task(spec.task), ctx.state["tok"]
+    records = [_to_record(g, task, tok, r["step"]) for g in finished]
+    s = inst.signals()
+    return records, {"groups_in_progress": s.groups_in_progress, "running": s.running_requests,
+                     "waiting": s.waiting_requests, "tokens": s.tokens_generated, "token_rate": s.token_rate,
+                     "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
+                     "busy_s": time.perf_counter() - t0}
+
+
+def rollout_export(ctx, count: int | None = None) -> dict:
+    """Phase 1 of moving work away: freeze the last `count` unfinished groups (None: all) and return the package.
+
+    Order (the scheduler's rule): groups not started go first (from the back of the local queue), then the most
+    recently admitted open groups, whose finished samples travel as results and running requests as engine
+    states with their KV cache."""
+    r = ctx.state["rollout"]
+    inst: RolloutInstance = r["inst"]
+    want = float("inf") if count is None else count
+    queued = []
+    while len(queued) < want and r["queue"].remaining():
+        queued.append(r["queue"].pop_back())
+    open_ids = [gid for gid in reversed(inst.group_ids())][:max(0, int(min(want, 1 << 30)) - len(queued))]
+    open_groups = {gid: inst.group_snapshot(gid) for gid in open_ids}
+    ids = [rid for rid in r["engine"].request_ids() if int(rid.split("/")[1][1:]) in open_groups]
+    states = r["engine"].export_state(ids) if ids else []
+    return {"queued": queued, "open": open_groups, "states": states}
+
+
+def rollout_import(ctx, package: Any) -> int:
+    """Phase 2 on the target: take the package over (all or nothing); returns requests imported."""
+    package = _resolve(package)
+    r = ctx.state["rollout"]
+    inst: RolloutInstance = r["inst"]
+    states: list[RequestState] = package["states"]
+    if states:
+        r["engine"].import_state(states)
+    for gid, (prompt_ids, results) in package["open"].items():
+        inst.adopt_group(PromptGroup(gid, tuple(prompt_ids)), results)
+    r["queue"].extend(package["queued"])
+    inst.reopen()
+    return len(states)
+
+
+def rollout_commit_export(ctx, package: Any) -> None:
+    """Phase 2 on the source, after the target imported: forget the moved work."""
+    package = _resolve(package)
+    r = ctx.state["rollout"]
+    ids = [s.request_id for s in package["states"]]
+    if ids:
+        r["engine"].commit_export(ids)
+    for gid in package["open"]:
+        r["inst"].drop_group(gid)
+
+
+def rollout_cancel_export(ctx, package: Any) -> None:
+    """The target failed: unfreeze everything here and put the queued groups back."""
+    package = _resolve(package)
+    r = ctx.state["rollout"]
+    ids = [s.request_id for s in package["states"]]
+    if ids:
+        r["engine"].cancel_export(ids)
+    r["queue"].extend(package["queued"])
+    r["inst"].reopen()
+
+
+def rollout_release(ctx) -> int:
+    """Stop being a rollout instance; free the engine (weights and KV). Returns bytes freed (approx)."""
+    r = ctx.state.pop("rollout", None)
+    if r is None:
+        return 0
+    engine: NativeEngine = r["engine"]
+    if engine.request_ids():
+        raise RuntimeError(f"device {ctx.device_id}: rollout released with requests in flight "
+                           f"{engine.request_ids()[:4]} (migrate them first)")
+    engine.release_memory()
+    return 0
+
+
+# ---- inference --------------------------------------------------------------------------------------------
+def inference_load(ctx, weights: Any, version: int) -> int:
+    spec: RunSpec = ctx.state["run"]
+    ctx.state["inference"] = {"model": _model_with(spec, _resolve(weights), ctx.device), "version": version}
+    return version
+
+
+@torch.no_grad()
+def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+    """Old-policy log-probs of each arriving group under the current weights (one batch of what arrived)."""
+    inf = ctx.state["inference"]
+    tok = ctx.state["tok"]
+    model: Transformer = inf["model"]
+    prompts = [g.prompt_ids for g in groups for _ in g.response_ids]
+    responses = [r for g in groups for r in g.response_ids]
+    ids_BT, mask_BT = pack_sequences(prompts, responses, tok.pad_id)
+    lps = unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)
+    out, k = [], 0
+    for g in groups:
+        n = len(g.response_ids)
+        out.append(g.scored(tuple(lp.clone() for lp in lps[k:k + n]), inf["version"]))
+        k += n
+    return out
+
+
+def inference_release(ctx) -> None:
+    ctx.state.pop("inference", None)
+
+
+def evaluate(ctx, prompts: list[str]) -> float:
+    """Greedy held-out accuracy with this worker's inference weights."""
+    spec: RunSpec = ctx.state["run"]
+    return greedy_accuracy(ctx.state["inference"]["model"], get_task(spec.task), ctx.state["tok"], prompts)
