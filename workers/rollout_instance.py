@@ -96,6 +96,16 @@ class GroupQueue:
         with self._lock:
             return len(self._groups)
 
+    def extend(self, groups: Iterable[PromptGroup]) -> None:
+        """More groups at the back (a driver handing work to this instance, or migrated-in groups)."""
+        with self._lock:
+            self._groups.extend(groups)
+
+    def pop_back(self) -> PromptGroup:
+        """The last group (migration takes not-started groups from the back)."""
+        with self._lock:
+            return self._groups.pop()
+
 
 @dataclass
 class _Group:
@@ -190,6 +200,34 @@ class RolloutInstance:
 
     def group_ids(self) -> list[int]:
         return list(self._groups)
+
+    def reopen(self) -> None:
+        """New work arrived in the queue after it ran dry (the driver feeds it, or a migration)."""
+        self._queue_empty = False
+
+    def group_snapshot(self, gid: int) -> tuple[tuple[int, ...], dict[int, RequestResult]]:
+        """(prompt ids, finished samples) of an open group, for moving it to another process."""
+        g = self._groups[gid]
+        return g.group.prompt_ids, dict(g.results)
+
+    def adopt_group(self, group: PromptGroup, results: dict[int, RequestResult]) -> None:
+        """Take over an open group whose running samples were imported into this engine."""
+        if group.group_id in self._groups:
+            raise GenerationError(f"adopt_group: group {group.group_id} is already open on {self.instance_id}")
+        self._groups[group.group_id] = _Group(group, dict(results))
+        self._emit_if_complete(group.group_id)  # every sample may have finished before the move
+
+    def _emit_if_complete(self, gid: int) -> None:
+        g = self._groups[gid]
+        if len(g.results) == self.group_size:
+            del self._groups[gid]
+            samples = tuple(g.results[i] for i in range(self.group_size))
+            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, samples[0].policy_version))
+            self._emitted += 1
+
+    def drop_group(self, gid: int) -> None:
+        """Forget an open group that moved to another instance (its requests were committed away)."""
+        self._groups.pop(gid, None)
 
 
 def migrate_groups(source: RolloutInstance, target: RolloutInstance, group_ids: Sequence[int] | None = None
