@@ -129,22 +129,117 @@ def run_spec(cfg: TidalConfig, args, tok):
                    kl_coef=cfg.algorithm.kl_coef, task=cfg.data.task, tokenizer_chars=tok.chars, seed=cfg.run.seed)
 
 
-def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
-                 on_step: Callable[[int, dict], None] | None = None, log_fn=None) -> RunSummary:
-    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db events."""
-    from tidal.engine.model import ModelArgs
-    from tidal.engine.rl_tasks import get_task
-    from tidal.engine.tokenizer import check_compatible, default_tokenizer
-    from tidal.pipeline.driver import Pipeline
-    from tidal.scheduler.costs import cpu_tiny
-    from tidal.scheduler.policies import get_policy
-    from tidal.scheduler.state import PolicyParams, SchedState
-    from tidal.tracking import NullSink
-    from tidal.workers.runtime import WorkerGroup
+class TrainingRun:
+    """A run as verbs (what flows and tasks call): `open`, `step`, `evaluate`, `finish`. Holds the workers."""
 
-    if sink is None:
-        sink = NullSink()
-        sink.start_run(cfg.run.name, flatten(cfg))
+    def __init__(self, cfg: TidalConfig, out_dir: Path, sink=None, recorder=None, log_fn=None):
+        from tidal.tracking import NullSink
+        if sink is None:
+            sink = NullSink()
+            sink.start_run(cfg.run.name, flatten(cfg))
+        self.cfg, self.out_dir, self.sink, self.recorder, self.log_fn = cfg, Path(out_dir), sink, recorder, log_fn
+        self.pipe = None
+        self.group = None
+        self.evals: list[tuple[int, float]] = []
+        self.rewards: list[float] = []
+        self.step_s: list[float] = []
+        self.phase: dict[str, float] = {}
+        self.n_reshard = self.n_migr = 0
+        self.next_step = 0
+
+    def open(self) -> "TrainingRun":
+        from tidal.engine.model import ModelArgs
+        from tidal.engine.rl_tasks import get_task
+        from tidal.engine.tokenizer import check_compatible, default_tokenizer
+        from tidal.pipeline.driver import Pipeline
+        from tidal.scheduler.costs import cpu_tiny
+        from tidal.scheduler.policies import get_policy
+        from tidal.scheduler.state import PolicyParams, SchedState
+        from tidal.workers.runtime import WorkerGroup
+        cfg = self.cfg
+        check_runnable(cfg)
+        tok = default_tokenizer()
+        task = get_task(cfg.data.task)
+        task.check_tokenizer(tok)
+        args = ModelArgs.from_config(cfg.model, tok.vocab_size)
+        check_compatible(tok, args.vocab_size)
+        if task.max_response_tokens > cfg.rollout.max_new_tokens:
+            raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+                              f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
+                              f"set rollout.max_new_tokens >= {task.max_response_tokens}")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.t_run = time.monotonic()
+        weights, self.ws_meta = prepare_weights(cfg, args, task, tok, Path(cfg.run.output_dir) / ".warmstart",
+                                                self.log_fn)
+        self.heldout = task.heldout_prompts(cfg.data.eval_size, cfg.data.seed)
+        self.kind = device_kind(cfg)
+        self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+        self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
+                                       compute_share=cfg.cluster.cpu_compute_share,
+                                       ray_address=cfg.cluster.ray_address)
+        try:
+            self.pipe = Pipeline(cfg, self.group, run_spec(cfg, args, tok), weights, self.policy or
+                                 get_policy(self.policy_name),
+                                 SchedState(PolicyParams.from_config(cfg), costs=cpu_tiny()))
+            self.pipe.start()
+            self.evals.append((0, self.pipe.evaluate(self.heldout)))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    policy = None  # a test or sweep may set a policy callable before `open`
+
+    def step(self) -> dict:
+        """One RL step; returns its metrics (also sent to the sink and the database)."""
+        cfg, step = self.cfg, self.next_step
+        res = self.pipe.run_step(step)
+        m = dict(res.metrics)
+        if (step + 1) % cfg.run.eval_every == 0 or step == cfg.run.num_steps - 1:
+            acc = self.pipe.evaluate(self.heldout)
+            self.evals.append((step + 1, acc))
+            m["eval/heldout_accuracy"] = acc
+        self.rewards.append(m.get("grpo/reward_mean", 0.0))
+        self.step_s.append(res.seconds)
+        for k, v in res.phase_seconds.items():
+            self.phase[k] = self.phase.get(k, 0.0) + v
+            m[f"phase/{k}_s"] = v
+        self.sink.log_metrics(m, step)
+        for ev in res.events:
+            self.sink.log_event(ev["kind"], ev)
+            self.n_reshard += ev["kind"] == "reshard"
+            self.n_migr += ev["kind"] == "migration"
+        if self.recorder:
+            self.recorder.step(step, res, m)
+        self.next_step += 1
+        return m
+
+    def finish(self) -> RunSummary:
+        """Timeline picture, events, summary (the workers stay up until `close`)."""
+        pipe, cfg, out = self.pipe, self.cfg, self.out_dir
+        if self.recorder:
+            self.recorder.transitions(pipe.ledger.history)
+        pipe._close_ownership()
+        idle = pipe.timeline.idle_fraction()
+        self.final_weights = pipe.global_weights()
+        pipe.timeline.draw(out / "timeline.png", f"{cfg.run.name}: {self.policy_name} policy, idle {idle:.2f}")
+        (out / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
+        (out / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
+        summary = RunSummary(cfg.run.name, self.next_step, time.monotonic() - self.t_run, self.evals[0][1],
+                             self.evals[-1][1], self.rewards, self.evals, self.phase, idle, self.step_s,
+                             self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
+                             {k: v for k, v in self.ws_meta.items() if k != "history"},
+                             weights_sha(self.final_weights))
+        (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
+        return summary
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+
+def check_runnable(cfg: TidalConfig) -> None:
     if cfg.rollout.tensor_parallel_size != 1 or cfg.inference.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
                           "the pipeline runs rollout and inference instances on one device each for now",
@@ -153,65 +248,19 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
         raise ConfigError("cluster.component_placement", cfg.placement.mode.value,
                           "the streaming pipeline needs disjoint devices per component",
                           "place actor, rollout and inference on separate devices")
-    tok = default_tokenizer()
-    task = get_task(cfg.data.task)
-    task.check_tokenizer(tok)
-    args = ModelArgs.from_config(cfg.model, tok.vocab_size)
-    check_compatible(tok, args.vocab_size)
-    if task.max_response_tokens > cfg.rollout.max_new_tokens:
-        raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
-                          f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
-                          f"set rollout.max_new_tokens >= {task.max_response_tokens}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t_run = time.monotonic()
-    weights, ws_meta = prepare_weights(cfg, args, task, tok, Path(cfg.run.output_dir) / ".warmstart", log_fn)
-    heldout = task.heldout_prompts(cfg.data.eval_size, cfg.data.seed)
-    kind = device_kind(cfg)
-    policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
-    group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=kind,
-                              compute_share=cfg.cluster.cpu_compute_share, ray_address=cfg.cluster.ray_address)
+
+
+def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
+                 on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None) -> RunSummary:
+    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows."""
+    run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
+    run.policy = policy
     try:
-        pipe = Pipeline(cfg, group, run_spec(cfg, args, tok), weights, get_policy(policy_name),
-                        SchedState(PolicyParams.from_config(cfg), costs=cpu_tiny()))
-        pipe.start()
-        acc0 = pipe.evaluate(heldout)
-        evals = [(0, acc0)]
-        rewards, step_s = [], []
-        phase: dict[str, float] = {}
-        n_reshard = n_migr = 0
+        run.open()
         for step in range(cfg.run.num_steps):
-            res = pipe.run_step(step)
-            m = dict(res.metrics)
-            if (step + 1) % cfg.run.eval_every == 0 or step == cfg.run.num_steps - 1:
-                acc = pipe.evaluate(heldout)
-                evals.append((step + 1, acc))
-                m["eval/heldout_accuracy"] = acc
-            rewards.append(m.get("grpo/reward_mean", 0.0))
-            step_s.append(res.seconds)
-            for k, v in res.phase_seconds.items():
-                phase[k] = phase.get(k, 0.0) + v
-                m[f"phase/{k}_s"] = v
-            sink.log_metrics(m, step)
-            for ev in res.events:
-                sink.log_event(ev["kind"], ev)
-                n_reshard += ev["kind"] == "reshard"
-                n_migr += ev["kind"] == "migration"
-            if recorder:
-                recorder.step(step, res, m)
+            m = run.step()
             if on_step:
                 on_step(step, m)
-        if recorder:
-            recorder.transitions(pipe.ledger.history)
-        pipe._close_ownership()
-        idle = pipe.timeline.idle_fraction()
-        final = pipe.global_weights()
-        pipe.timeline.draw(out_dir / "timeline.png", f"{cfg.run.name}: {policy_name} policy, idle {idle:.2f}")
-        (out_dir / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
-        (out_dir / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
+        return run.finish()
     finally:
-        group.shutdown()
-    summary = RunSummary(cfg.run.name, cfg.run.num_steps, time.monotonic() - t_run, acc0, evals[-1][1], rewards,
-                         evals, phase, idle, step_s, policy_name, kind, str(out_dir), n_reshard, n_migr,
-                         {k: v for k, v in ws_meta.items() if k != "history"}, weights_sha(final))
-    (out_dir / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
-    return summary
+        run.close()
