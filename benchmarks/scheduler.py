@@ -1,20 +1,33 @@
-"""Scheduler benchmark: policy decision latency and simulated step times.
+"""Scheduler benchmark: policy decision latency, simulator speed, simulated step times.
 
-    python benchmarks/scheduler.py --json benchmarks/results/scheduler.json [--steps 10] [--big-steps 3]
+    python benchmarks/scheduler.py --json benchmarks/results/scheduler.json [--steps 10] [--big-steps 100]
 
-1. Decision latency (p50/p99 over repeated calls) of `rlinf` and `tidal` at 8, 64 and 1,024 devices on
-   synthetic mid-step signals (RLinf example placement, every rollout instance busy, actor at a boundary).
-2. Simulator figures: mean step time of static, rlinf (flags off and on) and tidal on RLinf's 8-GPU example,
-   and on the same shape at 1,024 devices (2 prompts per device), with speedups and simulator wall time.
+1. Decision latency of `rlinf` and `tidal` at 8, 64 and 1,024 devices, `time.perf_counter_ns` around each
+   call (wall) and `time.thread_time_ns` (CPU of this thread: what preemption on a shared machine does not
+   inflate), p50/p99/max over `--reps` calls each:
+   - `captured`: every decision signal a simulation of that size produced (RLinf example shape; tidal's own
+     run for tidal, rlinf's for rlinf), replayed with the producer's columns (what the simulator and a
+     reconciler that builds `RolloutColumns` pass);
+   - `records`: synthetic mid-step signals given as records only, so each call also builds the columns
+     (the reconciler's plain path).
+2. Simulated mean step time of static, rlinf under each flag combination and tidal on RLinf's 8-GPU example
+   (1.5B, 512 prompts x 16, 4 iters, long tail) and on the same shape at 1,024 devices (2 prompts per
+   device), speedups vs static and vs each rlinf variant, idle fraction, simulator wall and CPU seconds.
+3. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
+
+The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: the dev machine is
+shared, so wall-clock tails are noisy; CPU times are the robust figure).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import os
+import platform
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -23,12 +36,22 @@ from tidal.scheduler.costs import gpu_h200_1p5b
 from tidal.scheduler.policies import get_policy
 from tidal.scheduler.signals import (ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal,
                                      Signals)
-from tidal.scheduler.simulator import simulate
+from tidal.scheduler.simulator import _Sim, simulate
 from tidal.scheduler.state import SchedState
-from tidal.scheduler.workload import rlinf_example
+from tidal.scheduler.workload import SimSpec, rlinf_example
+
+FLAGS = {"rlinf": (False, False), "rlinf_pre": (True, False), "rlinf_wait": (False, True),
+         "rlinf_flags": (True, True)}
+
+
+def spec_for(devices: int, pre: bool = False, wait: bool = False) -> SimSpec:
+    spec = rlinf_example(devices, prompts_per_device=64 if devices == 8 else 2)
+    return dataclasses.replace(spec, params=dataclasses.replace(
+        spec.params, use_pre_process_policy=pre, use_wait_before_last_iter_policy=wait))
 
 
 def synthetic(devices: int, seed: int = 0) -> tuple[SchedState, Signals]:
+    """Mid-step signals as records: every rollout instance busy, actor at a boundary."""
     spec = rlinf_example(devices, prompts_per_device=8)
     p = spec.params
     rng = random.Random(seed)
@@ -37,7 +60,7 @@ def synthetic(devices: int, seed: int = 0) -> tuple[SchedState, Signals]:
         running = rng.randint(0, 400)
         rollout.append(RolloutInstanceSignal(d, (d,), rng.randint(0, 5), max(1, running // 16), running, 2048,
                                              rng.randint(0, 10**6), running * 900, 20_000.0 * rng.random(),
-                                             running * 1500.0))
+                                             running * 1500.0, est_tail_tokens=4000.0 * rng.random()))
     owners = [Owner.ACTOR] * devices
     for d in p.rollout_devices:
         owners[d] = Owner.ROLLOUT
@@ -49,47 +72,119 @@ def synthetic(devices: int, seed: int = 0) -> tuple[SchedState, Signals]:
     return SchedState(p, gpu_h200_1p5b(), 1700.0, 256.0), sig
 
 
-def latency(policy: str, devices: int, reps: int) -> dict:
-    st, sig = synthetic(devices)
-    fn = get_policy(policy)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def _stats(ns: list[int]) -> dict:
+    ns = sorted(ns)
+    return {"p50_ms": ns[len(ns) // 2] / 1e6, "p99_ms": ns[min(len(ns) - 1, int(0.99 * len(ns)))] / 1e6,
+            "max_ms": ns[-1] / 1e6, "n": len(ns)}
+
+
+def _time_calls(fn, calls: list[tuple[SchedState, Signals]], reps: int) -> dict:
+    wall, cpu = [], []
+    k = 0
+    while len(wall) < reps:
+        st, sig = calls[k % len(calls)]
+        k += 1
+        sig = dataclasses.replace(sig)   # fresh object: no columns cached by an earlier call
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
         fn(st, sig, sig.time)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return {"p50_ms": 1e3 * statistics.median(times), "p99_ms": 1e3 * times[int(0.99 * (len(times) - 1))]}
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        wall.append(t1 - t0)
+        cpu.append(c1 - c0)
+    return {"wall": _stats(wall), "cpu": _stats(cpu)}
 
 
-def sim_figures(devices: int, steps: int, prompts_per_device: int) -> dict:
-    spec = rlinf_example(devices, prompts_per_device=prompts_per_device)
-    flags = dataclasses.replace(spec, params=dataclasses.replace(
-        spec.params, use_pre_process_policy=True, use_wait_before_last_iter_policy=True))
+def captured(policy: str, devices: int, steps: int) -> list[tuple[SchedState, Signals]]:
+    """Every (state, signals) a simulation handed to `policy` (producer columns included)."""
+    out: list[tuple[SchedState, Signals]] = []
+    sim = _Sim(spec_for(devices), policy, 0, keep_events=False)
+    inner = sim.decide
+
+    def record(state, sig, now):
+        out.append((state, sig))
+        return inner(state, sig, now)
+    sim.decide = record
+    for s in range(steps):
+        sim.run_step(s)
+    return out
+
+
+def latency(reps: int) -> dict:
+    res = {}
+    for pol in ("rlinf", "tidal"):
+        fn = get_policy(pol)
+        for n in (8, 64, 1024):
+            calls = captured(pol, n, 2)
+            res[f"{pol}@{n}"] = {"captured": _time_calls(fn, calls, reps),
+                                 "records": _time_calls(fn, [synthetic(n)], reps),
+                                 "decisions_captured": len(calls)}
+    return res
+
+
+def sim_figures(devices: int, steps: int) -> dict:
     out = {}
-    for name, sp, pol in (("static", spec, "static"), ("rlinf", spec, "rlinf"),
-                          ("rlinf_flags", flags, "rlinf"), ("tidal", spec, "tidal")):
+    runs = [("static", spec_for(devices), "static")]
+    runs += [(name, spec_for(devices, *flags), "rlinf") for name, flags in FLAGS.items()]
+    runs += [("tidal", spec_for(devices), "tidal")]
+    for name, sp, pol in runs:
+        c0 = time.process_time()
         r = simulate(sp, pol, None, steps, seed=0, keep_events=False)
-        out[name] = {"mean_step_s": r.mean_step_s, "idle_fraction": r.idle_fraction,
-                     "sim_wall_s": r.sim_wall_s, "sim_wall_s_per_step": r.sim_wall_s / steps}
-    for name in ("rlinf", "rlinf_flags", "tidal"):
+        cpu = time.process_time() - c0
+        out[name] = {"mean_step_s": r.mean_step_s, "idle_fraction": r.idle_fraction, "sim_wall_s": r.sim_wall_s,
+                     "sim_cpu_s": cpu, "sim_cpu_s_per_step": cpu / steps,
+                     "migrations": sum(s.migrations for s in r.steps), "reshards": sum(s.reshards for s in r.steps),
+                     "decisions": sum(s.decisions for s in r.steps)}
+    for name in out:
         out[name]["speedup_vs_static"] = out["static"]["mean_step_s"] / out[name]["mean_step_s"]
-    out["tidal"]["speedup_vs_rlinf"] = out["rlinf"]["mean_step_s"] / out["tidal"]["mean_step_s"]
-    out["tidal"]["speedup_vs_rlinf_flags"] = out["rlinf_flags"]["mean_step_s"] / out["tidal"]["mean_step_s"]
-    return {"devices": devices, "steps": steps, "prompts": spec.params.rollout_batch_size, "policies": out}
+    out["tidal"]["speedup_vs"] = {k: out[k]["mean_step_s"] / out["tidal"]["mean_step_s"] for k in FLAGS}
+    sp = spec_for(devices)
+    return {"devices": devices, "steps": steps, "prompts": sp.params.rollout_batch_size,
+            "group_size": sp.params.group_size, "n_minibatches": sp.params.n_minibatches, "policies": out}
+
+
+def sim_speed(steps: int) -> dict:
+    out = {}
+    for pol in ("static", "rlinf", "tidal"):
+        c0, t0 = time.process_time(), time.perf_counter()
+        r = simulate(spec_for(1024), pol, None, steps, seed=0, keep_events=False)
+        out[pol] = {"steps": steps, "cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0,
+                    "mean_step_s": r.mean_step_s}
+    return out
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_start": os.getloadavg(), "note": "shared 2-core dev machine; single-threaded runs"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="write results here")
-    ap.add_argument("--steps", type=int, default=10, help="simulated steps on the 8-device example")
-    ap.add_argument("--big-steps", type=int, default=3, help="simulated steps at 1,024 devices")
-    ap.add_argument("--reps", type=int, default=300, help="decisions timed per (policy, size)")
+    ap.add_argument("--steps", type=int, default=10, help="simulated steps for the step-time figures")
+    ap.add_argument("--big-steps", type=int, default=100, help="steps of the 1,024-device speed run")
+    ap.add_argument("--reps", type=int, default=2000, help="decisions timed per (policy, size, kind)")
     a = ap.parse_args()
-    res = {"latency": {f"{pol}@{n}": latency(pol, n, a.reps) for pol in ("rlinf", "tidal") for n in (8, 64, 1024)},
-           "sim_8": sim_figures(8, a.steps, 64), "sim_1024": sim_figures(1024, a.big_steps, 2)}
+    m = machine()
+    res = {"name": "scheduler", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
+           "sim_1024": sim_figures(1024, a.steps), "sim_speed_1024": sim_speed(a.big_steps)}
+    m["load_avg_end"] = os.getloadavg()
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "latency"}, indent=1))
+    for k, v in res["latency"].items():
+        print(k, "captured wall p50/p99 %.3f/%.3f ms cpu p99 %.3f; records wall p50/p99 %.3f/%.3f" % (
+            v["captured"]["wall"]["p50_ms"], v["captured"]["wall"]["p99_ms"], v["captured"]["cpu"]["p99_ms"],
+            v["records"]["wall"]["p50_ms"], v["records"]["wall"]["p99_ms"]))
 
 
 if __name__ == "__main__":

@@ -24,21 +24,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
                                      ReshardActor, ReturnFromRollout, Wait)
-from tidal.scheduler.signals import ActorLayout, RolloutInstanceSignal, Signals
+from tidal.scheduler.signals import ActorLayout, Signals
 from tidal.scheduler.state import PolicyParams, SchedState
 
 
-def spread(sources: list[RolloutInstanceSignal], survivors: list[RolloutInstanceSignal],
-           why: str) -> list[MigrateRequests]:
-    """RLinf's spread: all unfinished groups of `sources`, `total // len(survivors)` to each survivor in id
+def spread(src_ids: list[int], src_groups: list[int], survivor_ids: list[int], why: str) -> list[MigrateRequests]:
+    """RLinf's spread: all unfinished groups of the sources, `total // len(survivors)` to each survivor in id
     order, the remainder to the last one."""
-    if not survivors:
+    if not survivor_ids:
         return []
-    per_src = [(s.id, s.groups_unfinished) for s in sources if s.groups_unfinished]
+    per_src = [(s, n) for s, n in zip(src_ids, src_groups) if n]
     total = sum(n for _, n in per_src)
-    quota = [total // len(survivors)] * len(survivors)
+    quota = [total // len(survivor_ids)] * len(survivor_ids)
     quota[-1] += total - sum(quota)
     out: list[MigrateRequests] = []
     si = 0
@@ -47,7 +48,7 @@ def spread(sources: list[RolloutInstanceSignal], survivors: list[RolloutInstance
             while quota[si] == 0:
                 si += 1
             take = min(n, quota[si])
-            out.append(MigrateRequests(why, src=src, dst=survivors[si].id, count=take))
+            out.append(MigrateRequests(why, src=src, dst=survivor_ids[si], count=take))
             quota[si] -= take
             n -= take
     return out
@@ -63,17 +64,20 @@ def _largest_size(sizes: tuple[int, ...], current: int, extra: int) -> int:
 
 
 def _pre_process(p: PolicyParams, sig: Signals) -> list[Action]:
-    lent = [r for r in sig.rollout if r.lent]
+    cols = sig.cols
     total = sig.total_tasks
-    if sig.all_registered and sig.running <= p.pre_process_threshold * total:
-        survivors = [r for r in sig.rollout if not r.lent]
-        why = (f"pre-process: running {sig.running} <= {p.pre_process_threshold} x {total} tasks; "
+    running = sig.running
+    if sig.all_registered and running <= p.pre_process_threshold * total:
+        order = np.argsort(cols.id, kind="stable")
+        lent = order[cols.lent[order]]
+        survivors = order[~cols.lent[order]]
+        why = (f"pre-process: running {running} <= {p.pre_process_threshold} x {total} tasks; "
                f"hand the actor's devices back")
-        moves = spread(lent, survivors, why)
-        devices = tuple(d for r in lent for d in r.devices)
-        return [*moves, ReturnFromRollout(why, instance_ids=tuple(r.id for r in lent), devices=devices,
+        moves = spread(cols.id[lent].tolist(), cols.groups_unfinished[lent].tolist(), cols.id[survivors].tolist(), why)
+        devices = tuple(d for i in lent.tolist() for d in sig.devices_of(i))
+        return [*moves, ReturnFromRollout(why, instance_ids=tuple(cols.id[lent].tolist()), devices=devices,
                                           migrate_to=tuple(sorted({m.dst for m in moves})))]
-    return [Wait(f"pre-process: running {sig.running} > {p.pre_process_threshold} x {total} tasks",
+    return [Wait(f"pre-process: running {running} > {p.pre_process_threshold} x {total} tasks",
                  recheck_s=p.pre_process_check_s)]
 
 
@@ -86,7 +90,8 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
         ids = tuple(devs[k] for k in range(0, len(devs) - len(devs) % p.rollout_tp, p.rollout_tp))
         return [LendToRollout("pre-process: the actor's devices run rollout until the step's work thins out",
                               devices=devs[:len(ids) * p.rollout_tp], instance_ids=ids)]
-    if any(r.lent for r in sig.rollout):  # polled every pre_process_check_s (the "tick" trigger) only
+    cols = sig.cols
+    if cols.lent.any():  # polled every pre_process_check_s (the "tick" trigger) only
         return _pre_process(p, sig) if sig.trigger == "tick" else [Wait("pre-process: between polls")]
     if not sig.actor.at_boundary or not (sig.trigger == "boundary" or sig.actor.held):
         return []  # RLinf decides only when an iter finishes (or re-asks while holding the actor)
@@ -103,30 +108,34 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
     holding = False
     last_wait = p.use_wait_before_last_iter_policy and k == n - 1
     sizes = p.rlinf_sizes()
-    live = sorted(sig.rollout, key=lambda r: r.id)
+    live = np.argsort(cols.id, kind="stable")   # positions in id order
+
+    def devs(idx: np.ndarray) -> tuple[int, ...]:
+        return tuple(d for i in idx.tolist() for d in sig.devices_of(i))
 
     # 1. rollout
-    if live:
+    if live.size:
         running = sig.running
         if running == 0:
-            acts.append(ReleaseRollout("rollout finished: running_tasks == 0", tuple(r.id for r in live),
-                                       tuple(d for r in live for d in r.devices)))
-            free += sum(len(r.devices) for r in live)
+            acts.append(ReleaseRollout("rollout finished: running_tasks == 0", tuple(cols.id[live].tolist()),
+                                       devs(live)))
+            free += int(cols.n_devices.sum())
         elif last_wait:
             acts.append(Wait(f"wait before last iter: {running} tasks still running"))
             holding = True
         else:
             needed = math.ceil(running / p.max_running_requests)
-            may_go = len(live) - needed
+            may_go = live.size - needed
             target = _largest_size(sizes, layout.size, free + may_go * p.rollout_tp)
             go = max(0, math.ceil((target - layout.size - free) / p.rollout_tp)) if target > layout.size else 0
             if go:
                 gone, survivors = live[:go], live[go:]
-                why = (f"running {running} fits in {needed} of {len(live)} instances; actor size {target} "
+                why = (f"running {running} fits in {needed} of {live.size} instances; actor size {target} "
                        f"absorbs {go} (lowest ids first)")
-                moves = spread(gone, survivors, why)
+                moves = spread(cols.id[gone].tolist(), cols.groups_unfinished[gone].tolist(),
+                               cols.id[survivors].tolist(), why)
                 acts += moves
-                acts.append(ReleaseRollout(why, tuple(r.id for r in gone), tuple(d for r in gone for d in r.devices),
+                acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), devs(gone),
                                            migrate_to=tuple(sorted({m.dst for m in moves}))))
                 free += go * p.rollout_tp
 

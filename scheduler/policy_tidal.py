@@ -127,8 +127,7 @@ def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float,
             start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
         t = start + c.actor.iter_time(step_tokens * state.iter_share(j), tp, size // tp)
-    init = p.initial_layout
-    t += c.reshard.grow_time(size, init.size, tp)
+    t += c.reshard.grow_time(size, len(p.actor_devices), tp)
     return t
 
 
@@ -200,26 +199,27 @@ def _rebalance(state: SchedState, sig: Signals, mask: np.ndarray) -> list[Action
     return acts
 
 
-def _fill(state: SchedState, why: str, cols: RolloutColumns, donors: np.ndarray, new_ids: list[int],
-          target_s: float) -> list[Action]:
-    """New (empty) instances `new_ids` take queued groups from the heaviest `donors` down to `target_s` each."""
-    srem = inst_seconds(state, cols)
-    order = donors[np.argsort(-srem[donors], kind="stable")]
+def _fill(state: SchedState, why: str, cols: RolloutColumns, donors: np.ndarray, new_ids: list[int]) -> list[Action]:
+    """New (empty) instances `new_ids` take groups from the most loaded `donors` (by remaining tokens) until
+    every instance holds about the same share of the remaining tokens."""
+    rem = cols.est_remaining_tokens
+    target = float(rem[donors].sum()) / (donors.size + len(new_ids))
+    order = donors[np.argsort(-rem[donors], kind="stable")]
     acts: list[Action] = []
-    room = [target_s] * len(new_ids)
+    room = [target] * len(new_ids)
     k = 0
     for i in order.tolist():
-        s, g = float(srem[i]), int(cols.groups_unfinished[i])
-        if s <= target_s or g < 2 or not math.isfinite(s) or k >= len(new_ids):
+        r, g = float(rem[i]), int(cols.groups_unfinished[i])
+        if r <= target or g < 2 or k >= len(new_ids):
             break
-        surplus_groups = min(g - 1, int(g * (s - target_s) / s))
-        per = s / g
-        while surplus_groups > 0 and k < len(new_ids):
-            n = min(surplus_groups, max(1, int(room[k] / per)))
+        per = r / g
+        surplus = min(g - 1, int((r - target) / per))
+        while surplus > 0 and k < len(new_ids):
+            n = min(surplus, max(1, int(round(room[k] / per))))
             acts.append(_migrate(state, why, int(cols.id[i]), new_ids[k], n))
-            surplus_groups -= n
+            surplus -= n
             room[k] -= n * per
-            if room[k] < per:
+            if room[k] < per / 2:
                 k += 1
     return acts
 
@@ -405,12 +405,12 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
                f"{base:.1f}s); actor to {size} devices")
         moves = _spread(state, why, cols, gone, survivors, srem)
         acts += moves
-        acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()),
-                                   tuple(d for i in gone.tolist() for d in sig.devices_of(i)),
-                                   migrate_to=_dsts(moves)))
-        free = sorted(free + [d for i in gone.tolist() for d in sig.devices_of(i)])
+        released = tuple(d for i in gone.tolist() for d in sig.devices_of(i))
+        acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves)))
+        free = sorted(free + list(released))
     if size > layout.size:
-        pool = [d for d in free if d not in layout.devices]
+        mine = set(layout.devices)
+        pool = [d for d in free if d not in mine]
         acts.append(ReshardActor(f"predicted gain over the remaining iters exceeds reshard cost; dp "
                                  f"{layout.dp} -> {size // tp}", layout, _layout_for(layout, pool, size)))
     elif j < 0:
@@ -419,14 +419,13 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
         new_ids = [leaving[k] for k in range(0, len(leaving), p.rollout_tp)]
         why = (f"actor waits for mini-batch {sig.actor.iters_done} while rollout is throughput-bound: "
                f"{len(leaving)} devices to rollout (predicted step end {end:.1f}s vs {base:.1f}s)")
-        target = rollout_seconds(state, remaining, tail, n + len(new_ids))
         if size:
             keep = tuple(sorted(layout.devices)[:size])
             acts.append(ReshardActor(why, layout, ActorLayout(tp, size // tp, keep)))
             acts.append(StartRollout(why, leaving, tuple(new_ids)))
         else:
             acts.append(LendToRollout(why, leaving, tuple(new_ids)))
-        acts += _fill(state, why, cols, live, new_ids, target)
+        acts += _fill(state, why, cols, live, new_ids)
     elif not returning and j == 0:
         acts += _rebalance(state, sig, ~lent)
     return acts

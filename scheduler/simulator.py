@@ -13,7 +13,7 @@ Events are per group (generated, scored) and per actor iter, never per token (`r
 an instance's continuous batching in closed form), so 1,024 devices x 100 steps runs in seconds.
 
 Who calls the policy: iter done ("boundary"); an instance drained ("drain", coalesced: at most one call per
-1/16 of the instances draining); inference done ("inference"); a requested recheck ("tick"). The actor's first
+1/8 of the instances draining); inference done ("inference"); a requested recheck ("tick"). The actor's first
 mini-batch scored while its devices are lent ("data_ready"). While a Wait holds the actor the signal says
 so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through a
 `tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
@@ -47,6 +47,11 @@ from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, Inf
                                      RolloutColumns, RolloutView, Signals)
 from tidal.scheduler.state import SchedState
 from tidal.scheduler.workload import SimSpec
+
+
+#: a "drain" decision is asked once 1/DRAIN_BATCH of the instances drained since the last one (or the last group
+#: was generated): every drain at small sizes, batches of 64 at 1,024 devices (decisions cost O(instances))
+DRAIN_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -332,7 +337,7 @@ class _Sim:
         self.drain_pending += 1
         if self.in_call:
             return  # drained by an action of the decision being applied: the policy already knows
-        if self.drain_pending >= max(1, math.ceil(len(self.inst) / 16)) or self.n_generated == self.p.rollout_batch_size:
+        if self.drain_pending >= max(1, math.ceil(len(self.inst) / DRAIN_BATCH)) or self.n_generated == self.p.rollout_batch_size:
             self.drain_pending = 0
             self.call("drain")
             self.try_start()

@@ -9,12 +9,12 @@ import pytest
 from tidal.config import ClusterConfig, build_config
 from tidal.devices import Owner
 from tidal.scheduler import policy_rlinf, policy_tidal
-from tidal.scheduler.actions import (LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout, Wait)
+from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateRequests, ReleaseInference,
+                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference, Wait)
 from tidal.scheduler.costs import fit_decode, fit_linear, gpu_h200_1p5b
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
-                                     RolloutInstanceSignal, Signals)
+                                     RolloutColumns, RolloutInstanceSignal, RolloutView, Signals)
 from tidal.scheduler.state import PolicyParams, SchedState
 from tidal.scheduler.workload import rlinf_example
 
@@ -183,3 +183,122 @@ def test_length_model_residual_grows_in_the_tail():
     assert m.residual(0) == pytest.approx(490.0)
     assert m.residual(200) > 3000  # past 100 tokens only the long ones are left
     assert LengthModel.prior(1024).residual(0) == pytest.approx(512.0)
+
+
+# --- tidal, table-driven: exact action sequences (fields; reasons are prose and checked only where quoted) ---
+
+#: readiness curve and iter token shares as the producer learns them from a long-tailed step
+CURVE = (0, .2, .3, .36, .45, .5, .55, .6, .63, .67, .7, .73, .77, .8, .85, .9, 1.0)
+
+
+def lstate(**flags):
+    return dataclasses.replace(state(**flags), ready_curve=CURVE, iter_shares=(0.16, 0.24, 0.28, 0.32))
+
+
+def tinst(i, running, groups, est, tail, lent=False):
+    return dataclasses.replace(inst(i, running, groups, lent=lent, est=est), est_tail_tokens=tail)
+
+
+def fields(acts):
+    return [(type(a).__name__, {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "reason"})
+            for a in acts]
+
+
+def M(src, dst, count, kv=True):
+    return ("MigrateRequests", {"src": src, "dst": dst, "count": count, "kv": kv})
+
+
+def _inf_lent(generated, rollout):
+    s = sig(rollout, iters=0, trigger="tick", generated=generated, scored=0, lent_out=True, inf_devices=())
+    return dataclasses.replace(s, inference=InferenceSignal((), generated, 0, False, (6, 7)))
+
+
+FULL = [tinst(i, 2048, 128, 2048 * 1700.0, 8000.0) for i in (2, 3, 4, 5)]
+EARLY = [tinst(i, 1900, 120, 1900 * 1500.0, 7000.0) for i in range(8)]
+LATE = [tinst(i, 600, 40, 600 * 900.0, 5000.0, lent=i in (0, 1)) for i in range(8)]
+RETURNING = ([tinst(0, 300, 30, 300 * 1500.0, 6000.0, True), tinst(1, 300, 30, 300 * 1500.0, 6000.0, True)]
+             + [tinst(i, 450, 60, 450 * 2500.0, 6000.0) for i in (2, 3, 4, 5)])
+BUSY = [tinst(i, 500, 30, 500 * 6000.0, 7000.0) for i in (2, 3, 4, 5)]
+SKEWED = [tinst(2, 400, 40, 400 * 4000.0, 7000.0), tinst(3, 0, 0, 0.0, 0.0), tinst(4, 100, 10, 100 * 1000.0, 2000.0),
+          tinst(5, 300, 30, 300 * 3000.0, 6000.0)]
+
+
+def _between(rollout):
+    s = sig(rollout, iters=1, scored=300, trigger="drain")
+    return dataclasses.replace(s, actor=ActorSignal(1, 4, False, L2, 30.0))
+
+
+TIDAL_CASES = [
+    ("step start: actor idle ~59s and inference ~39s before the first mini-batch: both lent, poll the backlog",
+     {}, sig(FULL, iters=0, trigger="start", generated=0, scored=0),
+     [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),
+      ("LendInference", {"devices": (6, 7), "instance_ids": (6, 7)}),
+      ("Wait", {"recheck_s": 1.0})]),
+    ("inference lent, next mini-batch ~49s away, backlog ~2s: keep lending, recheck half-way (~24s)",
+     {}, _inf_lent(5, EARLY), [("Wait", {"recheck_s": pytest.approx(23.6756, abs=1e-3)})]),
+    ("inference lent, 110 groups waiting: it returns, its groups go to the non-lent instances by KV copy",
+     {}, _inf_lent(110, LATE),
+     [M(6, 2, 10), M(6, 3, 10), M(6, 4, 10), M(6, 5, 10), M(7, 2, 10), M(7, 3, 10), M(7, 4, 10), M(7, 5, 10),
+      ("ReturnToInference", {"instance_ids": (6, 7), "devices": (6, 7), "migrate_to": (2, 3, 4, 5)})]),
+    ("first mini-batch scored: lent devices return, groups spread over the least-loaded instances",
+     {}, sig(RETURNING, iters=0, trigger="data_ready", generated=140, scored=128, lent_out=True),
+     [M(0, 2, 8), M(0, 3, 8), M(0, 4, 8), M(0, 5, 6), M(1, 2, 8), M(1, 3, 8), M(1, 4, 8), M(1, 5, 6),
+      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
+    ("mid-step lending: the actor waits for mini-batch 1, rollout is throughput-bound: lend, balance by tokens",
+     {}, sig(BUSY, iters=1, scored=200),
+     [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),
+      M(2, 0, 10), M(3, 0, 10), M(4, 1, 10), M(5, 1, 10)]),
+    ("same, but the engine cannot move KV caches: re-prefill makes lending not pay",
+     {"kv_migration": False}, sig(BUSY, iters=1, scored=200), []),
+    ("rollout-bound and the actor has data: nothing pays", {}, sig(BUSY, iters=1, scored=300), []),
+    ("between boundaries: heaviest instances hand groups to the lightest (KV copy)",
+     {}, _between(SKEWED), [M(2, 3, 20), M(5, 4, 11)]),
+    ("between boundaries without KV moves: same pairs, re-prefill migrations",
+     {"kv_migration": False}, _between(SKEWED), [M(2, 3, 20, False), M(5, 4, 11, False)]),
+    ("step end: back to the initial layout", {},
+     sig([inst(4, 0, 0)], iters=4, layout=ActorLayout(2, 2, (0, 1, 2, 3)), inf_devices=()),
+     [("ReshardActor", {"from_layout": ActorLayout(2, 2, (0, 1, 2, 3)), "to_layout": L2})]),
+]
+
+
+@pytest.mark.parametrize("name,flags,signals,expected", TIDAL_CASES, ids=[c[0][:40] for c in TIDAL_CASES])
+def test_tidal_exact_actions(name, flags, signals, expected):
+    got = fields(policy_tidal.decide(lstate(**flags), signals, signals.time))
+    assert [(t, {k: v for k, v in f.items() if k in e}) for (t, f), (_, e) in zip(got, expected)] == expected
+    assert [t for t, _ in got] == [t for t, _ in expected]
+
+
+def test_tidal_start_reason_names_the_prediction():
+    acts = policy_tidal.decide(lstate(), sig(FULL, iters=0, trigger="start", generated=0, scored=0), 0.0)
+    assert acts[0] == LendToRollout("actor idle until its first mini-batch (~59s): lending saves ~20s of rollout "
+                                    "for ~2.6s of lend/return/migration", devices=(0, 1), instance_ids=(0, 1))
+    assert isinstance(acts[1], LendInference) and isinstance(acts[2], Wait)
+
+
+def test_tidal_same_decision_from_records_or_columns():
+    """A producer may pass columns (the simulator) or records only (a plain reconciler): same actions."""
+    for s in (sig(BUSY, iters=1, scored=200), _between(SKEWED), _inf_lent(110, LATE)):
+        cols = RolloutColumns.of(s.rollout)
+        with_cols = dataclasses.replace(s, columns=cols)
+        view = dataclasses.replace(s, rollout=RolloutView(cols, [r.devices for r in s.rollout]), columns=cols)
+        assert view.rollout == s.rollout
+        expected = policy_tidal.decide(lstate(), s, 0.0)
+        assert policy_tidal.decide(lstate(), with_cols, 0.0) == expected
+        assert policy_tidal.decide(lstate(), view, 0.0) == expected
+
+
+def test_inst_seconds_is_steps_times_step_cost_plus_tokens_times_per_seq():
+    st = lstate()
+    d = st.costs.decode
+    cols = RolloutColumns.of(tuple(SKEWED))
+    got = policy_tidal.inst_seconds(st, cols)
+    assert got[1] == 0.0   # drained
+    assert got[0] == pytest.approx(d.step_s * 7000 + d.per_seq_s * 400 * 4000)  # tail-bound (7000 > 1.6M/512)
+
+
+def test_length_model_tail_grows_with_the_number_of_sequences():
+    m = LengthModel.fit(list(range(1, 1001)), max_new_tokens=1024)
+    import numpy as np
+    one, many = m.tail_many(np.array([1, 255]), np.array([0.0, 0.0]), np.array([0, 0]))
+    assert one < many <= 1000
+    assert m.tail_many(np.array([0]), np.array([0.0]), np.array([0]))[0] == 0.0

@@ -99,3 +99,99 @@ def test_cli_simulate_writes_json(tmp_path, capsys):
     assert [r["policy"] for r in rows] == ["static", "rlinf", "tidal"]
     printed = capsys.readouterr().out
     assert "tidal" in printed and "static" in printed
+
+
+# --- tidal's newer moves, exercised end to end (every action goes through the DeviceLedger) ---------------
+
+def _action_kinds(res):
+    kinds = {}
+    for e in res.events:
+        if e.kind == "action":
+            k = e.detail.split()[0] + (" mid-step" if "waits for mini-batch" in e.detail else "")
+            kinds[k] = kinds.get(k, 0) + 1
+    return kinds
+
+
+def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
+    spec = small(prompts=128)
+    res = simulate(spec, "tidal", steps=3, seed=0)
+    kinds = _action_kinds(res)
+    for k in ("LendInference", "ReturnToInference", "LendToRollout mid-step", "ReturnFromRollout"):
+        assert kinds.get(k), (k, kinds)
+    assert all(s.groups_trained == 128 for s in res.steps)
+    assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("MigrateRequests"))
+
+
+@pytest.mark.parametrize("devices,prompts", [(8, 64), (8, 256), (32, 128)])
+def test_tidal_not_slower_than_static_on_balanced_work_at_several_sizes(devices, prompts):
+    balanced = LengthDist(median=800, sigma=0.0, group_sigma=0.0)
+    spec = dataclasses.replace(small(prompts=prompts, lengths=balanced).scaled(devices))
+    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=prompts))
+    static = simulate(spec, "static", steps=2, seed=0, keep_events=False)
+    tidal = simulate(spec, "tidal", steps=2, seed=0, keep_events=False)
+    assert tidal.total_s <= static.total_s * 1.0001
+
+
+def test_shrink_with_start_rollout_then_release(monkeypatch):
+    """A 4+-device actor shrinks to 2 mid-step; the 2 devices it leaves start rollout instances that take work
+    and are released later (StartRollout + ReshardActor(shrink) through the ledger); tidal does the rest."""
+    from tidal.scheduler import policies, policy_tidal
+    from tidal.scheduler.actions import MigrateRequests, ReshardActor, StartRollout
+    from tidal.scheduler.signals import ActorLayout
+    done = []
+
+    def shrinking(state, sig, now):
+        a = sig.actor
+        if not done and sig.trigger == "boundary" and a.layout.size >= 4 and a.iters_done < a.n_minibatches:
+            done.append(sig.step)
+            keep, leave = a.layout.devices[:2], a.layout.devices[2:]
+            busiest = max(sig.rollout, key=lambda r: r.groups_unfinished)
+            acts = [ReshardActor("test: shrink", a.layout, ActorLayout(2, 1, keep)),
+                    StartRollout("test: start", leave, leave)]
+            if busiest.groups_unfinished > 1:
+                acts.append(MigrateRequests("test: fill", busiest.id, leave[0], busiest.groups_unfinished // 2))
+            return acts
+        return policy_tidal.decide(state, sig, now)
+
+    monkeypatch.setitem(policies.POLICIES, "shrinking", shrinking)
+    spec = small(prompts=128).scaled(16)
+    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=256))
+    res = simulate(spec, "shrinking", steps=2, seed=0)
+    assert done, "the shrink never happened"
+    assert any(e.detail.startswith("StartRollout") for e in res.events)
+    assert all(s.groups_trained == 256 for s in res.steps)
+
+
+def test_packed_snapshot_matches_per_instance_queries():
+    """The vectorised snapshot (packed epochs of two batches, interleaved) equals per-instance scalar queries."""
+    import numpy as np
+    from tidal.scheduler.costs import gpu_h200_1p5b
+    from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out
+    rng = np.random.default_rng(3)
+    dec = gpu_h200_1p5b().decode
+
+    def works(k, g0):
+        out = []
+        for i in range(k):
+            n = int(rng.integers(0, 5))
+            gid = np.repeat(np.arange(g0 + 10 * i, g0 + 10 * i + n), 4)
+            out.append(Work(gid, rng.integers(1, 300, gid.size).astype(float), rng.integers(0, 50, gid.size) * 1.0))
+        return out
+    a = lay_out(works(5, 0), list(rng.random(5)), 6, dec)
+    b = lay_out(works(4, 1000), list(1 + rng.random(4)), 6, dec)
+    insts = []
+    for k, e in enumerate([a[0], b[0], a[1], a[2], b[1], b[2], a[3], b[3], a[4]]):
+        inst = Instance(k, (k,), 6)
+        inst.set_epoch(e)
+        insts.append(inst)
+    packed = Packed(insts, dec)
+    for t in (0.0, 0.5, 1.2, 2.0, 3.5, 100.0):
+        snap = packed.at(t)
+        for k, inst in enumerate(insts):
+            e = inst.e
+            left = e.unfinished(t)
+            assert snap["running"][k] == len(left)
+            assert snap["tokens"][k] == pytest.approx(e.tokens(t), abs=1e-6)
+            assert snap["groups_unfinished"][k] == sum(1 for g in e.gwall if g > t + 0.0)
+            if len(left):
+                assert snap["progress"][k] == pytest.approx(float(left.prog.sum()), abs=1e-6)
