@@ -71,10 +71,11 @@ class Reconciler:
     def consult(self, trigger: str) -> bool:
         """Ask the policy; apply its actions. Returns False if the actor must wait (a `Wait` action)."""
         now = self.p.clock()
-        if trigger == "boundary" and self._last and self._last[0] == trigger and \
-                now - self._last[1] < self.min_interval_s:
+        key = (trigger, self.p.step_state.step, self.p.step_state.iters_done)
+        if trigger == "boundary" and self._last and self._last[0] == key and \
+                now - self._last[1] < self.min_interval_s:  # same boundary asked again soon: nothing new to see
             return self._held_since is None
-        self._last = (trigger, now)
+        self._last = (key, now)
         if trigger == "step_end":
             self.restore()
             return True

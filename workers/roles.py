@@ -101,7 +101,9 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     samples: list[ScoredSample] = _resolve(samples)
     tok = ctx.state["tok"]
     mbs = spec.micro_batch_size
-    batches = [pack_samples(samples[i:i + mbs], tok.pad_id) for i in range(0, len(samples), mbs)]
+    # padded to max_seq_len like inference, so the two compute the same log-probs bit for bit (ratio 1 at iter 0)
+    batches = [pack_samples(samples[i:i + mbs], tok.pad_id, spec.args.max_seq_len)
+               for i in range(0, len(samples), mbs)]
     loss_fn = _grpo_loss_fn(spec)
     report = shard.train_iter(SharedQueue(batches), loss_fn, num_tokens)
     out = report.metrics()
@@ -266,19 +268,20 @@ def inference_load(ctx, weights: Any, version: int) -> int:
 
 @torch.no_grad()
 def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-    """Old-policy log-probs of each arriving group under the current weights (one batch of what arrived)."""
+    """Old-policy log-probs of each arriving group under the current weights.
+
+    Each group is scored as its own [group_size, max_seq_len] batch: the shapes, and so the fp32 round-off, do
+    not depend on which groups happened to arrive together, which keeps a dynamic run bit-identical to a
+    static one."""
     inf = ctx.state["inference"]
     tok = ctx.state["tok"]
     model: Transformer = inf["model"]
-    prompts = [g.prompt_ids for g in groups for _ in g.response_ids]
-    responses = [r for g in groups for r in g.response_ids]
-    ids_BT, mask_BT = pack_sequences(prompts, responses, tok.pad_id)
-    lps = unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)
-    out, k = [], 0
+    out = []
     for g in groups:
-        n = len(g.response_ids)
-        out.append(g.scored(tuple(lp.clone() for lp in lps[k:k + n]), inf["version"]))
-        k += n
+        ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
+                                         model.args.max_seq_len)
+        lps = unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)
+        out.append(g.scored(tuple(lp.clone() for lp in lps), inf["version"]))
     return out
 
 

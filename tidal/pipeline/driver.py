@@ -150,6 +150,7 @@ class Pipeline:
         self.data_pos = 0
         self._weights = weights
         self.reconciler = None  # set by start(); see tidal.scheduler.reconciler
+        self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +176,8 @@ class Pipeline:
         g.gather(hs)
 
     # ---- one RL step ---------------------------------------------------------------------------------------
-    def run_step(self, step: int) -> StepResult:
+    def run_step(self, step: int, sync: bool = True) -> StepResult:
+        """Stream one step; `sync=False` leaves the weight sync to the caller (`sync_weights`, e.g. a flow task)."""
         cfg, c = self.cfg, self.cluster
         t_start = self.clock()
         prompts = self.task.train_prompts(cfg.data.rollout_batch_size, cfg.data.seed, self.data_pos)
@@ -193,7 +195,8 @@ class Pipeline:
                 self._on_result(f, res)
         c.drain(self._on_result)
         self.reconciler.consult("step_end")
-        self._sync_weights(step)
+        if sync:
+            self.sync_weights(step)
         self.data_pos += cfg.data.rollout_batch_size
         metrics = step_metrics(list(st.scored.values()))
         for m in st.actor_metrics:
@@ -237,18 +240,21 @@ class Pipeline:
         return max(1, self.cfg.rollout.max_running_requests // self.cfg.algorithm.group_size)
 
     def _feed_rollout(self) -> None:
+        """Idle instances pull whole groups from the step's one queue: up to their capacity, and no more than a
+        fair share of what is left, so early pullers do not take everything."""
         st, c = self.step_state, self.cluster
+        share = -(-len(st.queue) // max(1, len(c.rollout)))
         for inst in list(c.rollout):
             if c.busy(inst):
                 continue
             give = []
-            while st.queue and st.given.get(inst, 0) + len(give) < self._capacity_groups():
+            while st.queue and len(give) < share and st.given.get(inst, 0) + len(give) < self._capacity_groups():
                 give.append(st.queue.popleft())
             if not give and st.given.get(inst, 0) == 0:
                 continue  # nothing to do there
             st.given[inst] = st.given.get(inst, 0) + len(give)
             st.total_given[inst] = st.total_given.get(inst, 0) + len(give) * self.cfg.algorithm.group_size
-            c.submit("rollout", inst, "rollout_run", groups=give, budget_s=0.3)
+            c.submit("rollout", inst, "rollout_run", groups=give, budget_s=self.slice_s)
 
     def _feed_inference(self) -> None:
         st, c = self.step_state, self.cluster
@@ -322,7 +328,7 @@ class Pipeline:
             self.last_eval = (f.payload, res)
 
     # ---- end of step ----------------------------------------------------------------------------------------
-    def _sync_weights(self, step: int) -> None:
+    def sync_weights(self, step: int) -> None:
         import ray
         c, g = self.cluster, self.group
         shards = [w for w in g.gather(g.submit_all(f"{ROLES}:actor_weights", device_ids=c.actor_layout.devices))
