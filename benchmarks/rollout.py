@@ -5,7 +5,8 @@
 
 Throughput: the same model (our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow
 HF Llama), the same prompts (equal length, no padding), the same batch, greedy, exactly `new_tokens` tokens each
-(no stop tokens), in the same process. Time includes prefill. If transformers is missing (our CPU machines) the
+(no stop tokens), in the same process. Time includes prefill (and, for the native engine on CUDA, capturing its
+CUDA graphs: one decode graph and one prefill graph per prompt length, per engine). If transformers is missing (our CPU machines) the
 HF part is skipped with a note and `hf_tokens_per_s` is null.
 
 Migration: one request with `context - 8` prompt tokens and 8 generated tokens on engine A, moved to engine B on
@@ -142,8 +143,9 @@ def migration(a, device, dtype, report):
         res = {"kv": [], "wire": [], "reprefill": []}
         for rep in range(a.repeats + 1):  # the first round warms up
             for mode in res:
-                src = NativeEngine(m, EngineConfig(2))
-                dst = NativeEngine(m, EngineConfig(2, reprefill="single_pass"))
+                # eager engines: a fresh engine would capture a new prefill graph inside the timed region
+                src = NativeEngine(m, EngineConfig(2, cuda_graph=False))
+                dst = NativeEngine(m, EngineConfig(2, reprefill="single_pass", cuda_graph=False))
                 src.add(Request("x", prompt, params, seed=1))
                 for _ in range(generated - 1):  # step 1: prefill samples a token and decode samples one more
                     src.step()

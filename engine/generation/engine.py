@@ -61,6 +61,7 @@ from tidal.engine.tp import _size
 from tidal.errors import TidalError
 
 CPU_ROW_MULTIPLE = 64
+PREFILL_GRAPHS = 32  # captured prefill graphs kept per engine (one per prompt length)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class EngineConfig:
     """KV memory this engine may use; None: one slot per running request. Fewer slots if smaller."""
     reprefill: Literal["replay", "single_pass"] = "replay"
     """How a KV-less imported request rebuilds its KV (see module doc)."""
+    cuda_graph: bool = True
+    """On CUDA (TP 1), replay one captured CUDA graph per decode step instead of launching each kernel."""
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -146,6 +149,9 @@ class NativeEngine(GenerationEngine):
         self._temp = torch.zeros(self.rows, device=self.device)
         self._top_p = torch.ones(self.rows, device=self.device)
         self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._prefill_graphs: dict[int, tuple] = {}
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -239,11 +245,42 @@ class NativeEngine(GenerationEngine):
     def _prefill(self, live: _Live, ids: list[int]) -> torch.Tensor:
         """Write the K/V of `ids` into the request's slot; return the last position's full logits [1, V]."""
         t = len(ids)
-        ids_1T = torch.tensor([ids], dtype=torch.long, device=self.device)
-        pos_1T = torch.arange(t, device=self.device)[None]
-        h = self.model.hidden(ids_1T, pos_1T, None, self.cache.prefill_writer(live.slot))
         live.kv_len = t
+        ids_1T = torch.tensor([ids], dtype=torch.long)
+        if self._use_graph:
+            return self._graph_prefill(ids_1T, live.slot)
+        return self._prefill_forward(ids_1T.to(self.device), self.cache.prefill_writer(live.slot))
+
+    def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
+        pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
+        h = self.model.hidden(ids_1T, pos_1T, None, writer)
         return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1].float()
+
+    def _graph_prefill(self, ids_1T: torch.Tensor, slot: int) -> torch.Tensor:
+        """CUDA: one captured graph per prompt length (LRU, at most PREFILL_GRAPHS), slot as a device index."""
+        t = ids_1T.shape[1]
+        entry = self._prefill_graphs.pop(t, None)
+        if entry is None:
+            static_ids = ids_1T.to(self.device)
+            static_slot = torch.tensor([slot], device=self.device)
+            writer = self.cache.prefill_writer(static_slot)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up writes this request's own K/V into its own slot
+                self._prefill_forward(static_ids, writer)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._prefill_forward(static_ids, writer)
+            entry = (graph, static_ids, static_slot, out)
+            while len(self._prefill_graphs) >= PREFILL_GRAPHS:
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
+        self._prefill_graphs[t] = entry  # most recent last
+        graph, static_ids, static_slot, out = entry
+        static_ids.copy_(ids_1T, non_blocking=True)
+        static_slot.fill_(slot)
+        graph.replay()
+        return out
 
     def _decode(self, events: list[RequestEvent]) -> None:
         ids, pos, active, sampling = [0] * self.rows, [0] * self.rows, [], []
@@ -257,17 +294,16 @@ class NativeEngine(GenerationEngine):
             ids[slot] = live.replay[0] if live.replay else live.tokens[-1]
             active.append(live)
             sampling.append(not live.replay)
-        ids_W1 = torch.tensor(ids, dtype=torch.long).to(self.device)[:, None]
-        pos_W = torch.tensor(pos, dtype=torch.long).to(self.device)
-        decoder = self.cache.decoder(pos_W, None if self.rows == self.width else self._row_slot)
-        logits_local = self.model(ids_W1, pos_W[:, None], self.cache.decode_mask(pos_W), decoder)
-        logits = self.model.full_logits(logits_local)[:, -1].float()
         u = torch.zeros(self.rows)
         drawn = self._uniforms(active, sampling)
         for live, x in zip(active, drawn.tolist()):
             u[live.slot] = x
-        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u.to(self.device))
-        lp = sampler.logprobs(logits, tok)
+        ids_R = torch.tensor(ids, dtype=torch.long)
+        pos_R = torch.tensor(pos, dtype=torch.long)
+        if self._use_graph:
+            tok, lp = self._graph_decode(ids_R, pos_R, u)
+        else:
+            tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device))
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for live, samples in zip(active, sampling):
             live.kv_len += 1
@@ -275,6 +311,34 @@ class NativeEngine(GenerationEngine):
                 live.replay.popleft()
                 continue
             self._record(live, tok_l[live.slot], lp_l[live.slot], events)
+
+    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
+        """The fixed-shape decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
+        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot)
+        logits_local = self.model(ids_R[:, None], pos_R[:, None], self.cache.decode_mask(pos_R), decoder)
+        logits = self.model.full_logits(logits_local)[:, -1].float()
+        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R)
+        return tok, sampler.logprobs(logits, tok)
+
+    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
+        """CUDA: replay one captured graph of `_decode_forward` (its shapes never change, so one capture serves
+        every step); the kernels are the eager ones, so the results are too. Captured lazily, dropped on release."""
+        if self._graph is None:
+            self._static = [ids_R.to(self.device), pos_R.to(self.device), u_R.to(self.device)]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
+                for _ in range(2):
+                    self._decode_forward(*self._static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._static_out = self._decode_forward(*self._static)
+            self._graph = graph
+        for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
+            buf.copy_(src, non_blocking=True)
+        self._graph.replay()
+        return self._static_out
 
     def _uniforms(self, lives: list[_Live], sampling: list[bool]) -> torch.Tensor:
         """One uniform per sampling, non-greedy request, drawn from its own generator (0 for the others)."""
@@ -460,6 +524,7 @@ class NativeEngine(GenerationEngine):
         for p in params.values():
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.cache.free()
+        self._graph, self._prefill_graphs = None, {}  # they point into the freed slab and parameters
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -66,7 +66,7 @@ class SlotKVCache:
         return length
 
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------
-    def prefill_writer(self, slot: int) -> "_PrefillWriter":
+    def prefill_writer(self, slot: int | torch.Tensor) -> "_PrefillWriter":
         return _PrefillWriter(self, slot)
 
     def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None = None) -> "_Decoder":
@@ -80,15 +80,21 @@ class SlotKVCache:
 
 
 class _PrefillWriter:
-    """Writes one request's prompt K/V into its slot; attention runs over the prompt only (causal)."""
+    """Writes one request's prompt K/V into its slot; attention runs over the prompt only (causal).
 
-    def __init__(self, cache: SlotKVCache, slot: int):
+    `slot` is an int, or a one-element device tensor (CUDA graphs: the slot changes between replays)."""
+
+    def __init__(self, cache: SlotKVCache, slot: int | torch.Tensor):
         self.cache, self.slot = cache, slot
 
     def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor):
         t = k_BHTD.shape[2]
-        self.cache.k[layer][self.slot, :, :t].copy_(k_BHTD[0])
-        self.cache.v[layer][self.slot, :, :t].copy_(v_BHTD[0])
+        if isinstance(self.slot, torch.Tensor):
+            self.cache.k[layer][self.slot, :, :t] = k_BHTD
+            self.cache.v[layer][self.slot, :, :t] = v_BHTD
+        else:
+            self.cache.k[layer][self.slot, :, :t].copy_(k_BHTD[0])
+            self.cache.v[layer][self.slot, :, :t].copy_(v_BHTD[0])
         return k_BHTD, v_BHTD
 
 
