@@ -109,13 +109,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        if self.n_kv != self.n_heads:  # GQA: expand kv heads (enable_gqa is not on every backend)
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = {}
+        if self.n_kv != self.n_heads:
+            if q.is_cuda:  # fused GQA: no copy of the whole KV cache per decode step
+                gqa = {"enable_gqa": True}
+            else:  # CPU: expand kv heads (the path the CPU bit-exactness tests pin down)
+                rep = self.n_heads // self.n_kv
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if mask_BTS is None:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTS.unsqueeze(1))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTS.unsqueeze(1), **gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d))
 
 
