@@ -11,8 +11,9 @@
    - `records`: synthetic mid-step signals given as records only, so each call also builds the columns
      (the reconciler's plain path).
 2. Simulated mean step time of static, rlinf under each flag combination and tidal on RLinf's 8-GPU example
-   (1.5B, 512 prompts x 16, 4 iters, long tail) and on the same shape at 1,024 devices (2 prompts per
-   device), speedups vs static and vs each rlinf variant, idle fraction, simulator wall and CPU seconds.
+   (1.5B, 512 prompts x 16, 4 iters, long tail), on the same shape at 1,024 devices with 2 prompts per device
+   (`sim_1024`: latency-bound) and with the example's 64 prompts per device (`sim_1024_64ppd`), speedups vs
+   static and vs each rlinf variant, idle fraction, simulator wall and CPU seconds.
 3. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
 
 The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: the dev machine is
@@ -44,8 +45,8 @@ FLAGS = {"rlinf": (False, False), "rlinf_pre": (True, False), "rlinf_wait": (Fal
          "rlinf_flags": (True, True)}
 
 
-def spec_for(devices: int, pre: bool = False, wait: bool = False) -> SimSpec:
-    spec = rlinf_example(devices, prompts_per_device=64 if devices == 8 else 2)
+def spec_for(devices: int, pre: bool = False, wait: bool = False, ppd: int | None = None) -> SimSpec:
+    spec = rlinf_example(devices, prompts_per_device=ppd or (64 if devices == 8 else 2))
     return dataclasses.replace(spec, params=dataclasses.replace(
         spec.params, use_pre_process_policy=pre, use_wait_before_last_iter_policy=wait))
 
@@ -122,11 +123,11 @@ def latency(reps: int) -> dict:
     return res
 
 
-def sim_figures(devices: int, steps: int) -> dict:
+def sim_figures(devices: int, steps: int, ppd: int | None = None) -> dict:
     out = {}
-    runs = [("static", spec_for(devices), "static")]
-    runs += [(name, spec_for(devices, *flags), "rlinf") for name, flags in FLAGS.items()]
-    runs += [("tidal", spec_for(devices), "tidal")]
+    runs = [("static", spec_for(devices, ppd=ppd), "static")]
+    runs += [(name, spec_for(devices, *flags, ppd=ppd), "rlinf") for name, flags in FLAGS.items()]
+    runs += [("tidal", spec_for(devices, ppd=ppd), "tidal")]
     for name, sp, pol in runs:
         c0 = time.process_time()
         r = simulate(sp, pol, None, steps, seed=0, keep_events=False)
@@ -138,7 +139,7 @@ def sim_figures(devices: int, steps: int) -> dict:
     for name in out:
         out[name]["speedup_vs_static"] = out["static"]["mean_step_s"] / out[name]["mean_step_s"]
     out["tidal"]["speedup_vs"] = {k: out[k]["mean_step_s"] / out["tidal"]["mean_step_s"] for k in FLAGS}
-    sp = spec_for(devices)
+    sp = spec_for(devices, ppd=ppd)
     return {"devices": devices, "steps": steps, "prompts": sp.params.rollout_batch_size,
             "group_size": sp.params.group_size, "n_minibatches": sp.params.n_minibatches, "policies": out}
 
@@ -171,12 +172,15 @@ def main() -> None:
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--steps", type=int, default=10, help="simulated steps for the step-time figures")
     ap.add_argument("--big-steps", type=int, default=100, help="steps of the 1,024-device speed run")
+    ap.add_argument("--wide-steps", type=int, default=3,
+                    help="steps at 1,024 devices with the 8-GPU example's load per device (64 prompts each)")
     ap.add_argument("--reps", type=int, default=2000, help="decisions timed per (policy, size, kind)")
     a = ap.parse_args()
     m = machine()
     res = {"name": "scheduler", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
-           "sim_1024": sim_figures(1024, a.steps), "sim_speed_1024": sim_speed(a.big_steps)}
+           "sim_1024": sim_figures(1024, a.steps), "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
+           "sim_speed_1024": sim_speed(a.big_steps)}
     m["load_avg_end"] = os.getloadavg()
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))

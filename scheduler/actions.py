@@ -54,6 +54,23 @@ class MigrateRequests(Action):
 
 
 @dataclass(frozen=True)
+class MigrateBatch(Action):
+    """Many migrations in one action: `moves[k] = (src, dst, count)`, applied in order, each exactly as
+    `MigrateRequests(src, dst, count, kv)`. A decision at 1,024 devices can move groups between hundreds of
+    instance pairs; one action with a tuple keeps that O(moves) in cheap tuples, not O(moves) records."""
+
+    moves: tuple[tuple[int, int, int], ...]
+    kv: bool = False
+
+    def expand(self) -> list[MigrateRequests]:
+        return [MigrateRequests(self.reason, s, d, c, self.kv) for s, d, c in self.moves]
+
+    @property
+    def dsts(self) -> tuple[int, ...]:
+        return tuple(sorted({d for _, d, _ in self.moves}))
+
+
+@dataclass(frozen=True)
 class ReleaseRollout(Action):
     """Finish instances `instance_ids` (their work already migrated to `migrate_to`); free `devices`."""
 
@@ -139,6 +156,9 @@ def describe(actions: list[Action]) -> list[str]:
             body = f"tp{f.tp}xdp{f.dp}({f.size}) -> tp{t.tp}xdp{t.dp}({t.size})"
         elif isinstance(a, MigrateRequests):
             body = f"{a.count} groups {a.src} -> {a.dst}" + (" (kv)" if a.kv else "")
+        elif isinstance(a, MigrateBatch):
+            body = (f"{sum(c for _, _, c in a.moves)} groups in {len(a.moves)} moves "
+                    f"{list(a.moves[:3])}{'...' if len(a.moves) > 3 else ''}" + (" (kv)" if a.kv else ""))
         elif isinstance(a, (ReleaseRollout, ReturnFromRollout, ReturnToInference)):
             body = f"instances {list(a.instance_ids)} devices {list(a.devices)}"
         elif isinstance(a, (LendToRollout, StartRollout, LendInference)):

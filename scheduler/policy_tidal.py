@@ -41,7 +41,7 @@ import math
 
 import numpy as np
 
-from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateRequests, ReleaseInference,
+from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, ReleaseInference,
                                      ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
                                      StartRollout, Wait)
 from tidal.scheduler.signals import ActorLayout, RolloutColumns, Signals
@@ -62,8 +62,19 @@ def move_cost(state: SchedState, tokens: float) -> float:
     return c.kv_move_time(tokens) if state.params.kv_migration else c.migration_time(tokens)
 
 
-def _migrate(state: SchedState, why: str, src: int, dst: int, count: int) -> MigrateRequests:
-    return MigrateRequests(why, src=src, dst=dst, count=count, kv=state.params.kv_migration)
+def _batch(state: SchedState, why: str, src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> list[Action]:
+    """One `MigrateBatch` of the (src id, dst id, count) moves with count > 0 (none: no action)."""
+    keep = count > 0
+    if not keep.any():
+        return []
+    moves = tuple(zip(src[keep].tolist(), dst[keep].tolist(), count[keep].tolist()))
+    return [MigrateBatch(why, moves, kv=state.params.kv_migration)]
+
+
+def _by_load(cols: RolloutColumns, idx: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """`idx` ordered by `load` ascending, ties by instance id."""
+    idx = idx[np.argsort(cols.id[idx], kind="stable")]
+    return idx[np.argsort(load[idx], kind="stable")]
 
 
 def inst_seconds(state: SchedState, cols: RolloutColumns) -> np.ndarray:
@@ -85,9 +96,32 @@ def rollout_seconds(state: SchedState, remaining: float, tail: float, n_inst: in
     return d.step_s * steps + d.per_seq_s * remaining / n_inst
 
 
+def _timeline(state: SchedState, sig: Signals) -> tuple[float, list[tuple[int, float | None, float]]]:
+    """Per remaining iter j: (j, fraction of the rollout time left until its mini-batch is generated, or None
+    when it is already; its tokens), and the scoring lag of one group. Computed once per decision."""
+    p, c = state.params, state.costs
+    seq_tokens = state.prompt_tokens + (state.mean_response_tokens or 1.0)
+    lag = c.inference.group_time(p.group_size * seq_tokens, p.inference_tp)
+    have = sig.inference.groups_finished
+    step_tokens = p.sequences_per_iter * p.n_minibatches * seq_tokens
+    total = max(sig.groups_total, 1)
+    f_now = state.time_fraction(sig.groups_generated / total)
+    out = []
+    for j in range(sig.actor.iters_done, p.n_minibatches):
+        need = (j + 1) * p.groups_per_iter
+        if need <= have:
+            frac = -1.0   # scored already: ready now
+        elif need <= sig.groups_generated or f_now >= 1.0:
+            frac = None   # generated, being scored
+        else:   # the learned readiness curve, rescaled to the rollout time left
+            frac = (state.time_fraction(need / total) - f_now) / (1.0 - f_now)
+        out.append((j, frac, step_tokens * state.iter_share(j)))
+    return lag, out
+
+
 def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float, n_inst: int,
                  slowest_s: float, moved_tokens: float, actor_size: int, full_size: int, extra_cost: float,
-                 lent_until_ready: bool = False) -> float:
+                 lent_until_ready: bool = False, timeline=None) -> float:
     """Predicted seconds from now to the end of the step (see the module docstring)."""
     p, c = state.params, state.costs
     layout = sig.actor.layout
@@ -100,33 +134,20 @@ def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float,
         return math.inf
     else:
         t_r = 0.0
-    resp = state.mean_response_tokens or 1.0
-    seq_tokens = state.prompt_tokens + resp
-    lag = c.inference.group_time(p.group_size * seq_tokens, p.inference_tp)
-    have = sig.inference.groups_finished
+    lag, iters = timeline or _timeline(state, sig)
     tp = layout.tp
-    step_tokens = p.sequences_per_iter * p.n_minibatches * seq_tokens
-    total = max(sig.groups_total, 1)
-    f_now = state.time_fraction(sig.groups_generated / total)
-
     t = extra_cost + (0.0 if lent_until_ready else c.reshard.grow_time(layout.size, actor_size, tp))
     size = actor_size
     first = sig.actor.iters_done
-    for j in range(first, p.n_minibatches):
-        need = (j + 1) * p.groups_per_iter
-        if need <= have:
-            ready = 0.0
-        elif need <= sig.groups_generated or f_now >= 1.0:
-            ready = lag
-        else:   # the learned readiness curve, rescaled to the rollout time left
-            ready = t_r * (state.time_fraction(need / total) - f_now) / (1.0 - f_now) + lag
+    for j, frac, tokens in iters:
+        ready = 0.0 if frac is not None and frac < 0 else lag if frac is None else t_r * frac + lag
         start = max(t, ready)
         if lent_until_ready and j == first:
             start = max(t, ready + c.return_s)
         if j > first and size < full_size and start >= t_r + lag:  # grows at a later boundary
             start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
-        t = start + c.actor.iter_time(step_tokens * state.iter_share(j), tp, size // tp)
+        t = start + c.actor.iter_time(tokens, tp, size // tp)
     t += c.reshard.grow_time(size, len(p.actor_devices), tp)
     return t
 
@@ -139,27 +160,21 @@ def _layout_for(layout: ActorLayout, pool: list[int], size: int) -> ActorLayout:
 
 def _spread(state: SchedState, why: str, cols: RolloutColumns, gone: np.ndarray, survivors: np.ndarray,
             srem: np.ndarray) -> list[Action]:
-    """Migrate the unfinished groups of instances `gone` (positions in `cols`) to the survivors with the least
-    predicted remaining time; each leaving instance feeds at most 4 survivors (few actions)."""
-    acts: list[Action] = []
+    """Migrate the unfinished groups of instances `gone` (positions in `cols`) to the survivors, least predicted
+    remaining time first, round robin; each leaving instance feeds at most 4 survivors (few moves)."""
     g_un = cols.groups_unfinished
     src = gone[g_un[gone] > 0]
     if not src.size or not survivors.size:
-        return acts
-    order = survivors[np.lexsort((cols.id[survivors], srem[survivors]))]
-    loads = srem[order].tolist()
-    ids = cols.id[order].tolist()
-    per_group = np.divide(srem[src], g_un[src], out=np.zeros(src.size), where=g_un[src] > 0).tolist()
-    k, m = 0, len(ids)
-    for sid, left, per in zip(cols.id[src].tolist(), g_un[src].tolist(), per_group):
-        share = max(1, math.ceil(left / 4))
-        while left:
-            n = min(share, left)
-            acts.append(_migrate(state, why, sid, ids[k % m], n))
-            loads[k % m] += per * n
-            left -= n
-            k += 1
-    return acts
+        return []
+    order = _by_load(cols, survivors, srem)
+    left = g_un[src]
+    share = -(-left // 4)
+    nch = -(-left // share)
+    rep = np.repeat(np.arange(src.size), nch)
+    k = np.arange(rep.size)
+    within = k - np.repeat(np.cumsum(nch) - nch, nch)
+    size = np.where(within < nch[rep] - 1, share[rep], left[rep] - share[rep] * (nch[rep] - 1))
+    return _batch(state, why, cols.id[src][rep], cols.id[order][k % order.size], size)
 
 
 def _rebalance(state: SchedState, sig: Signals, mask: np.ndarray) -> list[Action]:
@@ -169,7 +184,7 @@ def _rebalance(state: SchedState, sig: Signals, mask: np.ndarray) -> list[Action
     if idx.size < 2:
         return []
     srem = inst_seconds(state, cols)
-    order = idx[np.lexsort((cols.id[idx], srem[idx]))]
+    order = _by_load(cols, idx, srem)
     h = order.size // 2
     lo, hi = order[:h], order[::-1][:h]
     tl, th = srem[lo], srem[hi]
@@ -189,39 +204,45 @@ def _rebalance(state: SchedState, sig: Signals, mask: np.ndarray) -> list[Action
     else:
         cost = c.migration_fixed_s + c.decode.prefill_per_token_s * moved
     go = np.flatnonzero((count >= 1) & (gain > cost + MARGIN_S))
-    acts: list[Action] = []
-    ids = cols.id
-    for i in go.tolist():
-        s, d = int(ids[hi[i]]), int(ids[lo[i]])
-        acts.append(_migrate(state, f"rebalance: instance {s} ~{th[i]:.1f}s left vs {d} ~{tl[i]:.1f}s; "
-                                    f"{count[i]} groups, gain {gain[i]:.1f}s > cost {cost[i]:.2f}s",
-                             s, d, int(count[i])))
-    return acts
+    if not go.size:
+        return []
+    i = go[0]
+    why = (f"rebalance {go.size} pairs: heaviest ~{th[i]:.1f}s left vs ~{tl[i]:.1f}s, gain {gain[i]:.1f}s > "
+           f"migration {cost[i]:.2f}s")
+    return _batch(state, why, cols.id[hi[go]], cols.id[lo[go]], count[go])
 
 
 def _fill(state: SchedState, why: str, cols: RolloutColumns, donors: np.ndarray, new_ids: list[int]) -> list[Action]:
     """New (empty) instances `new_ids` take groups from the most loaded `donors` (by remaining tokens) until
-    every instance holds about the same share of the remaining tokens."""
+    every instance holds about the same share: the donors' surplus groups, laid end to end in token units,
+    are cut into `len(new_ids)` equal pieces (water filling; one move per donor and piece)."""
     rem = cols.est_remaining_tokens
+    g_un = cols.groups_unfinished
     target = float(rem[donors].sum()) / (donors.size + len(new_ids))
     order = donors[np.argsort(-rem[donors], kind="stable")]
-    acts: list[Action] = []
-    room = [target] * len(new_ids)
-    k = 0
-    for i in order.tolist():
-        r, g = float(rem[i]), int(cols.groups_unfinished[i])
-        if r <= target or g < 2 or k >= len(new_ids):
-            break
-        per = r / g
-        surplus = min(g - 1, int((r - target) / per))
-        while surplus > 0 and k < len(new_ids):
-            n = min(surplus, max(1, int(round(room[k] / per))))
-            acts.append(_migrate(state, why, int(cols.id[i]), new_ids[k], n))
-            surplus -= n
-            room[k] -= n * per
-            if room[k] < per / 2:
-                k += 1
-    return acts
+    r, g = rem[order], g_un[order]
+    ok = (r > target) & (g >= 2)
+    n_ok = order.size if ok.all() else int(np.argmin(ok))
+    order, r, g = order[:n_ok], r[:n_ok], g[:n_ok]
+    if not n_ok:
+        return []
+    per = r / g
+    surplus = np.minimum(g - 1, ((r - target) / per).astype(np.int64))
+    rep = np.repeat(np.arange(n_ok), surplus)
+    if not rep.size:
+        return []
+    tok = per[rep]
+    center = np.cumsum(tok) - tok / 2
+    piece = (center / target).astype(np.int64)
+    keep = piece < len(new_ids)
+    rep, piece = rep[keep], piece[keep]
+    if not rep.size:
+        return []
+    key = rep * len(new_ids) + piece
+    start = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    count = np.diff(np.concatenate([start, [key.size]]))
+    dst = np.asarray(new_ids, dtype=np.int64)[piece[start]]
+    return _batch(state, why, cols.id[order[rep[start]]], dst, count)
 
 
 def _lend(state: SchedState, sig: Signals) -> list[Action]:
@@ -363,7 +384,8 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     while j < n:
         js.add(j)
         j *= 2
-    base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra)
+    tl = _timeline(state, sig)
+    base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra, timeline=tl)
     best = (base, 0, layout.size)
     for j in sorted(js):
         if not j or (j == n and running) or (returning and not GROW_ON_RETURN):
@@ -373,7 +395,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
             continue
         cost = extra + c.rollout_release_s
         end = _predict_end(state, sig, remaining, tail, n - j, slowest, lent_moved + moved_prefix[j], size,
-                           full, cost)
+                           full, cost, timeline=tl)
         if end + MARGIN_S < best[0]:
             best = (end, j, size)
     # shrink candidates (mid-step lending): only while the actor waits for data and rollout has work
@@ -389,7 +411,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
             else:
                 cost = c.lend_s
             end = _predict_end(state, sig, remaining, tail, n + new, slowest, 0.0,
-                               size or layout.size, full, cost, lent_until_ready=not size)
+                               size or layout.size, full, cost, lent_until_ready=not size, timeline=tl)
             if end + MARGIN_S < best[0]:
                 best = (end, -new, size)
     end, j, size = best
@@ -432,7 +454,8 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
 
 
 def _dsts(acts: list[Action]) -> tuple[int, ...]:
-    return tuple(sorted({a.dst for a in acts if isinstance(a, MigrateRequests)}))
+    dsts = [np.fromiter((m[1] for m in a.moves), np.int64, len(a.moves)) for a in acts if isinstance(a, MigrateBatch)]
+    return tuple(np.unique(np.concatenate(dsts)).tolist()) if dsts else ()
 
 
 def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:

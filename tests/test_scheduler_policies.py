@@ -9,7 +9,7 @@ import pytest
 from tidal.config import ClusterConfig, build_config
 from tidal.devices import Owner
 from tidal.scheduler import policy_rlinf, policy_tidal
-from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateRequests, ReleaseInference,
+from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
                                      ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference, Wait)
 from tidal.scheduler.costs import fit_decode, fit_linear, gpu_h200_1p5b
 from tidal.scheduler.estimate import LengthModel
@@ -200,6 +200,8 @@ def tinst(i, running, groups, est, tail, lent=False):
 
 
 def fields(acts):
+    """Action fields without the prose reason; a MigrateBatch is listed as its moves (as MigrateRequests)."""
+    acts = [m for a in acts for m in (a.expand() if isinstance(a, MigrateBatch) else [a])]
     return [(type(a).__name__, {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "reason"})
             for a in acts]
 

@@ -119,7 +119,7 @@ def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
     for k in ("LendInference", "ReturnToInference", "LendToRollout mid-step", "ReturnFromRollout"):
         assert kinds.get(k), (k, kinds)
     assert all(s.groups_trained == 128 for s in res.steps)
-    assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("MigrateRequests"))
+    assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("Migrate"))
 
 
 @pytest.mark.parametrize("devices,prompts", [(8, 64), (8, 256), (32, 128)])
