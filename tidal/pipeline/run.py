@@ -192,13 +192,54 @@ class TrainingRun:
 
     def step(self) -> dict:
         """One RL step; returns its metrics (also sent to the sink and the database)."""
-        cfg, step = self.cfg, self.next_step
-        res = self.pipe.run_step(step)
-        m = dict(res.metrics)
-        if (step + 1) % cfg.run.eval_every == 0 or step == cfg.run.num_steps - 1:
-            acc = self.pipe.evaluate(self.heldout)
-            self.evals.append((step + 1, acc))
-            m["eval/heldout_accuracy"] = acc
+        self.run_step(sync=True)
+        if self.eval_due():
+            self.evaluate()
+        return self.record()
+
+    # The verbs of one step, for callers that run them as separate tasks (tidal.flows):
+    #   run_step(sync=False) -> sync_weights -> evaluate (if eval_due) | checkpoint -> record
+    def run_step(self, sync: bool = True) -> dict:
+        """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
+        new weights also reach rollout and inference. Its metrics are written by `record`."""
+        self._res = self.pipe.run_step(self.next_step, sync=sync)
+        self._extra: dict[str, float] = {}
+        return dict(self._res.metrics)
+
+    def sync_weights(self) -> dict:
+        """Actor weights -> rollout and inference (policy version + 1), after `run_step(sync=False)`."""
+        n_events, t0 = len(self.pipe.cluster.events), time.monotonic()
+        self.pipe.sync_weights(self.next_step)
+        self._res.events.extend(self.pipe.cluster.events[n_events:])
+        m = {"sync/seconds": time.monotonic() - t0, "sync/version": float(self.pipe.version)}
+        self._extra.update(m)
+        return m
+
+    def eval_due(self) -> bool:
+        step = self.next_step
+        return (step + 1) % self.cfg.run.eval_every == 0 or step == self.cfg.run.num_steps - 1
+
+    def evaluate(self) -> float:
+        """Held-out accuracy of the weights rollout and inference now hold."""
+        acc = self.pipe.evaluate(self.heldout)
+        self.evals.append((self.next_step + 1, acc))
+        self._extra["eval/heldout_accuracy"] = acc
+        return acc
+
+    def checkpoint(self, path: Path | None = None) -> Path:
+        """The actor's weights (global, safetensors; loadable as `warm_start.checkpoint`) after this step."""
+        from safetensors.torch import save_file
+        path = Path(path) if path else self.out_dir / "checkpoints" / f"step-{self.next_step + 1:05d}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.detach().clone().contiguous() for k, v in self.pipe.global_weights().items()}, str(tmp))
+        tmp.replace(path)
+        return path
+
+    def record(self) -> dict:
+        """Close the step: its metrics and events to the sink, its rows to the database."""
+        step, res = self.next_step, self._res
+        m = {**res.metrics, **self._extra}
         self.rewards.append(m.get("grpo/reward_mean", 0.0))
         self.step_s.append(res.seconds)
         for k, v in res.phase_seconds.items():

@@ -1,0 +1,60 @@
+"""`rl-training`: one flow run = one training run; each RL step is a subflow run.
+
+    rl_training(request)                         request: config path + overrides (a form in the Prefect UI)
+      run = open_run(request)                    config, database row, MLflow run, warm start, workers
+      for step in range(run.num_steps):
+          rl_step(run, step)                     subflow "rl-step", flow run name step-N:
+              run_step                              generate | score | train iters, streaming on the workers
+              sync_weights ─► evaluate              new weights to rollout + inference, then held-out accuracy
+              checkpoint (concurrently)             actor weights -> safetensors
+              record_step                           metrics, events -> MLflow; rows -> database
+      finish_run(run)                            timeline.png, events.json, summary.json
+      close_run(run, status)                     workers down; MLflow run and database row end as FINISHED/FAILED
+
+The live `TrainingRun` (and its Ray workers) stays in this flow run's process; tasks get its registry key.
+Runs anywhere Prefect runs: against the server in `PREFECT_API_URL` (`tidal up`, compose) or, with none, a
+temporary local one. Served as a deployment by `tidal serve`.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.futures import wait
+
+from tidal.tasks.requests import TrainingRequest
+from tidal.tasks.training import (OpenedRun, checkpoint, close_run, evaluate, finish_run, open_run, record_step,
+                                  run_step, sync_weights)
+
+
+@flow(name="rl-step", flow_run_name="step-{step}")
+def rl_step(run: OpenedRun, step: int) -> dict[str, float]:
+    """One RL step of an open run; returns the metrics it recorded."""
+    outcome = run_step(run.key, step)
+    synced = sync_weights.submit(run.key)
+    later = [synced]
+    if outcome.evaluate:
+        later.append(evaluate.submit(run.key, wait_for=[synced]))
+    if outcome.checkpoint:
+        later.append(checkpoint.submit(run.key))   # actor devices: overlaps the sync and the evaluation
+    wait(later)
+    for f in later:
+        f.result()                                  # raise the first failure here, before recording
+    return record_step(run.key)
+
+
+@flow(name="rl-training", flow_run_name="{request.config}")
+def rl_training(request: TrainingRequest = TrainingRequest()) -> dict:
+    """Train with GRPO on the request's config; returns the run summary."""
+    run = open_run(request)
+    status = "FAILED"
+    try:
+        for step in range(run.num_steps):
+            rl_step(run, step)
+        summary = finish_run(run.key)
+        status = "FINISHED"
+        return {**summary, "db_run_id": run.db_run_id, "mlflow_run_id": run.mlflow_run_id}
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        close_run(run.key, status)

@@ -1,0 +1,143 @@
+"""Prefect tasks of a training run: verbs over a `TrainingRun` that lives in the flow run's process.
+
+Tasks pass a run key (a string; see `tidal.tasks.registry`) and small typed values (metrics dicts, paths),
+never tensors: Prefect pickles results. `cache_policy=NO_CACHE` everywhere: each call acts on live workers
+and must run every time.
+
+One step, and who waits on whom::
+
+    run_step ──► sync_weights ──► evaluate (inference device)  ─┐
+        │                                                        ├──► record_step (MLflow + database)
+        └──────► checkpoint (actor devices, concurrent) ─────────┘
+
+`run_step` drives the streaming pipeline: generation, scoring and the actor's train iters run concurrently
+on the workers inside it (one driver event loop, rollout -> inference -> actor, whole groups at a time), so it
+is one task; splitting it would serialise what streams. The weight sync, evaluation and checkpoint are
+separate phases that follow it and are tasks of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tidal.tasks import registry
+from tidal.tasks.requests import TrainingRequest
+from tidal.tasks.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+
+log = logging.getLogger("tidal.tasks")
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    """What the flow needs to know about an open run (small and picklable)."""
+
+    key: str                     #: registry key of the live TrainingRun in this process
+    name: str
+    num_steps: int
+    policy: str
+    output_dir: str
+    db_run_id: int | None
+    mlflow_run_id: str | None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """The result of `run_step`, and which of the step's later phases are due."""
+
+    step: int
+    seconds: float
+    reward_mean: float
+    evaluate: bool               #: held-out evaluation due after this step (run.eval_every, last step)
+    checkpoint: bool             #: checkpoint due (run.checkpoint_every; 0: only at the end)
+
+
+@dataclass
+class _Live:
+    run: object                  # tidal.pipeline.run.TrainingRun
+    tracking: RunTracking
+
+
+def _live(key: str) -> _Live:
+    return registry.get(key, "run")
+
+
+@task(name="open-run", cache_policy=NO_CACHE)
+def open_run(request: TrainingRequest) -> OpenedRun:
+    """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
+    from tidal.pipeline.run import TrainingRun
+    cfg = load_run_config(request.config, request.overrides)
+    out = run_dir(cfg)
+    tracking = RunTracking.open(cfg, out) if request.track else RunTracking.null(cfg)
+    run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
+                      log_fn=lambda p: log.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,
+                                                p.heldout_accuracy))
+    try:
+        run.open()
+    except BaseException:
+        tracking.close("FAILED")
+        raise
+    key = registry.put("run", _Live(run, tracking))
+    return OpenedRun(key, cfg.run.name, cfg.run.num_steps, policy_name(cfg), str(out), tracking.db_run_id,
+                     tracking.mlflow_run_id)
+
+
+@task(name="run-step", cache_policy=NO_CACHE)
+def run_step(key: str, step: int) -> StepOutcome:
+    """Generate, score and train the step's iters, streaming (the scheduler acts at iter boundaries)."""
+    live = _live(key)
+    run = live.run
+    if run.next_step != step:  # our invariant: steps run once, in order (no task retries here)
+        raise RuntimeError(f"run {key} is at step {run.next_step}, asked to run step {step}")
+    m = run.run_step(sync=False)
+    every = run.cfg.run.checkpoint_every
+    last = step == run.cfg.run.num_steps - 1
+    return StepOutcome(step, float(m["step/seconds"]), float(m.get("grpo/reward_mean", 0.0)), run.eval_due(),
+                       last or (every > 0 and (step + 1) % every == 0))
+
+
+@task(name="sync-weights", cache_policy=NO_CACHE)
+def sync_weights(key: str) -> dict[str, float]:
+    """Actor weights to rollout and inference (the next policy version)."""
+    return _live(key).run.sync_weights()
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(key: str) -> float:
+    """Held-out accuracy of the synced weights (on an inference device)."""
+    return _live(key).run.evaluate()
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE)
+def checkpoint(key: str) -> str:
+    """The actor's weights after this step, as safetensors under the run's folder; returns the path."""
+    return str(_live(key).run.checkpoint())
+
+
+@task(name="record-step", cache_policy=NO_CACHE)
+def record_step(key: str) -> dict[str, float]:
+    """The step's metrics and events to MLflow, its rows to the database."""
+    return _live(key).run.record()
+
+
+@task(name="finish-run", cache_policy=NO_CACHE)
+def finish_run(key: str) -> dict:
+    """Timeline, events and summary files; returns the summary (JSON-able)."""
+    return _live(key).run.finish().to_json()
+
+
+@task(name="close-run", cache_policy=NO_CACHE)
+def close_run(key: str, status: str) -> None:
+    """Stop the workers; end the MLflow run and the database row with `status` (FINISHED, FAILED, KILLED)."""
+    live: _Live | None = registry.pop(key)
+    if live is None:
+        return
+    try:
+        live.run.close()
+    finally:
+        out = Path(live.run.out_dir)
+        live.tracking.close(status, [out / n for n in ("timeline.png", "summary.json", "events.json")])

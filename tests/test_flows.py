@@ -1,0 +1,250 @@
+"""Flows, tasks and deployments.
+
+The slow test is the platform's end-to-end check: a real Prefect server on loopback, `tidal serve` registering
+the deployments, runs triggered through the REST API (as the UI does), then the flow runs, the MLflow run
+(metrics, reshard events) and the database rows are looked up where they were written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tidal.cli import main as cli_main
+from tidal.tasks import registry
+from tidal.tasks.requests import SweepRequest, TrainingRequest
+from tidal.tasks.tracked_run import load_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+             "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+# ---- fast checks ----------------------------------------------------------------------------------------------
+
+def test_deployments_are_module_entrypoints_with_typed_parameter_forms():
+    from tidal.flows.serve import NAMES, deployments
+    deps = {d.name: d for d in deployments()}
+    assert set(deps) == set(NAMES)
+    assert deps["rl-training"].entrypoint == "tidal.flows.rl_training.rl_training"
+    assert deps["policy-sweep"].entrypoint == "tidal.flows.policy_sweep.policy_sweep"
+    from tidal.flows.rl_training import rl_training
+    form = rl_training.parameters.model_dump()["definitions"]["TrainingRequest"]["properties"]
+    assert {"config", "overrides", "track"} <= set(form)
+    assert form["overrides"]["type"] == "array" and form["config"]["type"] == "string"
+    assert deps["rl-training"].enforce_parameter_schema
+
+
+def test_requests_refuse_unknown_fields():
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="num_steps"):
+        TrainingRequest(config="x.yaml", num_steps=3)
+    with pytest.raises(ValidationError, match="trials"):
+        SweepRequest(trials=0)
+
+
+def test_serve_without_a_server_says_how_to_get_one(monkeypatch, capsys):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert cli_main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "PREFECT_API_URL" in err and "tidal up" in err
+
+
+def test_registry_hands_out_live_objects_by_key_only_in_this_process():
+    obj = object()
+    key = registry.put("run", obj)
+    try:
+        assert registry.get(key, "run") is obj
+        with pytest.raises(LookupError, match="no live sweep"):
+            registry.get(key, "sweep")
+        with pytest.raises(KeyError, match="already taken"):
+            registry.put("run", object(), key=key)
+    finally:
+        assert registry.pop(key) is obj
+    with pytest.raises(LookupError, match=key):
+        registry.get(key, "run")
+
+
+def test_environment_points_runs_at_the_platform_but_overrides_win(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDAL_DB_URL", f"sqlite:///{tmp_path}/env.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/envml.db")
+    cfg = load_run_config(REPO / "experiments/rlinf_dynamic.yaml", [f"tracking.db_url=sqlite:///{tmp_path}/x.db"])
+    assert cfg.tracking.db_url == f"sqlite:///{tmp_path}/x.db"
+    assert cfg.tracking.mlflow_uri == f"sqlite:///{tmp_path}/envml.db"
+
+
+def test_bad_config_in_a_request_is_a_config_error_naming_the_field():
+    from tidal.errors import ConfigError
+    with pytest.raises(ConfigError, match="run.num_stepz"):
+        load_run_config(REPO / "experiments/rlinf_dynamic.yaml", ["run.num_stepz=2"])
+
+
+# ---- a real Prefect server, served deployments, REST-triggered runs --------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body: dict | None = None) -> dict | list:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _wait(what: str, fn, timeout_s: float, every_s: float = 1.0, proc: subprocess.Popen | None = None,
+          log: Path | None = None):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited {proc.returncode}\n{log.read_text()[-3000:] if log else ''}")
+        try:
+            out = fn()
+        except (urllib.error.URLError, ConnectionError, OSError):
+            out = None
+        if out:
+            return out
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{log.read_text()[-3000:] if log else ''}")
+
+
+def _start(argv: list[str], env: dict, log: Path, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT, grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect")
+    port = _free_port()
+    env = {**os.environ, **TELEMETRY, "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    exe = str(Path(sys.executable).parent / "prefect")
+    proc = _start([exe, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"], env, log, home)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait("prefect server healthy", lambda: _http("GET", f"{api}/health"), 180, proc=proc, log=log)
+        yield api, home
+    finally:
+        _stop(proc, signal.SIGTERM)
+
+
+def _run_deployment(api: str, name: str, parameters: dict, timeout_s: float, serve_proc, serve_log) -> dict:
+    dep = _wait(f"deployment {name} registered", lambda: _http("GET", f"{api}/deployments/name/{name}/{name}"),
+                180, proc=serve_proc, log=serve_log)
+    assert "request" in dep["parameter_openapi_schema"]["properties"]   # the UI's form
+    run = _http("POST", f"{api}/deployments/{dep['id']}/create_flow_run", {"parameters": parameters})
+
+    def final():
+        fr = _http("GET", f"{api}/flow_runs/{run['id']}")
+        return fr if fr["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    fr = _wait(f"flow run of {name} finished", final, timeout_s, every_s=2.0, proc=serve_proc, log=serve_log)
+    assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{serve_log.read_text()[-4000:]}"
+    return fr
+
+
+def _task_names(api: str, flow_run_id: str) -> list[str]:
+    runs = _http("POST", f"{api}/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200})
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs), [(r["name"], r["state"]["type"]) for r in runs]
+    return [r["name"].rsplit("-", 1)[0] for r in runs]   # "run-step-1a2" -> "run-step"
+
+
+@pytest.mark.slow
+def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
+    import mlflow
+    import optuna
+
+    from tidal.db import repository as repo
+    from tidal.db.migrate import open_database
+    from tidal.db.session import session_scope
+    api, home = prefect_server
+    db_url, ml_uri = f"sqlite:///{tmp_path}/tidal.db", f"sqlite:///{tmp_path}/mlruns.db"
+    tracking = [f"tracking.db_url={db_url}", f"tracking.mlflow_uri={ml_uri}",
+                f"tracking.mlflow_artifacts={tmp_path}/mlartifacts", f"run.output_dir={tmp_path}/runs"]
+    env = {**os.environ, **TELEMETRY, "PREFECT_API_URL": api, "PREFECT_HOME": str(home),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    for k in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI", "TIDAL_OPTUNA_STORAGE"):
+        env.pop(k, None)
+    log = tmp_path / "serve.log"
+    serve = _start([str(Path(sys.executable).parent / "tidal"), "serve"], env, log, REPO)
+    try:
+        # 1. a short real training run (rlinf policy: it reshards the actor)
+        fr = _run_deployment(api, "rl-training", {"request": {
+            "config": "experiments/rlinf_dynamic.yaml",
+            "overrides": ["run.num_steps=2", "warm_start.iters=20", "data.eval_size=32", "scheduler.policy=rlinf",
+                          "run.name=rest-run", *tracking]}}, 500, serve, log)
+        names = _task_names(api, fr["id"])
+        assert {"open-run", "finish-run", "close-run"} <= set(names), names
+        steps = _http("POST", f"{api}/flow_runs/filter",
+                      {"flow_runs": {"parent_flow_run_id": {"any_": [fr["id"]]}}, "sort": "START_TIME_ASC"})
+        assert [s["name"] for s in steps] == ["step-0", "step-1"]
+        assert all(s["state"]["type"] == "COMPLETED" for s in steps)
+        step_tasks = set(_task_names(api, steps[-1]["id"]))
+        assert {"run-step", "sync-weights", "evaluate", "checkpoint", "record-step"} <= step_tasks, step_tasks
+
+        engine = open_database(db_url)
+        with session_scope(engine) as s:
+            (run,) = repo.list_runs(s)
+            assert run.status == "finished" and run.name == "rest-run" and run.mlflow_run_id
+            db_steps = repo.list_steps(s, run.id)
+            reshards = repo.list_reshards(s, run.id)
+            decisions = repo.list_scheduler_events(s, run.id)
+            transitions = repo.list_transitions(s, run.id)
+        engine.dispose()
+        assert [st.step for st in db_steps] == [0, 1]
+        assert db_steps[-1].eval_accuracy is not None          # evaluated before the step was recorded
+        assert reshards and all(r.ok for r in reshards)
+        assert decisions and transitions
+        ckpts = sorted(Path(run.output_dir).glob("checkpoints/step-*.safetensors"))
+        assert [p.name for p in ckpts] == ["step-00002.safetensors"]   # checkpoint_every 0: at the end only
+
+        client = mlflow.tracking.MlflowClient(tracking_uri=ml_uri)
+        mr = client.get_run(run.mlflow_run_id)
+        assert mr.info.status == "FINISHED" and mr.data.tags["tidal.db_run_id"] == str(run.id)
+        for key in ("grpo/reward_mean", "step/seconds", "sync/seconds", "eval/heldout_accuracy"):
+            assert key in mr.data.metrics, key
+        assert len(client.get_metric_history(mr.info.run_id, "step/seconds")) == 2
+        assert mr.data.metrics["events/reshard"] == len(reshards)
+        events = json.loads(Path(client.download_artifacts(mr.info.run_id, "events.json", str(tmp_path))).read_text())
+        assert sum(e["kind"] == "reshard" for e in events) == len(reshards)
+        assert sum(e["kind"] == "weight_sync" for e in events) == 2
+        artifacts = {a.path for a in client.list_artifacts(mr.info.run_id)}
+        assert {"timeline.png", "summary.json", "events.json"} <= artifacts
+
+        # 2. a sweep on the simulator, through the same server
+        _run_deployment(api, "policy-sweep", {"request": {
+            "space": "experiments/sweep_policy.yaml", "trials": 8, "overrides": tracking}}, 300, serve, log)
+        study = optuna.load_study(study_name="policy-flags-sim", storage=db_url)
+        assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 8
+
+        # 3. the policy benchmark on the simulator
+        out = tmp_path / "bench.json"
+        _run_deployment(api, "benchmark", {"request": {"steps": 2, "json_path": str(out)}}, 300, serve, log)
+        rows = {r["policy"]: r for r in json.loads(out.read_text())["simulated"]}
+        assert set(rows) == {"static", "rlinf", "tidal"} and rows["static"]["reshards"] == 0
+    finally:
+        _stop(serve)

@@ -1,0 +1,143 @@
+"""Optuna sweeps on the simulator: trials complete, the best settings and the Pareto front are reported, and
+every trial is in the study storage (the platform database) and linked to its MLflow run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tidal.cli import main as cli_main
+from tidal.errors import TidalError
+from tidal.sweep import check_space, load_space
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _space(tmp_path: Path, body: dict, name: str = "space.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(body, sort_keys=False))
+    return p
+
+
+def _tracking(tmp_path: Path) -> list[str]:
+    return ["-o", f"tracking.db_url=sqlite:///{tmp_path}/tidal.db",
+            "-o", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlruns.db",
+            "-o", f"tracking.mlflow_artifacts={tmp_path}/mlartifacts"]
+
+
+def _dominates(a: list[float], b: list[float]) -> bool:
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+def test_sweep_on_the_simulator_reports_best_and_pareto_and_stores_every_trial(tmp_path, monkeypatch):
+    import mlflow
+    import optuna
+    monkeypatch.delenv("TIDAL_OPTUNA_STORAGE", raising=False)
+    space = _space(tmp_path, {
+        "study": "flags", "objectives": ["step_time", "reshards"],
+        "simulator": {"workload": "rlinf-example", "devices": 8, "steps": 2, "seed": 1},
+        "space": {"scheduler.policy": {"choices": ["static", "rlinf", "tidal"]},
+                  "cluster.use_pre_process_policy": {"type": "bool"},
+                  "cluster.use_wait_before_last_iter_policy": {"type": "bool"},
+                  "scheduler.pre_process_threshold": {"low": 0.1, "high": 0.9, "when": {
+                      "scheduler.policy": "rlinf", "cluster.use_pre_process_policy": True}}}})
+    out = tmp_path / "report.json"
+    assert cli_main(["sweep", str(space), "--trials", "8", "--json", str(out), *_tracking(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    assert report["n_trials"] == 8 and report["n_failed"] == 0
+    assert set(report["best_values"]) == {"step_time", "reshards"}
+    assert set(report["best_params"]) <= {"scheduler.policy", "cluster.use_pre_process_policy",
+                                          "cluster.use_wait_before_last_iter_policy", "scheduler.pre_process_threshold"}
+
+    study = optuna.load_study(study_name="flags-sim", storage=f"sqlite:///{tmp_path}/tidal.db")
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 8
+    values = {t.number: t.values for t in done}
+    # The Pareto front is exactly the non-dominated trials, and best is the front's fastest.
+    front = {row["number"] for row in report["pareto"]}
+    assert front == {n for n, v in values.items() if not any(_dominates(w, v) for w in values.values())}
+    assert report["best_values"]["step_time"] == min(values[n][0] for n in front)
+    assert report["pareto"][0]["number"] == report["best_trial"]
+    # The conditional threshold is drawn exactly when its conditions hold.
+    for t in done:
+        cond = t.params["scheduler.policy"] == "rlinf" and t.params["cluster.use_pre_process_policy"]
+        assert ("scheduler.pre_process_threshold" in t.params) == cond
+    # Static never reshards; each trial's MLflow run is a child of the sweep's run and holds its values.
+    for t in done:
+        if t.params["scheduler.policy"] == "static":
+            assert t.values[1] == 0
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db")
+    for t in done:
+        run = client.get_run(t.user_attrs["mlflow_run_id"])
+        assert run.data.tags["mlflow.parentRunId"] == report["mlflow_parent_run_id"]
+        assert run.data.tags["optuna.trial"] == str(t.number)
+        assert run.data.metrics["sweep/step_time"] == pytest.approx(t.values[0])
+        assert run.data.metrics["sweep/reshards"] == t.values[1]
+    # Optuna's tables sit beside the platform's: the platform schema is still exactly at head.
+    from tidal.db.migrate import open_database, schema_diff
+    engine = open_database(f"sqlite:///{tmp_path}/tidal.db")
+    assert schema_diff(engine) == []
+    engine.dispose()
+
+    # Running again adds trials to the same study (and does not redraw the same random points).
+    assert cli_main(["sweep", str(space), "--trials", "2", "--json", str(out), *_tracking(tmp_path)]) == 0
+    assert json.loads(out.read_text())["n_trials"] == 10
+
+
+def test_single_objective_sweep_of_thresholds_finds_the_minimum(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIDAL_OPTUNA_STORAGE", raising=False)
+    space = _space(tmp_path, {
+        "study": "thr", "objectives": ["step_time"], "simulator": {"steps": 2},
+        "space": {"scheduler.policy": {"choices": ["rlinf"]},
+                  "cluster.use_pre_process_policy": {"choices": [True]},
+                  "scheduler.pre_process_threshold": {"low": 0.05, "high": 0.95},
+                  "rollout.max_running_requests": {"type": "int", "low": 128, "high": 1024, "log": True}}})
+    out = tmp_path / "r.json"
+    assert cli_main(["sweep", str(space), "--trials", "8", "--json", str(out),
+                     "--storage", f"sqlite:///{tmp_path}/optuna.db", *_tracking(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    values = [row["values"]["step_time"] for row in report["pareto"]]
+    assert len(values) == 1 and report["best_values"]["step_time"] == values[0]
+    import optuna
+    study = optuna.load_study(study_name="thr-sim", storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert report["best_values"]["step_time"] == min(t.value for t in study.trials)
+    assert 128 <= report["best_params"]["rollout.max_running_requests"] <= 1024
+
+
+def test_shipped_sweep_spaces_load_and_check():
+    paths = sorted((REPO / "experiments").glob("sweep_*.yaml"))
+    assert paths
+    for p in paths:
+        space = load_space(p)
+        check_space(space, real=False)
+        if space.config:
+            check_space(space, real=True)
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"study": "x"}, "space", "top-level `space:`"),
+    ({"space": {"scheduler.polcy": {"choices": ["rlinf"]}}}, "space.scheduler.polcy", "did you mean scheduler.policy"),
+    ({"space": {"scheduler.pre_process_threshold": {"low": 0.1, "high": 0.9, "when": {"scheduler.policy": "rlinf"}},
+                "scheduler.policy": {"choices": ["rlinf"]}}}, "when", "list scheduler.policy above"),
+    ({"space": {"scheduler.pre_process_threshold": {"low": 0.9, "high": 0.1}}}, "pre_process_threshold", "low <= high"),
+    ({"space": {"scheduler.policy": {"choices": []}}}, "choices", "non-empty list"),
+    ({"objectives": ["speed"], "space": {"scheduler.policy": {"choices": ["rlinf"]}}}, "objectives", "step_time"),
+    ({"objectives": ["accuracy"], "space": {"scheduler.policy": {"choices": ["rlinf"]}}}, "objectives", "--real"),
+    ({"space": {"actor.lr": {"low": 1e-5, "high": 1e-3}}}, "actor.lr", "rlinf-example"),
+])
+def test_bad_spaces_name_the_key_and_the_fix(tmp_path, body, field, words):
+    p = _space(tmp_path, body)
+    with pytest.raises(TidalError) as e:
+        check_space(load_space(p), real=False)
+    assert field in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_real_sweeps_need_a_config_and_the_cli_exits_2_with_the_fix(tmp_path, capsys):
+    p = _space(tmp_path, {"space": {"scheduler.policy": {"choices": ["rlinf", "tidal"]}}})
+    assert cli_main(["sweep", str(p), "--trials", "1", "--real", *_tracking(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "real.config" in err and "experiments/rlinf_dynamic.yaml" in err
+    assert cli_main(["sweep", str(tmp_path / "missing.yaml")]) == 2

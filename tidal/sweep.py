@@ -1,0 +1,527 @@
+"""`tidal sweep SPACE --trials N [--real] [--json PATH]`: Optuna sweeps of the scheduler's settings.
+
+A sweep space is a YAML file (`experiments/sweep_*.yaml`) with a top-level `space:` of config keys::
+
+    study: policy-flags                       # Optuna study name (+ "-sim" / "-real": values differ in kind)
+    objectives: [step_time, reshards]         # one or more of OBJECTIVES; multi-objective -> a Pareto front
+    simulator: {workload: rlinf-example, devices: 8, steps: 4, seed: 0}   # or workload: a config path
+    real: {config: experiments/rlinf_dynamic.yaml, overrides: [run.num_steps=2]}   # for --real
+    space:
+      scheduler.policy: {choices: [rlinf, tidal]}
+      cluster.use_pre_process_policy: {type: bool}
+      scheduler.pre_process_threshold: {low: 0.1, high: 0.9,
+                                        when: {scheduler.policy: rlinf, cluster.use_pre_process_policy: true}}
+
+Each `space` entry is a config key (dotted, as in overrides) and how to draw it: `{type: bool}`,
+`{choices: [...]}`, `{low, high}` (float; `type: int` for integers; `log: true`). `when` makes a key
+conditional on keys drawn before it (a threshold only matters for the policy that reads it).
+
+One trial::
+
+    ask      -> params (TPE, seeded)                  Optuna study in the platform database (RDB storage)
+    evaluate -> simulator: simulate(spec with params, policy, devices, steps, seed)   (milliseconds)
+                real:      a whole training run (run_training), database rows and all   (a minute or more)
+    record   -> MLflow run nested under the sweep's run (params, objective values); its id is the trial's
+                user attribute `mlflow_run_id` (real runs: the training run itself, with `db_run_id` too)
+    tell     -> objective values (or FAIL with the error, for a combination the config refuses)
+
+Storage: `--storage URL`, else `$TIDAL_OPTUNA_STORAGE`, else `tracking.db_url` (Optuna creates its own
+tables beside ours; our migrations only look at ours). The report lists the complete trials, the best
+settings and the Pareto front. With several objectives "best" is the Pareto trial that is best on the first
+objective (ties: the next ones), so put the objective you care most about first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tidal.config import TidalConfig, build_config, flatten
+from tidal.errors import TidalError
+
+#: objective -> direction (real runs only: accuracy)
+OBJECTIVES = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize", "idle": "minimize",
+              "accuracy": "maximize"}
+REAL_ONLY = ("accuracy",)
+POLICY_KEY = "scheduler.policy"
+#: config keys the built-in `rlinf-example` workload understands -> its PolicyParams field
+SIM_KEYS = {"cluster.use_pre_process_policy": "use_pre_process_policy",
+            "cluster.use_wait_before_last_iter_policy": "use_wait_before_last_iter_policy",
+            "scheduler.pre_process_threshold": "pre_process_threshold",
+            "rollout.max_running_requests": "max_running_requests"}
+BUILTIN = "rlinf-example"
+
+log = logging.getLogger("tidal.sweep")
+
+
+# ---- the space ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    """One swept config key and how to draw it."""
+
+    key: str
+    kind: Literal["bool", "choice", "float", "int"]
+    choices: tuple = ()
+    low: float = 0.0
+    high: float = 0.0
+    log: bool = False
+    when: tuple[tuple[str, Any], ...] = ()   #: drawn only if these keys were drawn with these values
+
+    def active(self, drawn: dict[str, Any]) -> bool:
+        return all(k in drawn and drawn[k] == v for k, v in self.when)
+
+    def suggest(self, trial: Any) -> Any:
+        if self.kind == "bool":
+            return trial.suggest_categorical(self.key, [False, True])
+        if self.kind == "choice":
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.kind == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(self.key, self.low, self.high, log=self.log)
+
+
+@dataclass(frozen=True)
+class SweepSpace:
+    path: str
+    study: str
+    params: tuple[Param, ...]
+    objectives: tuple[str, ...]
+    workload: str = BUILTIN                  #: simulator: `rlinf-example` or a config path
+    devices: int | None = None               #: simulator: scale the placement to N devices
+    steps: int = 4                           #: simulator: RL steps per trial
+    seed: int = 0                            #: simulator workload seed; also the sampler's seed
+    sim_overrides: tuple[str, ...] = ()      #: simulator: overrides of a config workload
+    config: str | None = None                #: real runs' config (and the sweep's tracking settings)
+    overrides: tuple[str, ...] = ()          #: real runs' overrides
+
+    @property
+    def directions(self) -> list[str]:
+        return [OBJECTIVES[o] for o in self.objectives]
+
+
+def _err(path: str, where: str, value: object, problem: str, fix: str) -> TidalError:
+    return TidalError(f"{path}: {where}", value, problem, fix)
+
+
+def _mapping(path: str, where: str, value: object) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _err(path, where, value, "must be a mapping", f"write `{where}:` as `key: value` lines")
+    return value
+
+
+def _param(path: str, key: str, spec: object, earlier: dict[str, Param]) -> Param:
+    where = f"space.{key}"
+    spec = _mapping(path, where, spec)
+    unknown = set(spec) - {"type", "choices", "low", "high", "log", "when"}
+    if unknown:
+        raise _err(path, where, sorted(unknown)[0], "unknown setting",
+                   "use type (bool|int|float|choice), choices, low, high, log, when")
+    when = []
+    for k, v in _mapping(path, f"{where}.when", spec.get("when")).items():
+        if k not in earlier:
+            raise _err(path, f"{where}.when", k, "names no key drawn before this one",
+                       f"list {k} above {key} in `space:` (conditions look at earlier keys)")
+        when.append((k, v))
+    kind = spec.get("type") or ("choice" if "choices" in spec else "float")
+    if kind == "bool":
+        return Param(key, "bool", when=tuple(when))
+    if kind == "choice":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise _err(path, f"{where}.choices", choices, "must be a non-empty list", "e.g. choices: [rlinf, tidal]")
+        return Param(key, "choice", tuple(choices), when=tuple(when))
+    if kind not in ("int", "float"):
+        raise _err(path, f"{where}.type", kind, "unknown type", "use bool, int, float or choice")
+    lo, hi = spec.get("low"), spec.get("high")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (lo, hi)) or not lo <= hi:
+        raise _err(path, where, f"low={lo}, high={hi}", "needs numbers low <= high", "e.g. {low: 0.1, high: 0.9}")
+    if spec.get("log") and lo <= 0:
+        raise _err(path, f"{where}.low", lo, "a log scale needs low > 0", "raise low or drop log: true")
+    return Param(key, kind, low=float(lo), high=float(hi), log=bool(spec.get("log")), when=tuple(when))
+
+
+def _resolve(path: str | None, space_path: Path) -> str | None:
+    """Config paths: from the current directory, else from the space file's folder or its parent."""
+    if path is None or path == BUILTIN or Path(path).is_absolute() or Path(path).exists():
+        return path
+    for base in (space_path.parent, space_path.parent.parent):
+        if (base / path).exists():
+            return str(base / path)
+    return path
+
+
+def load_space(path: str | Path) -> SweepSpace:
+    """Read and check a sweep space file (`yaml.safe_load`); errors name the key and the fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise TidalError("SPACE", str(path), "file not found", "pass a sweep space like experiments/sweep_policy.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError:
+        raise TidalError("SPACE", str(path), "is not valid YAML", "fix the file's syntax") from None
+    sp = str(path)
+    data = _mapping(sp, "<top level>", data)
+    unknown = set(data) - {"study", "objectives", "simulator", "real", "space", "description"}
+    if unknown:
+        raise _err(sp, sorted(unknown)[0], sorted(unknown)[0], "unknown top-level key",
+                   "use study, objectives, simulator, real, space, description")
+    raw = data.get("space")
+    if not isinstance(raw, dict) or not raw:
+        raise _err(sp, "space", raw, "a sweep needs a non-empty top-level `space:` mapping",
+                   "add `space:` with config keys, e.g. `scheduler.policy: {choices: [rlinf, tidal]}`")
+    params: dict[str, Param] = {}
+    for key, spec in raw.items():
+        params[str(key)] = _param(sp, str(key), spec, params)
+    objs = data.get("objectives", ["step_time"])
+    objs = list(objs) if isinstance(objs, list) else [objs]
+    for o in objs:
+        if o not in OBJECTIVES:
+            raise _err(sp, "objectives", o, "unknown objective", f"use some of {', '.join(OBJECTIVES)}")
+    if len(set(objs)) != len(objs) or not objs:
+        raise _err(sp, "objectives", objs, "must list distinct objectives", "e.g. [step_time, reshards]")
+    sim = _mapping(sp, "simulator", data.get("simulator"))
+    real = _mapping(sp, "real", data.get("real"))
+    for where, m, keys in (("simulator", sim, {"workload", "devices", "steps", "seed", "overrides"}),
+                           ("real", real, {"config", "overrides"})):
+        if set(m) - keys:
+            raise _err(sp, where, sorted(set(m) - keys)[0], "unknown key", f"use {', '.join(sorted(keys))}")
+    space = SweepSpace(sp, str(data.get("study") or p.stem), tuple(params.values()), tuple(objs),
+                       workload=_resolve(str(sim.get("workload", BUILTIN)), p), devices=sim.get("devices"),
+                       steps=int(sim.get("steps", 4)), seed=int(sim.get("seed", 0)),
+                       sim_overrides=tuple(sim.get("overrides") or ()), config=_resolve(real.get("config"), p),
+                       overrides=tuple(real.get("overrides") or ()))
+    if space.steps < 1:
+        raise _err(sp, "simulator.steps", space.steps, "must be at least 1", "e.g. steps: 4")
+    return space
+
+
+def check_space(space: SweepSpace, real: bool) -> None:
+    """Every swept key must mean something to the chosen backend."""
+    if real:
+        if not space.config:
+            raise _err(space.path, "real.config", None, "--real needs the config of the runs",
+                       "add `real: {config: experiments/rlinf_dynamic.yaml}`")
+        known, what = set(flatten(TidalConfig())), "a config key"
+    elif space.workload == BUILTIN:
+        known, what = set(SIM_KEYS) | {POLICY_KEY}, f"a key the built-in {BUILTIN} workload reads"
+    else:
+        known, what = set(flatten(TidalConfig())), "a config key"
+    for prm in space.params:
+        if prm.key not in known:
+            import difflib
+            near = difflib.get_close_matches(prm.key, sorted(known), n=1)
+            raise _err(space.path, f"space.{prm.key}", prm.key, f"is not {what}",
+                       f"did you mean {near[0]}?" if near else f"use one of {', '.join(sorted(known)[:8])} ...")
+    if not real:
+        bad = [o for o in space.objectives if o in REAL_ONLY]
+        if bad:
+            raise _err(space.path, "objectives", bad[0], "is measured only on real runs", "add --real or drop it")
+
+
+def draw(space: SweepSpace, trial: Any) -> dict[str, Any]:
+    """The trial's settings: every active key of the space, in order."""
+    drawn: dict[str, Any] = {}
+    for prm in space.params:
+        if prm.active(drawn):
+            drawn[prm.key] = prm.suggest(trial)
+    return drawn
+
+
+def as_overrides(params: dict[str, Any]) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in params.items()]
+
+
+# ---- evaluating one trial -----------------------------------------------------------------------------------
+
+def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float]:
+    """The settings on the simulator (the same policy code as real runs)."""
+    from tidal.scheduler.simulator import simulate
+    from tidal.scheduler.workload import rlinf_example
+    from tidal.tasks.tracked_run import load_run_config
+    if space.workload == BUILTIN:
+        spec = rlinf_example(space.devices or 8)
+        spec = replace(spec, params=replace(spec.params, **{SIM_KEYS[k]: v for k, v in params.items()
+                                                            if k in SIM_KEYS}))
+        res = simulate(spec, params.get(POLICY_KEY, "tidal"), None, space.steps, space.seed, keep_events=False)
+    else:
+        cfg = load_run_config(space.workload, [*space.sim_overrides, *as_overrides(params)])
+        res = simulate(cfg, None, space.devices, space.steps, space.seed, keep_events=False)
+    return {"step_time": res.mean_step_s, "reshards": float(sum(s.reshards for s in res.steps)),
+            "migrations": float(sum(s.migrations for s in res.steps)), "idle": res.idle_fraction}
+
+
+def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], name: str, sink: Any,
+               parent_run_id: str, tags: dict[str, str]) -> tuple[dict[str, float], str, int]:
+    """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
+    Returns (objective values, MLflow run id, database run id)."""
+    from tidal.pipeline.run import run_training
+    from tidal.tasks.tracked_run import RunTracking, load_run_config, run_dir
+    cfg = load_run_config(space.config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
+    out = run_dir(cfg)
+    tracking = RunTracking.open(cfg, out, sink=sink, parent_run_id=parent_run_id, tags=tags)
+    status = "FAILED"
+    try:
+        s = run_training(cfg, out, tracking.sink, tracking.recorder)
+        status = "FINISHED"
+    finally:
+        tracking.close(status, [out / n for n in ("timeline.png", "summary.json", "events.json")])
+    values = {"step_time": sum(s.step_seconds) / max(1, len(s.step_seconds)), "reshards": float(s.reshards),
+              "migrations": float(s.migrations), "idle": s.device_idle_fraction, "accuracy": s.eval_accuracy_end}
+    return values, tracking.mlflow_run_id, tracking.db_run_id
+
+
+# ---- the study ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrialSpec:
+    number: int
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    number: int
+    params: dict[str, Any]
+    state: str                         #: COMPLETE or FAIL
+    values: dict[str, float] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    study: str
+    storage: str
+    objectives: list[str]
+    directions: list[str]
+    n_trials: int                      #: complete trials in the study (all invocations)
+    n_failed: int
+    best_trial: int
+    best_params: dict[str, Any]
+    best_values: dict[str, float]
+    best_mlflow_run_id: str | None
+    pareto: list[dict]                 #: [{number, params, values, mlflow_run_id}], best first
+    mlflow_parent_run_id: str | None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def storage_url(cfg: TidalConfig, storage: str | None) -> str:
+    return storage or os.environ.get("TIDAL_OPTUNA_STORAGE") or cfg.tracking.db_url
+
+
+def _masked(url: str) -> str:
+    from sqlalchemy.engine import make_url
+    return make_url(url).render_as_string(hide_password=True)
+
+
+class Sweep:
+    """An open sweep: its Optuna study (RDB storage) and its MLflow parent run. `ask`, `evaluate`, `report`."""
+
+    def __init__(self, space: SweepSpace, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
+                 storage: str | None = None, study: str | None = None):
+        import optuna
+        from tidal.tasks.tracked_run import env_overrides, load_run_config
+        from tidal.tracking import MlflowSink
+        check_space(space, real)
+        self.space, self.real, self.overrides = space, real, list(overrides)
+        self.cfg = load_run_config(space.config, self.overrides) if space.config \
+            else build_config({}, env_overrides() + self.overrides)
+        self.storage = storage_url(self.cfg, storage)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study_name = study or f"{space.study}-{'real' if real else 'sim'}"
+        rdb = optuna.storages.RDBStorage(self.storage, engine_kwargs=_engine_kwargs(self.storage))
+        try:
+            existing = optuna.load_study(study_name=self.study_name, storage=rdb)
+        except KeyError:
+            existing = None
+        if existing is not None:
+            have = [d.name.lower() for d in existing.directions]
+            if have != space.directions:
+                raise TidalError("--study", self.study_name,
+                                 f"exists in {_masked(self.storage)} with directions {have}, the space asks "
+                                 f"{space.directions} ({list(space.objectives)})",
+                                 "pass --study with a new name, or keep the study's objectives")
+        done = len(existing.trials) if existing is not None else 0
+        # Seed offset by the trials already there: a resumed study does not redraw the same random points.
+        sampler = optuna.samplers.TPESampler(seed=space.seed + done)
+        self.study = optuna.create_study(study_name=self.study_name, storage=rdb, directions=space.directions,
+                                         sampler=sampler, load_if_exists=True)
+        self.study.set_user_attr("objectives", list(space.objectives))
+        self.study.set_user_attr("space", space.path)
+        self._trials: dict[int, Any] = {}
+        self.sink = MlflowSink.from_config(self.cfg.tracking)
+        self.parent_run_id = self.sink.start_run(
+            f"sweep-{self.study_name}",
+            {"sweep.space": space.path, "sweep.real": real, "sweep.objectives": list(space.objectives),
+             **{f"space.{p.key}": _describe(p) for p in space.params}},
+            {"optuna.study": self.study_name, "optuna.storage": _masked(self.storage)})
+
+    def ask(self) -> TrialSpec:
+        trial = self.study.ask()
+        self._trials[trial.number] = trial
+        return TrialSpec(trial.number, draw(self.space, trial))
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult:
+        """Run the trial, record it in MLflow, tell Optuna. A config the trial's settings make invalid fails the
+        trial (state FAIL, the error kept); any other error fails it and propagates."""
+        import optuna
+        trial = self._trials.pop(spec.number)
+        name = f"{self.study_name}-trial-{spec.number}"
+        tags = {"optuna.study": self.study_name, "optuna.trial": str(spec.number)}
+        try:
+            if self.real:
+                values, run_id, db_id = real_trial(self.space, spec.params, self.overrides, name, self.sink,
+                                                   self.parent_run_id, tags)
+                trial.set_user_attr("db_run_id", db_id)
+            else:
+                run_id = self.sink.start_run(name, spec.params, tags, parent_run_id=self.parent_run_id)
+                try:
+                    values = simulate_trial(self.space, spec.params)
+                    self.sink.log_metrics({f"sweep/{k}": v for k, v in values.items()}, 0)
+                    self.sink.end_run("FINISHED")
+                except BaseException:
+                    self.sink.end_run("FAILED")
+                    raise
+        except TidalError as e:
+            trial.set_user_attr("error", str(e))
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            log.warning("trial %d failed: %s", spec.number, e)
+            return TrialResult(spec.number, spec.params, "FAIL", error=str(e))
+        except BaseException as e:
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}")
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        trial.set_user_attr("mlflow_run_id", run_id)
+        trial.set_user_attr("metrics", values)
+        self.study.tell(trial, [values[o] for o in self.space.objectives])
+        return TrialResult(spec.number, spec.params, "COMPLETE", values, run_id)
+
+    def report(self) -> SweepReport:
+        import optuna
+        trials = self.study.get_trials(deepcopy=False)
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        failed = sum(t.state == optuna.trial.TrialState.FAIL for t in trials)
+        if not complete:
+            errors = {t.user_attrs.get("error") for t in trials if t.user_attrs.get("error")}
+            raise TidalError("SPACE", self.space.path, f"no trial of study {self.study_name!r} completed "
+                             f"(errors: {sorted(errors)[:3]})", "fix the space so its settings make valid configs")
+        sign = [1.0 if d == "minimize" else -1.0 for d in self.space.directions]
+        front = sorted(self.study.best_trials, key=lambda t: tuple(s * v for s, v in zip(sign, t.values)))
+        objs = list(self.space.objectives)
+        pareto = [{"number": t.number, "params": t.params, "values": dict(zip(objs, t.values)),
+                   "mlflow_run_id": t.user_attrs.get("mlflow_run_id")} for t in front]
+        best = pareto[0]
+        values = {k: v for k, v in best["values"].items()}
+        self.sink.log_metrics({f"best/{k}": v for k, v in values.items()} | {"sweep/n_trials": len(complete)},
+                              len(complete))
+        return SweepReport(self.study_name, _masked(self.storage), objs, self.space.directions, len(complete),
+                           failed, best["number"], best["params"], values, best["mlflow_run_id"], pareto,
+                           self.parent_run_id)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.sink.close() if status == "KILLED" else self.sink.end_run(status)
+
+
+def _engine_kwargs(url: str) -> dict:
+    # The platform database is shared with running training runs: wait for SQLite's write lock, don't fail.
+    return {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+
+
+def _describe(p: Param) -> str:
+    what = {"bool": "bool", "choice": f"choices {list(p.choices)}",
+            "float": f"[{p.low:g}, {p.high:g}]{' log' if p.log else ''}",
+            "int": f"int [{int(p.low)}, {int(p.high)}]"}[p.kind]
+    return what + (f" when {dict(p.when)}" if p.when else "")
+
+
+def run_sweep(space: SweepSpace, trials: int, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
+              storage: str | None = None, study: str | None = None, on_trial=None) -> SweepReport:
+    """Add `trials` trials to the study and report; `on_trial(TrialResult)` after each."""
+    if trials < 1:
+        raise TidalError("--trials", trials, "must be at least 1", "e.g. --trials 16")
+    sweep = Sweep(space, real=real, overrides=overrides, storage=storage, study=study)
+    status = "FAILED"
+    try:
+        for _ in range(trials):
+            res = sweep.evaluate(sweep.ask())
+            if on_trial:
+                on_trial(res)
+        report = sweep.report()
+        status = "FINISHED"
+        return report
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        sweep.close(status)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+def print_report(report: SweepReport, console: Any = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    keys = sorted({k for row in report.pareto for k in row["params"]})
+    table = Table(title=f"Pareto front of {report.study} ({report.n_trials} complete trials, "
+                        f"{report.n_failed} failed)" if len(report.objectives) > 1 else
+                  f"best of {report.study} ({report.n_trials} complete trials, {report.n_failed} failed)")
+    for col in ["trial", *report.objectives, *keys]:
+        table.add_column(col, justify="right")
+    for row in report.pareto:
+        table.add_row(str(row["number"]), *[_fmt(row["values"][o]) for o in report.objectives],
+                      *[_fmt(row["params"].get(k, "-")) for k in keys])
+    console.print(table)
+    console.print(f"[bold]best[/] (trial {report.best_trial}): "
+                  + ", ".join(f"{k}={_fmt(v)}" for k, v in report.best_params.items())
+                  + "  ->  " + ", ".join(f"{k} {_fmt(v)}" for k, v in report.best_values.items()))
+    console.print(f"storage {report.storage}, study {report.study}; MLflow parent run {report.mlflow_parent_run_id}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tidal sweep", description="Optuna sweep of scheduler policy settings.")
+    ap.add_argument("space", metavar="SPACE", help="sweep space YAML (top-level `space:`), e.g. "
+                                                   "experiments/sweep_policy.yaml")
+    ap.add_argument("--trials", type=int, default=16, help="trials to add to the study (default 16)")
+    ap.add_argument("--real", action="store_true", help="real training runs instead of the simulator")
+    ap.add_argument("--json", metavar="PATH", help="write the report (best_params, best_values, n_trials, pareto)")
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="override of the base config (real runs and tracking), e.g. tracking.db_url=sqlite:///x.db")
+    ap.add_argument("--storage", help="Optuna storage URL (default: $TIDAL_OPTUNA_STORAGE, else tracking.db_url)")
+    ap.add_argument("--study", help="study name (default: the space's `study` + -sim / -real)")
+    args = ap.parse_args(argv)
+    for k, v in {"MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1"}.items():
+        os.environ.setdefault(k, v)
+    from rich.console import Console
+    console = Console()
+    space = load_space(args.space)
+
+    def on_trial(r: TrialResult) -> None:
+        vals = ", ".join(f"{k} {_fmt(r.values[k])}" for k in space.objectives) if r.values else r.error
+        console.print(f"trial {r.number:>3} {r.state.lower():<8} "
+                      f"{', '.join(f'{k}={_fmt(v)}' for k, v in r.params.items())}  ->  {vals}")
+
+    report = run_sweep(space, args.trials, real=args.real, overrides=args.override, storage=args.storage,
+                       study=args.study, on_trial=on_trial)
+    print_report(report, console)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
+    return 0
