@@ -349,6 +349,21 @@ class ActorShard:
             self._bind()
         return report
 
+    def adopt(self, layout: Layout, state: ShardState | None) -> None:
+        """Swap in `state` of `layout`, built elsewhere (a checkpoint load, engine/checkpoint.py); the old buffers
+        go to the pool. Every world rank calls it at the same point (group creation is collective)."""
+        check_tp(self.args, layout.tp)
+        self.groups.get(layout)
+        if self._grad is not None:
+            self.pool.give(self._grad)
+        if self.state is not None:
+            self.state.release(self.pool)
+        self.state, self.layout, self.model, self._grad = state, layout, None, None
+        if state is None and not self.keep_pool_on_leave:
+            self.free()
+        elif state is not None:
+            self._bind()
+
     # ---- views for checks and rollout ----------------------------------------------------------------
     def state_dict_global(self) -> dict[str, torch.Tensor]:
         """Every tensor of the actor in global coordinates, on every rank (collective over the world; checks
