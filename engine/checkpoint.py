@@ -543,7 +543,7 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
     return m
 
 
-__all__ = ["CheckpointError", "CheckpointMeta", "Manifest", "ShardRecord", "begin", "write_shard",
+__all__ = ["CheckpointError", "CheckpointMeta", "Manifest", "ShardRecord", "gen_dir", "tmp_dir", "begin", "write_shard",
            "gather_records", "make_manifest", "write_manifest", "commit", "prune", "save_actor", "read_manifest",
            "verify", "verify_file", "latest", "generations", "check_model", "load_moves", "read_state",
            "load_actor"]

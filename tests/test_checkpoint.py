@@ -322,3 +322,56 @@ def test_world8_layouts(tmp_path):
     for b in ["tp=2,dp=4", "tp=4,dp=1,devices=4-7", "tp=1,dp=7,devices=1-7", "tp=2,dp=3,devices=2-7"]:
         assert not any(r[f"load {b}"] for r in res), b
     assert not res[0]["train tp=2,dp=3,devices=2-7"][0]
+
+
+# ---- the pipeline: TrainingRun.checkpoint / open(resume_from=...) on real Ray workers -------------------------
+def _run_cfg(out: Path, actor: str, rollout: str, inference: str, num_devices: int, **model):
+    from tidal.config import build_config
+    return build_config({
+        "cluster": {"num_nodes": 1, "num_devices_per_node": num_devices, "auto_scheduler": False,
+                    "component_placement": {"actor": actor, "rollout": rollout, "inference": inference}},
+        "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 48,
+                  **model},
+        "warm_start": {"iters": 0}, "algorithm": {"group_size": 4, "n_minibatches": 2},
+        "data": {"rollout_batch_size": 4, "eval_size": 8}, "run": {"num_steps": 3, "output_dir": str(out)}})
+
+
+def test_resume_rejects_another_models_checkpoint_before_starting(faults4, tmp_path):
+    from tidal.pipeline.run import TrainingRun
+    _, root = faults4
+    digest = tree_digest(root)
+    run = TrainingRun(_run_cfg(tmp_path, "0", "1", "2", 3), tmp_path / "r")
+    with pytest.raises(CheckpointError) as e:
+        run.open(resume_from=root)
+    assert e.value.field.startswith("model.") and e.value.exit_code == 2
+    assert run.group is None and tree_digest(root) == digest   # no worker started, nothing written
+    with pytest.raises(CheckpointError, match="no complete, verified checkpoint"):
+        TrainingRun(_run_cfg(tmp_path, "0", "1", "2", 3), tmp_path / "r").open(resume_from=tmp_path)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_equals_uninterrupted(tmp_path):
+    """1 step, checkpoint, 1 step vs resume + 1 step: same placement and a DP change (actor 0 -> 0-1)."""
+    from tidal.pipeline.run import TrainingRun
+    ck = tmp_path / "ck"
+
+    def run(cfg, resume=None, save=False):
+        r = TrainingRun(cfg, tmp_path / f"run{len(list(tmp_path.iterdir()))}")
+        try:
+            r.open(resume_from=resume)
+            start = r.next_step
+            if save:
+                r.step()
+                r.checkpoint(ck)
+            r.step()
+            return start, r.pipe.version, r.pipe.data_pos, r.pipe.global_weights()
+        finally:
+            r.close()
+
+    _, v_a, pos_a, w_a = run(_run_cfg(tmp_path / "o", "0", "1", "2", 3), save=True)
+    assert [p.name for p in ck.iterdir()] == ["gen-1"]
+    for cfg in (_run_cfg(tmp_path / "o", "0", "1", "2", 3), _run_cfg(tmp_path / "o", "0-1", "2", "3", 4)):
+        start, v, pos, w = run(cfg, resume=ck)
+        assert (start, v, pos) == (1, v_a, pos_a) == (1, 2, 8)
+        bad = {k: (w[k] - w_a[k]).abs().max().item() for k in w_a if not torch.equal(w[k], w_a[k])}
+        assert not bad, f"{cfg.placement.actor}: {bad}"

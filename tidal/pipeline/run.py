@@ -147,7 +147,7 @@ class TrainingRun:
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
 
-    def open(self) -> "TrainingRun":
+    def open(self, resume_from: str | Path | None = None) -> "TrainingRun":
         from tidal.engine.model import ModelArgs
         from tidal.engine.rl_tasks import get_task
         from tidal.engine.tokenizer import check_compatible, default_tokenizer
@@ -163,6 +163,9 @@ class TrainingRun:
         task.check_tokenizer(tok)
         args = ModelArgs.from_config(cfg.model, tok.vocab_size)
         check_compatible(tok, args.vocab_size)
+        if resume_from is not None:  # fail before any worker starts: marker, checksums, model fields
+            from tidal.pipeline.checkpointing import check_resumable
+            check_resumable(resume_from, args)
         if task.max_response_tokens > cfg.rollout.max_new_tokens:
             raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
                               f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
@@ -182,7 +185,10 @@ class TrainingRun:
                                  get_policy(self.policy_name),
                                  SchedState(PolicyParams.from_config(cfg), costs=cpu_tiny()))
             self.pipe.start()
-            self.evals.append((0, self.pipe.evaluate(self.heldout)))
+            if resume_from is not None:  # tidal/pipeline/checkpointing.py: the actor, data position, version
+                from tidal.pipeline.checkpointing import resume
+                self.next_step = resume(self.pipe, resume_from)
+            self.evals.append((self.next_step, self.pipe.evaluate(self.heldout)))
         except BaseException:
             self.close()
             raise
@@ -198,7 +204,7 @@ class TrainingRun:
         return self.record()
 
     # The verbs of one step, for callers that run them as separate tasks (tidal.flows):
-    #   run_step(sync=False) -> sync_weights -> evaluate (if eval_due) | checkpoint -> record
+    #   run_step(sync=False) -> sync_weights -> evaluate (if eval_due) -> record; then `checkpoint` (between steps)
     def run_step(self, sync: bool = True) -> dict:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
         new weights also reach rollout and inference. Its metrics are written by `record`."""
@@ -226,16 +232,6 @@ class TrainingRun:
         self._extra["eval/heldout_accuracy"] = acc
         return acc
 
-    def checkpoint(self, path: Path | None = None) -> Path:
-        """The actor's weights (global, safetensors; loadable as `warm_start.checkpoint`) after this step."""
-        from safetensors.torch import save_file
-        path = Path(path) if path else self.out_dir / "checkpoints" / f"step-{self.next_step + 1:05d}.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.detach().clone().contiguous() for k, v in self.pipe.global_weights().items()}, str(tmp))
-        tmp.replace(path)
-        return path
-
     def record(self) -> dict:
         """Close the step: its metrics and events to the sink, its rows to the database."""
         step, res = self.next_step, self._res
@@ -254,6 +250,11 @@ class TrainingRun:
             self.recorder.step(step, res, m)
         self.next_step += 1
         return m
+
+    def checkpoint(self, dir: str | Path | None = None) -> Path:
+        """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints)."""
+        from tidal.pipeline.checkpointing import save
+        return save(self.pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
 
     def finish(self) -> RunSummary:
         """Timeline picture, events, summary (the workers stay up until `close`)."""

@@ -1,0 +1,94 @@
+"""Driver side of checkpoints: save a generation of the actor between steps; resume a pipeline from one.
+
+    save(pipe, dir, step)      begin tmp-<step> -> actor_save on the actor's ranks -> commit (rename, marker last,
+                               keep the previous generation); returns <dir>/gen-<step>
+    resume(pipe, dir) -> step  pick the generation (dir itself, or the newest complete and verified one under it),
+                               check it against this run's model (before any worker is touched), load it into
+                               the current actor layout on every worker (resharding on load), restore the
+                               driver's position (policy version, data position), and push the loaded weights
+                               to rollout and inference; returns the next step to run
+
+What a checkpoint restores: the actor's parameters, fp32 master weights, Adam moments, optimizer step (and so the
+LR schedule), RNG states, data cursor, plus the driver's data position and policy version. Rollout and inference
+hold no state across steps (weights come from the actor; sampling seeds derive from run seed, step and group id),
+so a resumed run trains exactly like an uninterrupted one. Not restored: the scheduler's learned timing
+estimates (they change when things run, never what is computed).
+
+Errors are `CheckpointError` (a TidalError: CLI exit 2) naming the file or the model field, raised before any
+state is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, Manifest, begin, check_model, commit,
+                                     latest, verify)
+from tidal.engine.model import param_specs
+
+log = logging.getLogger("tidal.checkpoint")
+ROLES_CKPT = "tidal.workers.roles_ckpt"
+
+
+def _idle(pipe, what: str) -> None:
+    busy = sorted({f.device for f in pipe.cluster.inflight.values()})
+    if busy:
+        raise RuntimeError(f"{what} between steps only: calls still in flight on devices {busy}")
+
+
+def save(pipe, dir: str | Path, step: int, keep_last: int = 2) -> Path:
+    """Checkpoint the pipeline after `step` completed RL steps (between steps); see module doc."""
+    _idle(pipe, "checkpoint")
+    dir = Path(dir)
+    layout = pipe.cluster.actor_layout
+    meta = CheckpointMeta(step=step, data_pos=pipe.data_pos, policy_version=pipe.version)
+    t0 = pipe.clock()
+    begin(dir, step)
+    g = pipe.group
+    g.gather(g.submit_all(f"{ROLES_CKPT}:actor_save", device_ids=layout.devices, dir=str(dir), gen=step,
+                          meta=meta))
+    final = commit(dir, step, keep_last)
+    pipe.timeline.add_busy(list(layout.devices), "actor", "checkpoint", t0, pipe.clock())
+    pipe.cluster.record("checkpoint", step=step, path=str(final), layout=str(layout),
+                        seconds=pipe.clock() - t0)
+    return final
+
+
+def find_generation(dir: str | Path) -> Path:
+    """`dir` itself if it is a generation (must verify), else the newest verified generation under it."""
+    dir = Path(dir)
+    if (dir / MARKER).is_file():
+        return dir
+    gen = latest(dir)
+    if gen is None:
+        raise CheckpointError("resume_from", str(dir), "holds no complete, verified checkpoint generation "
+                              "(gen-<step>/ with a COMPLETE marker)",
+                              "give a checkpoint directory written by `checkpoint`, or one of its gen-* folders")
+    return gen
+
+
+def check_resumable(dir: str | Path, args) -> tuple[Path, Manifest]:
+    """The generation to resume and its manifest: marker, checksums and model checked (reads, writes nothing)."""
+    gen = find_generation(dir)
+    m = verify(gen)
+    check_model(m, args, tuple(param_specs(args)), str(gen))
+    return gen, m
+
+
+def resume(pipe, dir: str | Path) -> int:
+    """Load a checkpoint into a started pipeline; returns the next step to run (see module doc)."""
+    import ray
+    _idle(pipe, "resume")
+    gen, m = check_resumable(dir, pipe.spec.args)
+    layout = pipe.cluster.actor_layout
+    t0 = pipe.clock()
+    g = pipe.group
+    g.gather(g.submit_all(f"{ROLES_CKPT}:actor_load", dir=str(gen), layout=layout))
+    pipe.version, pipe.data_pos = m.meta.policy_version, m.meta.data_pos
+    pipe._load_generation(ray.put(pipe.global_weights()), m.meta.step)
+    pipe.cluster.record("resume", step=m.meta.step, path=str(gen), saved_layout=str(m.layout),
+                        layout=str(layout), version=pipe.version, data_pos=pipe.data_pos,
+                        seconds=pipe.clock() - t0)
+    log.info("resumed from %s (saved at %s, loaded at %s): next step %d", gen, m.layout, layout, m.meta.step)
+    return m.meta.step
