@@ -21,6 +21,7 @@ L > x (the expected maximum of n draws), tabulated on the x grid and on n = 2^k 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -72,10 +73,18 @@ class LengthModel:
         k = int(x / self.step)
         return self.table[min(max(k, 0), GRID)]
 
+    @cached_property
+    def _tail_array(self) -> np.ndarray:
+        return np.asarray(self.tail, dtype=np.float64)
+
+    @cached_property
+    def _table_array(self) -> np.ndarray:
+        return np.asarray(self.table, dtype=np.float64)
+
     def tail_many(self, started: np.ndarray, progress_tokens: np.ndarray, queued: np.ndarray) -> np.ndarray:
         """Expected longest remaining sequence per instance: the started ones at their mean progress, or a
         queued one from scratch, whichever is longer (0 when nothing is left)."""
-        tab = np.asarray(self.tail)
+        tab = self._tail_array
         mean_x = np.divide(progress_tokens, started, out=np.zeros(started.shape), where=started > 0)
         g = np.clip((mean_x / self.step).astype(np.int64), 0, GRID)
         ks = np.clip(np.ceil(np.log2(started + 1.0)).astype(np.int64), 0, NK - 1)
@@ -88,7 +97,7 @@ class LengthModel:
         """`instance_remaining` for many instances at once (arrays)."""
         mean_x = np.divide(progress_tokens, started, out=np.zeros(started.shape), where=started > 0)
         k = np.clip((mean_x / self.step).astype(np.int64), 0, GRID)
-        return started * np.asarray(self.table)[k] + queued * self.mean
+        return started * self._table_array[k] + queued * self.mean
 
     def instance_remaining(self, started: int, progress_tokens: float, queued: int) -> float:
         """Estimate for one instance: `started` unfinished sequences that generated `progress_tokens` in

@@ -11,7 +11,9 @@ the baseline we measure against:
 - pre-process hands the actor's devices back only when `running <= threshold x total tasks`, polled each 1 s,
   even if the actor's first mini-batch has long been ready.
 
-Unlike RLinf, devices are named by id (the lowest free ids join the actor: with the contiguous
+It reads the rollout as columns (`Signals.cols`), so a decision at 1,024 devices has no Python loop per
+instance except over the migrations it emits (RLinf's spread can emit hundreds; they stay individual
+`MigrateRequests`, as RLinf sends them). Unlike RLinf, devices are named by id (the lowest free ids join the actor: with the contiguous
 actor -> rollout -> inference placement these are the ones rollout just released next to it), and each flag
 has one default (tidal/config.py), read once by `PolicyParams.from_config`.
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tidal.devices import Owner
 from tidal.engine.layout import Layout
-from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout, Wait, describe)
+from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
+                                     ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
+                                     ReturnToInference, StartRollout, Wait, describe)
+from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
 
@@ -40,25 +45,44 @@ class Reconciler:
         self.min_interval_s = min_interval_s
         self._last: tuple[str, float] | None = None
         self._held_since: float | None = None
+        # what the producer learns for the policy, as the simulator does: response lengths (remaining-work and
+        # tail estimates) and the readiness curve of the previous step (see `learn`)
+        self.lengths = LengthModel.prior(pipeline.cfg.rollout.max_new_tokens)
+        self.inf_lent: list[int] = []     # inference devices now hosting rollout instances (LendInference)
+        self._t_start = 0.0
 
     # ---- signals --------------------------------------------------------------------------------------------
     def signals(self, trigger: str) -> Signals:
         p, c, st = self.p, self.p.cluster, self.p.step_state
         g = p.cfg.algorithm.group_size
         rollout = []
-        for inst in sorted(c.rollout):
-            s = st.signals.get(inst, {})
-            running = s.get("running", 0) + s.get("waiting", 0) + s.get("queued", 0) * g
-            given = st.given.get(inst, 0)
-            running = max(running, given * g if not s else running)
-            rate = s.get("token_rate", 0.0)
+        insts = sorted(c.rollout)
+        # per instance: sequences started (in the engine) with their progress, and sequences not started (groups
+        # given but not opened yet); the length model turns them into remaining tokens and the longest tail
+        started = np.zeros(len(insts))
+        progress = np.zeros(len(insts))
+        queued = np.zeros(len(insts))
+        for k, inst in enumerate(insts):
+            s, given = st.signals.get(inst, {}), st.given.get(inst, 0)
+            if s and given:
+                started[k] = s.get("running", 0) + s.get("waiting", 0)
+                progress[k] = s.get("progress", 0)
+                queued[k] = max(0, given - s.get("groups_in_progress", 0)) * g
+            else:
+                queued[k] = given * g
+        est = self.lengths.remaining_many(started, progress, queued)
+        tail = self.lengths.tail_many(started, progress, queued)
+        for k, inst in enumerate(insts):
+            s, given = st.signals.get(inst, {}), st.given.get(inst, 0)
             rollout.append(RolloutInstanceSignal(
-                id=inst, devices=(inst,), groups_queued=s.get("queued", given if not s else 0),
-                groups_unfinished=given, running=running, total=st.total_given.get(inst, 0),
-                tokens_generated=s.get("tokens", 0), progress_tokens=0, token_rate=rate,
-                est_remaining_tokens=float(running) * p.cfg.rollout.max_new_tokens / 2, lent=inst in c.lent))
+                id=inst, devices=(inst,), groups_queued=int(queued[k]) // g, groups_unfinished=given,
+                running=int(started[k] + queued[k]), total=st.total_given.get(inst, 0),
+                tokens_generated=s.get("tokens", 0), progress_tokens=int(progress[k]),
+                token_rate=s.get("token_rate", 0.0), est_remaining_tokens=float(est[k]), lent=inst in c.lent,
+                est_tail_tokens=float(tail[k])))
         done = st.generated == st.num_groups and not st.to_score and st.scoring == 0
-        inference = InferenceSignal(tuple(c.inference), len(st.to_score) + st.scoring, len(st.scored), done)
+        inference = InferenceSignal(tuple(c.inference), len(st.to_score) + st.scoring, len(st.scored), done,
+                                    tuple(self.inf_lent))
         lay = c.actor_layout
         actor = ActorSignal(st.iters_done, p.cfg.algorithm.n_minibatches, not st.iter_running,
                             ActorLayout(lay.tp, lay.dp, lay.devices), st.last_iter_s,
@@ -76,8 +100,11 @@ class Reconciler:
                 now - self._last[1] < self.min_interval_s:  # same boundary asked again soon: nothing new to see
             return self._held_since is None
         self._last = (key, now)
+        if trigger == "start":
+            self._t_start = now
         if trigger == "step_end":
             self.restore()
+            self.learn()
             return True
         sig = self.signals(trigger)
         t0 = time.perf_counter()
@@ -111,6 +138,15 @@ class Reconciler:
     def _do(self, a: Action) -> dict:
         if isinstance(a, MigrateRequests):
             return self.migrate(a.src, a.dst, a.count)
+        if isinstance(a, MigrateBatch):
+            outs = [self.migrate(s, d, n) for s, d, n in a.moves]
+            return {"groups": sum(o["groups"] for o in outs), "kv_bytes": sum(o["kv_bytes"] for o in outs)}
+        if isinstance(a, StartRollout):
+            return self.lend(a.devices, lent=False)
+        if isinstance(a, LendInference):
+            return self.lend_inference(a.devices)
+        if isinstance(a, ReturnToInference):
+            return self.return_inference(a.instance_ids)
         if isinstance(a, ReleaseRollout):
             return self.release_rollout(a.instance_ids, a.migrate_to)
         if isinstance(a, ReturnFromRollout):
@@ -145,6 +181,8 @@ class Reconciler:
         g.call(src, f"{ROLES}:rollout_commit_export", package=pkg)
         st.given[src] = max(0, st.given.get(src, 0) - moved)
         st.given[dst] = st.given.get(dst, 0) + moved
+        for d in (src, dst):   # their last reports are stale now: estimate from given groups until the next one
+            st.signals.pop(d, None)
         kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in s.kv)
                  for s in pkg["states"] if s.kv is not None)
         c.timeline.add_busy([src, dst], "moving", "migrate", t0, self.p.clock())
@@ -215,18 +253,63 @@ class Reconciler:
                  to_layout=str(layout), bytes_moved=moved, seconds=secs, devices=list(layout.devices))
         return {"bytes_moved": moved}
 
-    def lend(self, devices) -> dict:
-        """Actor devices host rollout instances for a while (the actor cannot train until they return)."""
+    def lend(self, devices, lent: bool = True) -> dict:
+        """Actor devices host rollout instances for a while (the actor cannot train until they return); with
+        `lent=False` (StartRollout) FREE devices become ordinary instances."""
         c, p = self.p.cluster, self.p
         self._idle(devices)
-        p.ledger.release(devices, "lent to rollout")
-        p.ledger.land(devices, Owner.ROLLOUT, "lent to rollout")
+        if lent:
+            p.ledger.release(devices, "lent to rollout")
+            p.ledger.land(devices, Owner.ROLLOUT, "lent to rollout")
+        else:
+            p.ledger.assign(devices, Owner.ROLLOUT, "rollout instance started")
+        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_ref,
+                                       version=p.version, step=p.step_state.step) for d in devices])
         for d in devices:
-            p.group.call(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=None, version=p.version,
-                         step=p.step_state.step)
             c.rollout.append(d)
-            c.lent.add(d)
+            if lent:
+                c.lent.add(d)
         return {"devices": list(devices)}
+
+    def lend_inference(self, devices) -> dict:
+        """Idle inference devices host rollout instances (groups wait for scoring until they return)."""
+        c, p = self.p.cluster, self.p
+        self._idle(devices)
+        p.ledger.release(devices, "inference lent to rollout")
+        p.ledger.land(devices, Owner.ROLLOUT, "inference lent to rollout")
+        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_ref,
+                                       version=p.version, step=p.step_state.step) for d in devices])
+        for d in devices:
+            c.inference.remove(d)
+            c.rollout.append(d)
+            self.inf_lent.append(d)
+        return {"devices": list(devices)}
+
+    def return_inference(self, instance_ids) -> dict:
+        """Lent inference devices score again (their work was migrated away first; their model is kept)."""
+        c = self.p.cluster
+        self.release_rollout(list(instance_ids), back_to=Owner.INFERENCE)
+        for d in instance_ids:
+            self.inf_lent.remove(d)
+            c.inference.append(d)
+        c.inference.sort()
+        return {"devices": list(instance_ids)}
+
+    # ---- what the producer learns -------------------------------------------------------------------------
+    def learn(self) -> None:
+        """After a step: fit the length model on its responses and the readiness curve on its generation times
+        (the fraction of rollout time by which k/16 of the groups were generated), as the simulator does."""
+        p, st = self.p, self.p.step_state
+        lengths = [len(r) for sg in st.scored.values() for r in sg.response_ids]
+        if not lengths:
+            return
+        self.lengths = LengthModel.fit(lengths, p.cfg.rollout.max_new_tokens)
+        prompts = [len(sg.prompt_ids) for sg in st.scored.values()]
+        t = np.asarray(sorted(st.gen_time.values())) - self._t_start
+        span = float(t.max()) if t.size and t.max() > 0 else 1.0
+        curve = tuple((np.quantile(t, np.linspace(0, 1, 17)) / span).tolist()) if t.size else ()
+        p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
+                                prompt_tokens=float(np.mean(prompts)), ready_curve=curve)
 
     # ---- end of step ---------------------------------------------------------------------------------------
     def restore(self) -> None:
@@ -235,6 +318,8 @@ class Reconciler:
         for inst in sorted(c.lent):
             self.release_rollout([inst], back_to=Owner.ACTOR)
         c.lent.clear()
+        if self.inf_lent:
+            self.return_inference(list(self.inf_lent))
         if c.actor_layout != p.initial_layout:
             self.reshard(p.initial_layout)
         pl = p.cfg.placement

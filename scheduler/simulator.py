@@ -210,6 +210,7 @@ class _Sim:
         self.inst: dict[int, Instance] = {}
         self.inst_order: list[Instance] | None = None
         self.packed: Packed | None = None
+        self.packed_q: tuple[float, dict] | None = None   # (time, Packed.at result) of the last signals
         self.drained_ids: set[int] = set()
         self.dispatched = False
         self._new_instances(p.rollout_devices, lent=False, ready_at=self.now)
@@ -420,6 +421,7 @@ class _Sim:
                                       np.fromiter((i.lent for i in live), bool, k), [i.devices for i in live])
             ids, ndev, total, lent, devices = self.packed_static
             s = self.packed.at(now)
+            self.packed_q = (now, s)
             lm = self.length_model
             est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
@@ -470,7 +472,10 @@ class _Sim:
             return
         now = self.now
         insts = [self.inst[i] for i in todo]
-        for inst, (due, rest, tok) in zip(insts, settle_many(insts, now, self.c.decode)):
+        pk, q = self.packed, self.packed_q
+        if pk is None or q is None or q[0] != now or not all(id(i) in pk.pos for i in insts):
+            pk, q = None, (now, None)   # the decision's snapshot does not cover them: pack these alone
+        for inst, (due, rest, tok) in zip(insts, settle_many(insts, now, self.c.decode, pk, q[1])):
             inst.settled(now, tok)
             self.generated_groups(due)
             pending[inst.id] = (max(now, inst.ready_at, inst.e.t0 if inst.e.n else now), [rest])

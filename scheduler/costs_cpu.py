@@ -1,0 +1,161 @@
+"""The CPU cost model of the end-to-end benchmark, fitted from measured runs, and the measurements that fit it.
+
+`cpu_tiny()` (costs.py) holds orders of magnitude. `cpu_e2e()` holds what was measured on the e2e workload
+(benchmarks/e2e.py: 8 CPU virtual devices capped at 0.25 core each, hidden 128 x 4 layers, ~0.8M params,
+max_seq_len 64, 64 running requests per instance); docs/e2e.md gives the fit and its samples.
+
+Measurements (every one on a capped device worker, so the caps and the machine's load are those of the run):
+
+    decode step vs batch   `measure_decode` (worker): a NativeEngine with b requests running, seconds per
+                           `engine.step()` for several b; `fit_decode` -> step_s + per_seq_s * b.
+                           On CPU the engine pads decode rows to 64, so the step cost barely depends on b: an
+                           instance's rollout time is set by its longest sequence (decode steps), not its tokens.
+    actor iter vs dp       `iter_samples(timeline)`: every "iter k" busy span of a run, dp = devices busy on it;
+                           `fit_actor` -> iter_fixed_s + train_per_token_s * tokens / dp (tokens: what the policy
+                           counts for an iter, sequences x (prompt + mean response)).
+    reshard                `event_costs(events)`: seconds of every `reshard` event -> fixed_s (the bytes are
+                           small: time is call round trips and group setup, not bandwidth).
+    KV migration           seconds of every `migration` event -> kv_fixed_s (export + import + commit: three
+                           calls on capped workers; the KV bytes, ~1 MB, are negligible).
+    lend / start rollout   seconds of `LendToRollout` / `StartRollout` actions -> lend_s.
+
+Model forms are those of costs.py; only the numbers differ.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from tidal.scheduler.costs import (ActorCost, CostModel, DecodeCost, InferenceCost, ReshardCost, fit_actor,
+                                   fit_decode)
+
+
+def cpu_e2e() -> CostModel:
+    """Measured on the e2e workload (docs/e2e.md, 2026 run on the shared 2-core dev machine, load ~10-20):
+
+    - decode: fit over b in {1, 8, 16, 32, 64} on one capped worker: ~50 ms per step, almost flat in b
+      (rows padded to 64); prefill ~1 ms per token (one forward per prompt, Python-bound);
+    - inference: ~0.1 s per group of 8 x 64 padded tokens on a capped device;
+    - actor: iter spans of the static (dp 2) and dynamic runs (dp 4, 6, 8), at the policy's token count;
+    - reshard ~0.1 s (3 calls on every worker; 60-170 MB moved over gloo at ~1-2 GB/s);
+    - KV migration ~0.5 s per move (three sequential calls on capped workers), lend / start ~0.3 s.
+    """
+    p = 0.8e6
+    return CostModel(
+        name="cpu-e2e",
+        decode=DecodeCost(step_s=0.050, per_seq_s=1.5e-4, prefill_per_token_s=1e-3),
+        inference=InferenceCost(per_token_s=2.0e-4, tp_eff=0.7, per_group_s=0.01),
+        actor=ActorCost(train_per_token_s=1.6e-4, iter_fixed_s=0.45, grad_bytes=4 * p, link_bw=1e9, tp_eff=0.7),
+        reshard=ReshardCost(param_bytes=4 * p, optim_bytes=12 * p, bw=1e9, inter_node_bw=1e9,
+                            devices_per_node=8, fixed_s=0.1),
+        migration_fixed_s=0.5, rollout_release_s=0.02, inference_release_s=0.02,
+        lend_s=0.3, return_s=0.05, sync_fixed_s=0.2, sync_bw=1e9,
+        kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.5,
+    )
+
+
+# ---- measurements on a worker (called as "tidal.scheduler.costs_cpu:measure_decode") ---------------------
+def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3) -> list[tuple[int, float]]:
+    """(batch, seconds per decode step) on this device's worker: a fresh NativeEngine with the run's model
+    (random weights of the same shape), `batch` requests that cannot finish early (no stop token, a cap
+    past the steps measured), median of `steps` timed `engine.step()` calls after `warmup`."""
+    import torch
+
+    from tidal.engine.generation.engine import EngineConfig, NativeEngine
+    from tidal.engine.generation.requests import Request, SamplingParams
+    from tidal.engine.model import Transformer, init_global_weights
+    spec = ctx.state["run"]
+    torch.set_num_threads(1)
+    model = Transformer(spec.args, device=ctx.device)
+    model.load_global(init_global_weights(spec.args, 0))
+    model.eval()
+    prompt = (1,) * 9
+    cap = min(spec.args.max_seq_len - len(prompt) - 1, warmup + steps + 2)
+    out = []
+    for b in batches:
+        eng = NativeEngine(model, EngineConfig(max_running_requests=max(batches)))
+        params = SamplingParams(temperature=1.0, max_new_tokens=cap)
+        for i in range(b):
+            eng.add(Request(f"m/g{i}/i0", prompt, params, seed=i))
+        ts = []
+        for k in range(warmup + steps):
+            t0 = time.perf_counter()
+            eng.step()
+            if k >= warmup:
+                ts.append(time.perf_counter() - t0)
+        out.append((b, float(np.median(ts))))
+        eng.abort(eng.request_ids())
+    return out
+
+
+def measure_prefill(ctx, tokens: int = 32, reps: int = 5) -> float:
+    """Seconds per prompt token of a prefill on this worker (one request of `tokens` prompt tokens)."""
+    import torch
+
+    from tidal.engine.generation.engine import EngineConfig, NativeEngine
+    from tidal.engine.generation.requests import Request, SamplingParams
+    from tidal.engine.model import Transformer, init_global_weights
+    spec = ctx.state["run"]
+    torch.set_num_threads(1)
+    model = Transformer(spec.args, device=ctx.device)
+    model.load_global(init_global_weights(spec.args, 0))
+    model.eval()
+    tokens = min(tokens, spec.args.max_seq_len - 2)
+    ts = []
+    for k in range(reps):
+        eng = NativeEngine(model, EngineConfig(max_running_requests=1))
+        eng.add(Request(f"p/g{k}/i0", (1,) * tokens, SamplingParams(max_new_tokens=1), seed=k))
+        t0 = time.perf_counter()
+        eng.admit()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / tokens
+
+
+# ---- samples from a run's records ------------------------------------------------------------------------
+def iter_samples(timeline: Any) -> list[tuple[int, float]]:
+    """(dp, seconds) of every actor iter in a run's `Timeline` (dp: devices on the same iter span)."""
+    spans: dict[tuple[str, float], list[Any]] = {}
+    for s in timeline.busy:
+        if s.role == "actor" and s.what.startswith("iter "):
+            spans.setdefault((s.what, round(s.t0, 1)), []).append(s)
+    return [(len(v), max(x.t1 for x in v) - min(x.t0 for x in v)) for v in spans.values()]
+
+
+def event_costs(events: Sequence[dict]) -> dict[str, list[float]]:
+    """Seconds per kind of move, from a run's events: reshard, migration, and the lend/start actions."""
+    out: dict[str, list[float]] = {"reshard": [], "migration": [], "lend": [], "release": []}
+    for e in events:
+        if e["kind"] == "reshard":
+            out["reshard"].append(float(e["seconds"]))
+        elif e["kind"] == "migration":
+            out["migration"].append(float(e["seconds"]))
+        elif e["kind"] == "action" and e.get("ok"):
+            if e["action"] in ("LendToRollout", "StartRollout", "LendInference"):
+                out["lend"].append(float(e["seconds"]))
+            elif e["action"] in ("ReleaseRollout", "ReleaseInference"):
+                out["release"].append(float(e["seconds"]))
+    return out
+
+
+def calibrate(base: CostModel, decode: Sequence[tuple[int, float]], prefill_per_token_s: float,
+              iters: Sequence[tuple[int, float]], iter_tokens: float, moves: dict[str, list[float]]) -> CostModel:
+    """`base` with the fitted decode and actor terms and the median measured move costs (where measured)."""
+    c = replace(base, name=base.name + "-fitted", decode=fit_decode(decode, prefill_per_token_s))
+    if len({dp for dp, _ in iters}) >= 2:
+        c = replace(c, actor=fit_actor(iters, iter_tokens, 1, base.actor))
+    med = {k: float(np.median(v)) for k, v in moves.items() if v}
+    if "reshard" in med:
+        c = replace(c, reshard=replace(c.reshard, fixed_s=med["reshard"]))
+    if "migration" in med:
+        c = replace(c, kv_fixed_s=med["migration"], migration_fixed_s=med["migration"])
+    if "lend" in med:
+        c = replace(c, lend_s=med["lend"])
+    return c
+
+
+__all__ = ["cpu_e2e", "measure_decode", "measure_prefill", "iter_samples", "event_costs", "calibrate",
+           "ActorCost", "InferenceCost"]
