@@ -5,9 +5,10 @@
       for step in range(run.num_steps):
           rl_step(run, step)                     subflow "rl-step", flow run name step-N:
               run_step                              generate | score | train iters, streaming on the workers
-              sync_weights ─► evaluate              new weights to rollout + inference, then held-out accuracy
-              checkpoint (concurrently)             actor weights -> safetensors
+              sync_weights                          new weights to rollout + inference (next policy version)
+              evaluate                              held-out accuracy of those weights (when due)
               record_step                           metrics, events -> MLflow; rows -> database
+              checkpoint                            a resumable checkpoint generation (when due)
       finish_run(run)                            timeline.png, events.json, summary.json
       close_run(run, status)                     workers down; MLflow run and database row end as FINISHED/FAILED
 
@@ -19,7 +20,6 @@ temporary local one. Served as a deployment by `tidal serve`.
 from __future__ import annotations
 
 from prefect import flow
-from prefect.futures import wait
 
 from tidal.tasks.requests import TrainingRequest
 from tidal.tasks.training import (OpenedRun, checkpoint, close_run, evaluate, finish_run, open_run, record_step,
@@ -28,18 +28,19 @@ from tidal.tasks.training import (OpenedRun, checkpoint, close_run, evaluate, fi
 
 @flow(name="rl-step", flow_run_name="step-{step}")
 def rl_step(run: OpenedRun, step: int) -> dict[str, float]:
-    """One RL step of an open run; returns the metrics it recorded."""
+    """One RL step of an open run; returns the metrics it recorded.
+
+    Generation, scoring and the actor's iters overlap inside `run_step` (the pipeline streams); the phases after
+    it each need the one before: evaluation measures the synced weights, the record holds the evaluation, and a
+    checkpoint is taken between steps (it names the steps completed)."""
     outcome = run_step(run.key, step)
-    synced = sync_weights.submit(run.key)
-    later = [synced]
+    sync_weights(run.key)
     if outcome.evaluate:
-        later.append(evaluate.submit(run.key, wait_for=[synced]))
+        evaluate(run.key)
+    metrics = record_step(run.key)
     if outcome.checkpoint:
-        later.append(checkpoint.submit(run.key))   # actor devices: overlaps the sync and the evaluation
-    wait(later)
-    for f in later:
-        f.result()                                  # raise the first failure here, before recording
-    return record_step(run.key)
+        checkpoint(run.key)
+    return metrics
 
 
 @flow(name="rl-training", flow_run_name="{request.config}")

@@ -6,14 +6,15 @@ and must run every time.
 
 One step, and who waits on whom::
 
-    run_step ──► sync_weights ──► evaluate (inference device)  ─┐
-        │                                                        ├──► record_step (MLflow + database)
-        └──────► checkpoint (actor devices, concurrent) ─────────┘
+    run_step ──► sync_weights ──► evaluate ──► record_step ──► checkpoint
+    (generate | score | train iters        (if due)   (MLflow +      (if due; between steps:
+     stream concurrently on the workers)               database)      a resumable generation)
 
 `run_step` drives the streaming pipeline: generation, scoring and the actor's train iters run concurrently
 on the workers inside it (one driver event loop, rollout -> inference -> actor, whole groups at a time), so it
-is one task; splitting it would serialise what streams. The weight sync, evaluation and checkpoint are
-separate phases that follow it and are tasks of their own.
+is one task; splitting it would serialise what streams. The phases after it each need the previous one
+(evaluation measures the synced weights; the step's record holds the evaluation; a checkpoint is taken
+between steps and names the steps completed), so they are tasks of their own, in sequence.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def evaluate(key: str) -> float:
 
 @task(name="checkpoint", cache_policy=NO_CACHE)
 def checkpoint(key: str) -> str:
-    """The actor's weights after this step, as safetensors under the run's folder; returns the path."""
+    """A checkpoint generation of the run after the recorded steps (`<run dir>/checkpoints/gen-N`, resumable;
+    see `tidal.pipeline.checkpointing`); returns its path."""
     return str(_live(key).run.checkpoint())
 
 

@@ -174,6 +174,7 @@ def _task_names(api: str, flow_run_id: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # a training run starts 8 workers and Ray: minutes on a loaded 2-core machine
 def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
     import mlflow
     import optuna
@@ -196,7 +197,7 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         fr = _run_deployment(api, "rl-training", {"request": {
             "config": "experiments/rlinf_dynamic.yaml",
             "overrides": ["run.num_steps=2", "warm_start.iters=20", "data.eval_size=32", "scheduler.policy=rlinf",
-                          "run.name=rest-run", *tracking]}}, 500, serve, log)
+                          "run.name=rest-run", *tracking]}}, 900, serve, log)
         names = _task_names(api, fr["id"])
         assert {"open-run", "finish-run", "close-run"} <= set(names), names
         steps = _http("POST", f"{api}/flow_runs/filter",
@@ -219,8 +220,9 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         assert db_steps[-1].eval_accuracy is not None          # evaluated before the step was recorded
         assert reshards and all(r.ok for r in reshards)
         assert decisions and transitions
-        ckpts = sorted(Path(run.output_dir).glob("checkpoints/step-*.safetensors"))
-        assert [p.name for p in ckpts] == ["step-00002.safetensors"]   # checkpoint_every 0: at the end only
+        from tidal.pipeline.checkpointing import find_generation
+        assert find_generation(Path(run.output_dir) / "checkpoints").name == "gen-2"   # checkpoint_every 0: at the end
+        assert sorted(p.name for p in (Path(run.output_dir) / "checkpoints").glob("gen-*")) == ["gen-2"]
 
         client = mlflow.tracking.MlflowClient(tracking_uri=ml_uri)
         mr = client.get_run(run.mlflow_run_id)

@@ -432,7 +432,11 @@ class Sweep:
                            self.parent_run_id)
 
     def close(self, status: str = "FINISHED") -> None:
-        self.sink.close() if status == "KILLED" else self.sink.end_run(status)
+        """End the sweep's MLflow run (KILLED also ends a trial's run left open)."""
+        if status == "KILLED":
+            self.sink.close()
+        else:
+            self.sink.end_run(status)
 
 
 def _engine_kwargs(url: str) -> dict:
@@ -483,7 +487,7 @@ def print_report(report: SweepReport, console: Any = None) -> None:
     table = Table(title=f"Pareto front of {report.study} ({report.n_trials} complete trials, "
                         f"{report.n_failed} failed)" if len(report.objectives) > 1 else
                   f"best of {report.study} ({report.n_trials} complete trials, {report.n_failed} failed)")
-    for col in ["trial", *report.objectives, *keys]:
+    for col in ["trial", *report.objectives, *(k.rsplit(".", 1)[-1] for k in keys)]:   # short: the key's leaf
         table.add_column(col, justify="right")
     for row in report.pareto:
         table.add_row(str(row["number"]), *[_fmt(row["values"][o]) for o in report.objectives],
