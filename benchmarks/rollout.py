@@ -15,6 +15,11 @@ the same device. `kv_move_s`: export_state + import_state + admission (KV writte
 fallback path, export without KV + import + admission with a one-pass re-prefill of the whole context (the
 cheapest re-prefill, so the ratio is conservative; the exact native "replay" mode adds 7 decode steps).
 `ratio` = kv_move_s / reprefill_s (goal <= 0.2). Each number is the median of `--repeats` runs.
+
+Attention probe (CUDA only, `attention` in the JSON): one decode-shaped attention call of this model (batch rows x
+heads x 1 query over the full `max_seq_len` slot, boolean mask) timed with CUDA events, as the engine calls it
+(`enable_gqa=True`) and with the KV heads expanded first (`repeat_interleave`, the CPU path); and which SDPA
+backends accept the fused GQA + mask call (a backend that refuses it leaves the math fallback).
 """
 
 from __future__ import annotations
@@ -171,6 +176,55 @@ def migration(a, device, dtype, report):
     report["migration"] = rows
 
 
+def attention_probe(a, device, dtype, report):
+    """Decode attention per layer call: fused GQA vs expanded KV, and the SDPA backends that take the fused call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    m = a.model
+    heads, kv, d = m["num_heads"], m["num_kv_heads"], m["hidden_size"] // m["num_heads"]
+    s_len, rows = a.prompt_len + a.new_tokens, a.batch
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(rows, heads, 1, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(rows, kv, s_len, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(rows, kv, s_len, d, device=device, dtype=dtype, generator=g)
+    mask = (torch.arange(s_len, device=device)[None, :] < torch.randint(1, s_len, (rows, 1), device=device,
+                                                                         generator=g))[:, None, None, :]
+
+    def fused():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def expanded():
+        r = heads // kv
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
+                                              attn_mask=mask)
+
+    def timed(fn, n=200):
+        for _ in range(10):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n * 1e3  # microseconds per call
+
+    err = ((fused().float() - expanded().float()).norm() / expanded().float().norm()).item()
+    backends = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                fused()
+            backends[name] = True
+        except RuntimeError:
+            backends[name] = False
+    fused_us = timed(fused)
+    report["attention"] = {"shape": f"q {rows}x{heads}x1x{d}, kv {rows}x{kv}x{s_len}x{d}, bool mask",
+                           "fused_gqa_us": fused_us, "expanded_kv_us": timed(expanded),
+                           "rel_diff": err, "backends_accepting_fused_gqa_mask": backends,
+                           "per_decode_step_ms_fused": fused_us * m["num_layers"] / 1e3}
+
+
 def machine(device):
     info = f"{platform.node()} {platform.machine()} torch {torch.__version__} threads {torch.get_num_threads()}"
     if device.type == "cuda":
@@ -201,6 +255,11 @@ def main(argv=None):
     report = {"name": "rollout", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(device), "device": str(device), "dtype": str(dtype), "model": a.model,
               "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
+    if gpu:
+        try:
+            attention_probe(a, device, dtype, report)
+        except Exception as e:  # a diagnostic: never lose the throughput numbers to it
+            report["attention"] = {"error": f"{type(e).__name__}: {e}"}
     throughput(a, device, dtype, report)
     migration(a, device, dtype, report)
     print(json.dumps(report, indent=2))
