@@ -45,6 +45,20 @@ def scripted(state, sig, now):
     return []
 
 
+def _check_inference_matches_actor(run):
+    """After the weight sync, inference and actor hold the same weights: their log-probs agree bit for bit."""
+    pipe = run.pipe
+    groups = [g for g in pipe.step_state.scored.values()][:3]
+    rescored = pipe.group.call(pipe.cluster.inference[0], "tidal.workers.roles:inference_score", groups=groups)
+    handles = pipe.group.submit_all("tidal.workers.roles:actor_score", device_ids=pipe.cluster.actor_layout.devices,
+                                    groups=groups)
+    actor = next(r for r in pipe.group.gather(handles) if r is not None)
+    assert all(g.inference_version == pipe.version for g in rescored)
+    for g, mine in zip(rescored, actor):
+        for a, b in zip(g.old_logprobs, mine):
+            assert torch.equal(a, b)
+
+
 def _run(tmp_path, name, overrides, policy=None):
     cfg = build_config(TINY, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, tmp_path / name)
@@ -57,6 +71,7 @@ def _run(tmp_path, name, overrides, policy=None):
             st = run.pipe.step_state
             scored.append(sorted(st.scored))
             versions.append(run.pipe.version)
+        _check_inference_matches_actor(run)
         summary = run.finish()
         return run, summary, scored, versions
     finally:

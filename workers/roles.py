@@ -115,6 +115,23 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     return out
 
 
+@torch.no_grad()
+def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | None:
+    """The actor's own log-probs of each group's responses (collective over the layout; TP rank 0 of DP rank 0
+    returns them), packed exactly as the training loss packs them. Used to check inference against the actor."""
+    shard: ActorShard = ctx.state["actor"]
+    if shard.state is None:
+        return None
+    spec: RunSpec = ctx.state["run"]
+    tok = ctx.state["tok"]
+    out = []
+    for g in groups:
+        ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
+                                         spec.args.max_seq_len)
+        out.append([lp.clone() for lp in unpack_response_logprobs(shard.model.token_logprobs(ids_BT), mask_BT)])
+    return out if shard.coord == (0, 0) else None
+
+
 def actor_reshard(ctx, layout: Layout) -> dict:
     """Every worker (collective over the world): move the actor to `layout`."""
     shard: ActorShard = ctx.state["actor"]
@@ -184,7 +201,9 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     task, tok = get_task(spec.task), ctx.state["tok"]
     records = [_to_record(g, task, tok, r["step"]) for g in finished]
     s = inst.signals()
-    return records, {"groups_in_progress": s.groups_in_progress, "running": s.running_requests,
+    eng = r["engine"]  # tokens generated so far by unfinished requests (what the scheduler's length model needs)
+    progress = sum(len(eng._live[rid].tokens) for rid in eng.request_ids()) if hasattr(eng, "_live") else 0
+    return records, {"groups_in_progress": s.groups_in_progress, "running": s.running_requests, "progress": progress,
                      "waiting": s.waiting_requests, "tokens": s.tokens_generated, "token_rate": s.token_rate,
                      "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
                      "busy_s": time.perf_counter() - t0}
