@@ -1,8 +1,12 @@
 """Supervised warm start: teach the model the task's format from a deliberately small labelled set.
 
 RL with a 0/1 verifier needs a policy that sometimes succeeds. The warm start trains next-token NLL on the
-response tokens of `task.sft_examples(num_examples, seed)` (a fixed, small set) until held-out accuracy stops
-improving; RL then learns from fresh prompts with only the verifier — what the supervision could not teach.
+response tokens of `task.sft_examples(num_examples, seed)`: a fixed, small set, optionally with a fraction of
+wrong labels (`label_noise`, like demonstrations written with mistakes), until held-out accuracy stops
+improving. RL then learns from fresh prompts with only the exact verifier: what the supervision could not teach.
+
+Measured here (3-digit addition, 0.8M parameters): clean sets are all-or-nothing (500 examples memorize at
+~5% held-out, 700+ generalize to >90%), so the default warm start uses noisy labels, which plateau in between.
 
 `plateaued(history)` is the stopping rule the learning test also checks: held-out accuracy rose by less
 than `tol` over the last quarter of training.
@@ -13,6 +17,7 @@ than `tol` over the last quarter of training.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -20,7 +25,7 @@ import torch
 
 from tidal.engine.grpo import pack_sequences
 from tidal.engine.model import Transformer
-from tidal.engine.rl_tasks import Task
+from tidal.engine.rl_tasks import SFTExample, Task
 from tidal.engine.tokenizer import CharTokenizer
 
 
@@ -40,6 +45,8 @@ class WarmStartSpec:
     """Held-out prompts per evaluation."""
     seed: int = 0
     """Seed of the labelled set, the held-out split and batch sampling."""
+    label_noise: float = 0.0
+    """Fraction of labelled examples with one answer digit wrong (seeded): demonstrations with mistakes."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,27 @@ def greedy_accuracy(model: Transformer, task: Task, tok: CharTokenizer, prompts:
     return correct / max(len(prompts), 1)
 
 
+def noisy(examples: list[SFTExample], fraction: float, seed: int) -> list[SFTExample]:
+    """`fraction` of the examples with one character of the response replaced by another digit (seeded)."""
+    if fraction <= 0:
+        return examples
+    rng = random.Random(seed)
+    out = []
+    for e in examples:
+        r = e.response
+        if rng.random() < fraction:
+            digits = [i for i, c in enumerate(r) if c.isdigit()]
+            if digits:
+                i = rng.choice(digits)
+                r = r[:i] + str((int(r[i]) + rng.randrange(1, 10)) % 10) + r[i + 1:]
+        out.append(SFTExample(e.prompt, r))
+    return out
+
+
 def warm_start(model: Transformer, task: Task, tok: CharTokenizer, spec: WarmStartSpec,
                log=None) -> list[EvalPoint]:
     """Train `model` in place on the labelled set; return the evaluation history."""
-    examples = task.sft_examples(spec.num_examples, spec.seed)
+    examples = noisy(task.sft_examples(spec.num_examples, spec.seed), spec.label_noise, spec.seed)
     prompts = [task.prompt_ids(e.prompt, tok) for e in examples]
     responses = [tok.encode(e.response, add_eos=True) for e in examples]
     ids_BT, mask_BT = pack_sequences(prompts, responses, tok.pad_id)
