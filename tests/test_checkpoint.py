@@ -10,7 +10,6 @@ compare inside the ranks and return small values. The pure tests read the files 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
