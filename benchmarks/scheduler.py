@@ -14,7 +14,8 @@
    (1.5B, 512 prompts x 16, 4 iters, long tail), on the same shape at 1,024 devices with 2 prompts per device
    (`sim_1024`: latency-bound) and with the example's 64 prompts per device (`sim_1024_64ppd`), speedups vs
    static and vs each rlinf variant, idle fraction, simulator wall and CPU seconds.
-3. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
+3. Robustness: the 8-GPU example on workload seeds 1-3 (5 steps each): static, rlinf with both flags, tidal.
+4. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
 
 The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: the dev machine is
 shared, so wall-clock tails are noisy; CPU times are the robust figure).
@@ -144,6 +145,19 @@ def sim_figures(devices: int, steps: int, ppd: int | None = None) -> dict:
             "group_size": sp.params.group_size, "n_minibatches": sp.params.n_minibatches, "policies": out}
 
 
+def seeds_8(steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> dict:
+    """The 8-GPU example on other workload seeds: static, rlinf with both flags (its best), tidal."""
+    out = {}
+    for seed in seeds:
+        row = {name: simulate(sp, pol, None, steps, seed=seed, keep_events=False).mean_step_s
+               for name, sp, pol in (("static", spec_for(8), "static"), ("rlinf_flags", spec_for(8, True, True), "rlinf"),
+                                     ("tidal", spec_for(8), "tidal"))}
+        row["tidal_vs_static"] = row["static"] / row["tidal"]
+        row["tidal_vs_rlinf_flags"] = row["rlinf_flags"] / row["tidal"]
+        out[str(seed)] = row
+    return out
+
+
 def sim_speed(steps: int) -> dict:
     out = {}
     for pol in ("static", "rlinf", "tidal"):
@@ -179,7 +193,8 @@ def main() -> None:
     m = machine()
     res = {"name": "scheduler", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
-           "sim_1024": sim_figures(1024, a.steps), "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
+           "sim_8_seeds": seeds_8(5), "sim_1024": sim_figures(1024, a.steps),
+           "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
            "sim_speed_1024": sim_speed(a.big_steps)}
     m["load_avg_end"] = os.getloadavg()
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
