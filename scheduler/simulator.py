@@ -225,6 +225,7 @@ class _Sim:
         self.trained = 0
         self.counts = {"migrations": 0, "groups_migrated": 0, "reshards": 0, "decisions": 0}
         self.drain_pending = 0
+        self.n_inst0 = len(self.inst)
         self.in_call = False
         self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens), self.iter_shares,
                                 self.ready_curve)
@@ -258,6 +259,7 @@ class _Sim:
             if inst.next_event() is None:
                 self.drained_ids.add(iid)
         self.dispatched = True
+        self.n_inst0 = len(self.inst)   # drain decisions: one per 1/DRAIN_BATCH of the step's instances
         if any(i.lent for i in self.inst.values()):
             self.push(self.now + p.pre_process_check_s, "tick")
 
@@ -351,7 +353,7 @@ class _Sim:
         self.drain_pending += 1
         if self.in_call:
             return  # drained by an action of the decision being applied: the policy already knows
-        if self.drain_pending >= max(1, math.ceil(len(self.inst) / DRAIN_BATCH)) or self.n_generated == self.p.rollout_batch_size:
+        if self.drain_pending >= max(1, math.ceil(self.n_inst0 / DRAIN_BATCH)) or self.n_generated == self.p.rollout_batch_size:
             self.drain_pending = 0
             self.call("drain")
             self.try_start()
