@@ -150,8 +150,8 @@ def seeds_8(steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> dict:
     out = {}
     for seed in seeds:
         row = {name: simulate(sp, pol, None, steps, seed=seed, keep_events=False).mean_step_s
-               for name, sp, pol in (("static", spec_for(8), "static"), ("rlinf_flags", spec_for(8, True, True), "rlinf"),
-                                     ("tidal", spec_for(8), "tidal"))}
+               for name, sp, pol in (("static", spec_for(8), "static"),
+                                     ("rlinf_flags", spec_for(8, True, True), "rlinf"), ("tidal", spec_for(8), "tidal"))}
         row["tidal_vs_static"] = row["static"] / row["tidal"]
         row["tidal_vs_rlinf_flags"] = row["rlinf_flags"] / row["tidal"]
         out[str(seed)] = row

@@ -13,9 +13,9 @@ the baseline we measure against:
 
 It reads the rollout as columns (`Signals.cols`), so a decision at 1,024 devices has no Python loop per
 instance except over the migrations it emits (RLinf's spread can emit hundreds; they stay individual
-`MigrateRequests`, as RLinf sends them). Unlike RLinf, devices are named by id (the lowest free ids join the actor: with the contiguous
-actor -> rollout -> inference placement these are the ones rollout just released next to it), and each flag
-has one default (tidal/config.py), read once by `PolicyParams.from_config`.
+`MigrateRequests`, as RLinf sends them). Unlike RLinf, devices are named by id (the lowest free ids join the
+actor: with the contiguous actor -> rollout -> inference placement these are the ones rollout just released next
+to it), and each flag has one default (tidal/config.py), read once by `PolicyParams.from_config`.
 
 Worked example (8 devices, actor 0-1 TP 2, rollout 2-5 TP 1, inference 6-7, max_running_requests 512, sizes
 {2, 4, 8}): after iter 0 with 700 sequences running, 2 instances suffice, so 2 may go; size 4 needs 2 devices:
@@ -76,7 +76,7 @@ def _pre_process(p: PolicyParams, sig: Signals) -> list[Action]:
         why = (f"pre-process: running {running} <= {p.pre_process_threshold} x {total} tasks; "
                f"hand the actor's devices back")
         moves = spread(cols.id[lent].tolist(), cols.groups_unfinished[lent].tolist(), cols.id[survivors].tolist(), why)
-        devices = tuple(d for i in lent.tolist() for d in sig.devices_of(i))
+        devices = sig.devices_of_many(lent.tolist())
         return [*moves, ReturnFromRollout(why, instance_ids=tuple(cols.id[lent].tolist()), devices=devices,
                                           migrate_to=tuple(sorted({m.dst for m in moves})))]
     return [Wait(f"pre-process: running {running} > {p.pre_process_threshold} x {total} tasks",
@@ -113,7 +113,7 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
     live = np.argsort(cols.id, kind="stable")   # positions in id order
 
     def devs(idx: np.ndarray) -> tuple[int, ...]:
-        return tuple(d for i in idx.tolist() for d in sig.devices_of(i))
+        return sig.devices_of_many(idx.tolist())
 
     # 1. rollout
     if live.size:

@@ -334,7 +334,7 @@ def _return_inference(state: SchedState, sig: Signals) -> list[Action]:
     gone = np.flatnonzero(on_inf)
     acts = _spread(state, why, cols, gone, survivors, srem)
     acts.append(ReturnToInference(why, tuple(cols.id[gone].tolist()),
-                                  tuple(d for i in gone.tolist() for d in sig.devices_of(i)), _dsts(acts)))
+                                  sig.devices_of_many(gone.tolist()), _dsts(acts)))
     return acts
 
 
@@ -419,7 +419,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
         why = "the actor's first mini-batch is scored: lent devices go back"
         acts += _spread(state, why, cols, lent_idx, order[j:], srem)
         acts.append(ReturnFromRollout(why, tuple(cols.id[lent_idx].tolist()),
-                                      tuple(d for i in lent_idx.tolist() for d in sig.devices_of(i)),
+                                      sig.devices_of_many(lent_idx.tolist()),
                                       migrate_to=_dsts(acts)))
     if j > 0:
         gone, survivors = order[:j], order[j:]
@@ -427,7 +427,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
                f"{base:.1f}s); actor to {size} devices")
         moves = _spread(state, why, cols, gone, survivors, srem)
         acts += moves
-        released = tuple(d for i in gone.tolist() for d in sig.devices_of(i))
+        released = sig.devices_of_many(gone.tolist())
         acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves)))
         free = sorted(free + list(released))
     if size > layout.size:

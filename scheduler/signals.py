@@ -230,6 +230,14 @@ class Signals:
         r = self.rollout
         return r.devices_of(i) if isinstance(r, RolloutView) else r[i].devices
 
+    def devices_of_many(self, idx) -> tuple[int, ...]:
+        """Devices of `rollout[i]` for every i in `idx`, concatenated."""
+        r = self.rollout
+        if isinstance(r, RolloutView):
+            lst = r._devices
+            return tuple(d for i in idx for d in lst[i])
+        return tuple(d for i in idx for d in r[i].devices)
+
     @property
     def running(self) -> int:
         return int(self.cols.running.sum())

@@ -38,11 +38,8 @@ time count as not useful. The event list holds step, iter, decision and action e
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import time as _time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -50,67 +47,23 @@ from tidal.config import TidalConfig
 from tidal.devices import DeviceLedger, Owner
 from tidal.errors import TidalError
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
-                                     ReleaseInference,
-                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
-                                     StartRollout, Wait, describe)
+                                     ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
+                                     ReturnToInference, StartRollout, Wait, describe)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.policies import get_policy
 from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutColumns, RolloutView, Signals)
 from tidal.scheduler.state import SchedState
+from tidal.scheduler.sim_records import SimEvent, SimResult, StepStats
 from tidal.scheduler.workload import SimSpec
+
+__all__ = ["SimEvent", "SimResult", "StepStats", "simulate"]
 
 
 #: a "drain" decision is asked once 1/DRAIN_BATCH of the instances drained since the last one (or the last group
 #: was generated): every drain at small sizes, batches of 64 at 1,024 devices (decisions cost O(instances))
 DRAIN_BATCH = 8
-
-
-@dataclass(frozen=True)
-class SimEvent:
-    time: float
-    step: int
-    kind: str      #: step_start, step_end, iter_start, iter_done, decide, action
-    detail: str
-
-
-@dataclass(frozen=True)
-class StepStats:
-    step: int
-    time_s: float
-    idle_fraction: float
-    groups_generated: int
-    groups_scored: int
-    groups_trained: int
-    migrations: int
-    groups_migrated: int
-    reshards: int
-    decisions: int
-
-
-@dataclass(frozen=True)
-class SimResult:
-    spec_name: str
-    policy: str
-    devices: int
-    steps: tuple[StepStats, ...]
-    total_s: float
-    idle_fraction: float
-    busy_s: dict
-    events: tuple[SimEvent, ...]
-    sim_wall_s: float
-    seed: int
-
-    @property
-    def mean_step_s(self) -> float:
-        return self.total_s / max(1, len(self.steps))
-
-    def to_json(self) -> dict:
-        return {"spec": self.spec_name, "policy": self.policy, "devices": self.devices, "seed": self.seed,
-                "mean_step_s": self.mean_step_s, "total_s": self.total_s, "idle_fraction": self.idle_fraction,
-                "busy_device_s": self.busy_s, "sim_wall_s": self.sim_wall_s,
-                "steps": [asdict(s) for s in self.steps], "events": [asdict(e) for e in self.events]}
 
 
 class _Actor:
@@ -353,7 +306,8 @@ class _Sim:
         self.drain_pending += 1
         if self.in_call:
             return  # drained by an action of the decision being applied: the policy already knows
-        if self.drain_pending >= max(1, math.ceil(self.n_inst0 / DRAIN_BATCH)) or self.n_generated == self.p.rollout_batch_size:
+        enough = self.drain_pending >= max(1, math.ceil(self.n_inst0 / DRAIN_BATCH))
+        if enough or self.n_generated == self.p.rollout_batch_size:
             self.drain_pending = 0
             self.call("drain")
             self.try_start()

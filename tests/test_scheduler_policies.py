@@ -10,7 +10,7 @@ from tidal.config import ClusterConfig, build_config
 from tidal.devices import Owner
 from tidal.scheduler import policy_rlinf, policy_tidal
 from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
-                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference, Wait)
+                                     ReleaseRollout, ReshardActor, ReturnFromRollout, Wait)
 from tidal.scheduler.costs import fit_decode, fit_linear, gpu_h200_1p5b
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
