@@ -21,7 +21,7 @@ def simulate_policy(workload: str, policy: str, devices: int | None, steps: int,
     from tidal.scheduler.policies import POLICIES
     from tidal.scheduler.simulator import simulate
     from tidal.scheduler.workload import rlinf_example
-    from tidal.tasks.tracked_run import load_run_config
+    from tidal.pipeline.tracked_run import load_run_config
     if policy not in POLICIES:
         raise TidalError("policies", policy, "unknown policy", f"use some of {sorted(POLICIES)}")
     spec = rlinf_example(devices or 8) if workload == "rlinf-example" else load_run_config(workload)

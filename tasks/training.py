@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tidal.tasks import registry
 from tidal.tasks.requests import TrainingRequest
-from tidal.tasks.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
 
 log = logging.getLogger("tidal.tasks")
 

@@ -23,7 +23,7 @@ import pytest
 from tidal.cli import main as cli_main
 from tidal.tasks import registry
 from tidal.tasks.requests import SweepRequest, TrainingRequest
-from tidal.tasks.tracked_run import load_run_config
+from tidal.pipeline.tracked_run import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",

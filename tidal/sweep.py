@@ -248,7 +248,7 @@ def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float
     """The settings on the simulator (the same policy code as real runs)."""
     from tidal.scheduler.simulator import simulate
     from tidal.scheduler.workload import rlinf_example
-    from tidal.tasks.tracked_run import load_run_config
+    from tidal.pipeline.tracked_run import load_run_config
     if space.workload == BUILTIN:
         spec = rlinf_example(space.devices or 8)
         spec = replace(spec, params=replace(spec.params, **{SIM_KEYS[k]: v for k, v in params.items()
@@ -266,7 +266,7 @@ def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], 
     """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
     Returns (objective values, MLflow run id, database run id)."""
     from tidal.pipeline.run import run_training
-    from tidal.tasks.tracked_run import RunTracking, load_run_config, run_dir
+    from tidal.pipeline.tracked_run import RunTracking, load_run_config, run_dir
     cfg = load_run_config(space.config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
     out = run_dir(cfg)
     tracking = RunTracking.open(cfg, out, sink=sink, parent_run_id=parent_run_id, tags=tags)
@@ -333,7 +333,7 @@ class Sweep:
     def __init__(self, space: SweepSpace, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
                  storage: str | None = None, study: str | None = None):
         import optuna
-        from tidal.tasks.tracked_run import env_overrides, load_run_config
+        from tidal.pipeline.tracked_run import env_overrides, load_run_config
         from tidal.tracking import MlflowSink
         check_space(space, real)
         self.space, self.real, self.overrides = space, real, list(overrides)

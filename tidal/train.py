@@ -12,13 +12,11 @@ import argparse
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from tidal.config import flatten, load_config
 
 
 def _spark(values: list[float]) -> str:
@@ -35,14 +33,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
     ap.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
     ap.add_argument("--no-track", action="store_true", help="skip MLflow and the database")
+    ap.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (its newest complete "
+                    "generation; the layout may differ)")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+    cfg = load_run_config(args.config, args.overrides)
     for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
         os.environ.setdefault(k, v)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
-    out_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    policy = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+    out_dir = run_dir(cfg)
+    policy = policy_name(cfg)
     console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
                   f"{cfg.cluster.num_devices} devices, policy [bold]{policy}[/], {cfg.run.num_steps} steps, "
                   f"task {cfg.data.task}; output {out_dir}")
@@ -51,23 +52,7 @@ def main(argv: list[str]) -> int:
                       "(fixed compute share: idle capacity is lost, as on a GPU)")
 
     from tidal.pipeline.run import run_training
-    sink = recorder = engine = None
-    run_id = None
-    if not args.no_track:
-        from tidal.db import repository as repo
-        from tidal.db.migrate import open_database
-        from tidal.db.session import session_scope
-        from tidal.pipeline.recording import DbRecorder
-        from tidal.tracking import MlflowSink
-        engine = open_database(cfg.tracking.db_url)
-        with session_scope(engine) as s:
-            run_id = repo.add_run(s, name=cfg.run.name, config=cfg.model_dump(mode="json"),
-                                  output_dir=str(out_dir)).id
-        recorder = DbRecorder(engine, run_id, policy)
-        sink = MlflowSink.from_config(cfg.tracking)
-        mlflow_id = sink.start_run(cfg.run.name, flatten(cfg), {"policy": policy, "tidal.db_run_id": str(run_id)})
-        with session_scope(engine) as s:
-            repo.attach_mlflow_run(s, run_id, mlflow_id)
+    tracking = RunTracking.null(cfg) if args.no_track else RunTracking.open(cfg, out_dir)
 
     def on_step(step: int, m: dict) -> None:
         ev = f" heldout {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
@@ -78,24 +63,15 @@ def main(argv: list[str]) -> int:
 
     status = "FAILED"
     try:
-        with console.status("warm start, workers, first step..."):
-            pass
-        summary = run_training(cfg, out_dir, sink, recorder, on_step,
+        summary = run_training(cfg, out_dir, tracking.sink, tracking.recorder, on_step, resume_from=args.resume,
                                log_fn=lambda p: console.print(f"  warm start iter {p.iter}: loss {p.loss:.3f} "
                                                               f"held-out {p.heldout_accuracy:.3f}"))
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
-        if sink is not None:
-            if status == "FINISHED":
-                for name in ("timeline.png", "summary.json", "events.json"):
-                    if (out_dir / name).is_file():
-                        sink.log_artifact(out_dir / name)
-            sink.end_run(status)
-        if engine is not None:
-            from tidal.db import repository as repo
-            from tidal.db.session import session_scope
-            with session_scope(engine) as s:
-                repo.finish_run(s, run_id, status="finished" if status == "FINISHED" else "failed")
+        tracking.close(status, [out_dir / n for n in ("timeline.png", "summary.json", "events.json")])
     t = Table(title=f"summary: {cfg.run.name}")
     t.add_column("what")
     t.add_column("value")

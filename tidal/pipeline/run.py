@@ -94,7 +94,8 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
     if ws.iters == 0:
         return init_global_weights(args, cfg.run.seed), {"source": "random init"}
     spec = WarmStartSpec(num_examples=ws.num_examples, iters=ws.iters, batch_size=ws.batch_size, lr=ws.lr,
-                         eval_every=max(1, ws.iters // 8), eval_size=cfg.data.eval_size, seed=cfg.data.seed)
+                         eval_every=max(1, ws.iters // 8), eval_size=cfg.data.eval_size, seed=cfg.data.seed,
+                         label_noise=ws.label_noise)
     key = hashlib.sha256(json.dumps([asdict(spec), asdict(args), cfg.data.task, cfg.run.seed],
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"warmstart-{key}.safetensors"
@@ -152,7 +153,7 @@ class TrainingRun:
         from tidal.engine.rl_tasks import get_task
         from tidal.engine.tokenizer import check_compatible, default_tokenizer
         from tidal.pipeline.driver import Pipeline
-        from tidal.scheduler.costs import cpu_tiny
+        from tidal.scheduler.costs_cpu import cpu_e2e
         from tidal.scheduler.policies import get_policy
         from tidal.scheduler.state import PolicyParams, SchedState
         from tidal.workers.runtime import WorkerGroup
@@ -183,7 +184,7 @@ class TrainingRun:
         try:
             self.pipe = Pipeline(cfg, self.group, run_spec(cfg, args, tok), weights, self.policy or
                                  get_policy(self.policy_name),
-                                 SchedState(PolicyParams.from_config(cfg), costs=cpu_tiny()))
+                                 SchedState(PolicyParams.from_config(cfg), costs=cpu_e2e()))
             self.pipe.start()
             if resume_from is not None:  # tidal/pipeline/checkpointing.py: the actor, data position, version
                 from tidal.pipeline.checkpointing import resume
@@ -293,16 +294,22 @@ def check_runnable(cfg: TidalConfig) -> None:
 
 
 def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
-                 on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None) -> RunSummary:
-    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows."""
+                 on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None,
+                 resume_from: str | Path | None = None) -> RunSummary:
+    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
+    Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
     try:
-        run.open()
-        for step in range(cfg.run.num_steps):
+        run.open(resume_from=resume_from)
+        every = cfg.run.checkpoint_every
+        while run.next_step < cfg.run.num_steps:
             m = run.step()
             if on_step:
-                on_step(step, m)
+                on_step(run.next_step - 1, m)
+            if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
+                run.checkpoint()
+        run.checkpoint()
         return run.finish()
     finally:
         run.close()
