@@ -122,8 +122,8 @@ class DataConfig(Section):
 
 
 class WarmStartConfig(Section):
-    num_examples: int = Field(600, ge=1, description="Labelled examples of the supervised warm start (small on purpose).")
-    iters: int = Field(800, ge=0, description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
+    num_examples: int = Field(2000, ge=1, description="Labelled examples of the supervised warm start (small on purpose).")
+    iters: int = Field(2400, ge=0, description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
     lr: float = Field(1e-3, gt=0, description="Warm-start AdamW learning rate.")
     batch_size: int = Field(64, ge=1, description="Warm-start sequences per step.")
     label_noise: float = Field(0.3, ge=0, lt=1, description="Fraction of labelled examples with one wrong answer digit.")
