@@ -37,24 +37,28 @@ from tidal.scheduler.costs import (ActorCost, CostModel, DecodeCost, InferenceCo
 def cpu_e2e() -> CostModel:
     """Measured on the e2e workload (docs/e2e.md, 2026 run on the shared 2-core dev machine, load ~10-20):
 
-    - decode: fit over b in {1, 8, 16, 32, 64} on one capped worker: ~50 ms per step, almost flat in b
-      (rows padded to 64); prefill ~1 ms per token (one forward per prompt, Python-bound);
+    - decode: fit over b in {1, 8, 16, 32, 64} on one capped worker: 40 ms + 0.17 ms x b per step (rows
+      are padded to 64, so it is nearly flat in b); prefill ~1.1 ms per prompt token;
     - inference: ~0.1 s per group of 8 x 64 padded tokens on a capped device;
-    - actor: iter spans of the static (dp 2) and dynamic runs (dp 4, 6, 8), at the policy's token count;
-    - reshard ~0.1 s (3 calls on every worker; 60-170 MB moved over gloo at ~1-2 GB/s);
-    - KV migration ~0.5 s per move (three sequential calls on capped workers), lend / start ~0.3 s.
+    - actor: one iter's 64 sequences trained at dp 2/4/6/8 on the capped workers after the static run:
+      1.1 / 0.75 / 0.55 / 0.45 s -> 0.23 s + 1.73 s / dp; per token at the policy's count (64 x (9 + ~19.5)
+      tokens; the actor really pads every sequence to max_seq_len) 0.95 ms;
+    - reshard ~0.25 s with the layout's process groups cached (worker time 0.07-0.25 s + calls); the first
+      use of a layout also creates its process groups: 5-8 s on capped workers, not modelled (once per layout);
+    - KV migration 0.03-0.2 s per move (three sequential calls; ~1 s when the machine is loaded), lend / start
+      0.06-0.12 s.
     """
     p = 0.8e6
     return CostModel(
         name="cpu-e2e",
-        decode=DecodeCost(step_s=0.050, per_seq_s=1.5e-4, prefill_per_token_s=1e-3),
+        decode=DecodeCost(step_s=0.040, per_seq_s=1.7e-4, prefill_per_token_s=1.1e-3),
         inference=InferenceCost(per_token_s=2.0e-4, tp_eff=0.7, per_group_s=0.01),
-        actor=ActorCost(train_per_token_s=1.6e-4, iter_fixed_s=0.45, grad_bytes=4 * p, link_bw=1e9, tp_eff=0.7),
+        actor=ActorCost(train_per_token_s=9.5e-4, iter_fixed_s=0.23, grad_bytes=4 * p, link_bw=1e9, tp_eff=0.7),
         reshard=ReshardCost(param_bytes=4 * p, optim_bytes=12 * p, bw=1e9, inter_node_bw=1e9,
-                            devices_per_node=8, fixed_s=0.1),
-        migration_fixed_s=0.5, rollout_release_s=0.02, inference_release_s=0.02,
-        lend_s=0.3, return_s=0.05, sync_fixed_s=0.2, sync_bw=1e9,
-        kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.5,
+                            devices_per_node=8, fixed_s=0.25),
+        migration_fixed_s=0.1, rollout_release_s=0.02, inference_release_s=0.02,
+        lend_s=0.1, return_s=0.05, sync_fixed_s=0.1, sync_bw=1e9,
+        kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.1,
     )
 
 
@@ -157,5 +161,4 @@ def calibrate(base: CostModel, decode: Sequence[tuple[int, float]], prefill_per_
     return c
 
 
-__all__ = ["cpu_e2e", "measure_decode", "measure_prefill", "iter_samples", "event_costs", "calibrate",
-           "ActorCost", "InferenceCost"]
+__all__ = ["cpu_e2e", "measure_decode", "measure_prefill", "iter_samples", "event_costs", "calibrate"]

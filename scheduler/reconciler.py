@@ -39,6 +39,14 @@ log = logging.getLogger("tidal.scheduler")
 ROLES = "tidal.workers.roles"
 
 
+def _prefix(done: dict, n: int) -> int:
+    """Length of the prefix 0, 1, ... of group ids present in `done`."""
+    k = 0
+    while k < n and k in done:
+        k += 1
+    return k
+
+
 class Reconciler:
     def __init__(self, pipeline: "Pipeline", min_interval_s: float = 0.2):
         self.p = pipeline
@@ -81,14 +89,18 @@ class Reconciler:
                 token_rate=s.get("token_rate", 0.0), est_remaining_tokens=float(est[k]), lent=inst in c.lent,
                 est_tail_tokens=float(tail[k])))
         done = st.generated == st.num_groups and not st.to_score and st.scoring == 0
-        inference = InferenceSignal(tuple(c.inference), len(st.to_score) + st.scoring, len(st.scored), done,
-                                    tuple(self.inf_lent))
+        # the actor trains iter k on groups [k*G/n, (k+1)*G/n) in id order (determinism), so what it can use is
+        # the *prefix* of groups generated / scored, not their count: report prefixes, and the policy's "mini-batch
+        # j is ready when (j+1)*G/n groups are" holds exactly (a count would call it ready while group 0 still runs)
+        gen_prefix = _prefix(st.gen_time, st.num_groups)
+        inference = InferenceSignal(tuple(c.inference), len(st.to_score) + st.scoring,
+                                    _prefix(st.scored, st.num_groups), done, tuple(self.inf_lent))
         lay = c.actor_layout
         actor = ActorSignal(st.iters_done, p.cfg.algorithm.n_minibatches, not st.iter_running,
                             ActorLayout(lay.tp, lay.dp, lay.devices), st.last_iter_s,
                             lent_out=bool(c.lent & set(lay.devices)), held=st.held)
         return Signals(p.clock(), st.step, tuple(rollout), inference, actor,
-                       DeviceSignal.from_snapshot(p.ledger.snapshot()), st.num_groups, st.generated,
+                       DeviceSignal.from_snapshot(p.ledger.snapshot()), st.num_groups, gen_prefix,
                        all_registered=not st.queue, trigger=trigger)
 
     # ---- decide and act --------------------------------------------------------------------------------------
@@ -249,8 +261,12 @@ class Reconciler:
         secs = self.p.clock() - t0
         moved = sum(r["bytes_moved"] for r in reports)
         c.timeline.add_busy(sorted(set(old.devices) | set(layout.devices)), "moving", "reshard", t0, t0 + secs)
+        # the workers' own reshard time excludes creating the layout's process groups (first use of a layout:
+        # collective over the world, seconds on capped CPU workers); the rest of `secs` is that plus call overhead
+        work = max(r["seconds"] for r in reports)
         c.record("reshard", step=self.p.step_state.step, iter=self.p.step_state.iters_done, from_layout=str(old),
-                 to_layout=str(layout), bytes_moved=moved, seconds=secs, devices=list(layout.devices))
+                 to_layout=str(layout), bytes_moved=moved, seconds=secs, worker_s=work,
+                 devices=list(layout.devices))
         return {"bytes_moved": moved}
 
     def lend(self, devices, lent: bool = True) -> dict:
@@ -305,7 +321,8 @@ class Reconciler:
             return
         self.lengths = LengthModel.fit(lengths, p.cfg.rollout.max_new_tokens)
         prompts = [len(sg.prompt_ids) for sg in st.scored.values()]
-        t = np.asarray(sorted(st.gen_time.values())) - self._t_start
+        # when the id-order prefix reached k groups (what the actor waits for), not when k groups were generated
+        t = np.maximum.accumulate(np.asarray([st.gen_time[i] for i in sorted(st.gen_time)])) - self._t_start
         span = float(t.max()) if t.size and t.max() > 0 else 1.0
         curve = tuple((np.quantile(t, np.linspace(0, 1, 17)) / span).tolist()) if t.size else ()
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,

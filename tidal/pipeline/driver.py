@@ -72,6 +72,7 @@ class StepState:
     to_score: list[RolloutGroup] = field(default_factory=list)
     scoring: int = 0
     scored: dict[int, ScoredGroup] = field(default_factory=dict)
+    gen_time: dict[int, float] = field(default_factory=dict)     # group id -> when it came back generated
     generated: int = 0
     iters_done: int = 0
     iter_running: bool = False
@@ -169,6 +170,7 @@ class Pipeline:
 
     def _load_generation(self, weights_ref, step: int) -> None:
         c, g = self.cluster, self.group
+        self.weights_ref = weights_ref  # kept: instances started mid-step (lend, StartRollout) load these weights
         hs = [g.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=weights_ref,
                        version=self.version, step=step) for d in c.rollout]
         hs += [g.submit(d, f"{ROLES}:inference_load", weights=weights_ref, version=self.version)
@@ -261,7 +263,10 @@ class Pipeline:
         idle = [d for d in c.inference if not c.busy(d)]
         if not st.to_score or not idle:
             return
-        per = max(1, -(-len(st.to_score) // len(idle)))
+        # at most 2 groups a call: short calls keep results flowing and keep a world-collective reshard from
+        # waiting seconds for a long scoring batch to drain
+        per = min(2, max(1, -(-len(st.to_score) // len(idle))))
+        st.to_score.sort(key=lambda g: g.group_id)  # lowest ids first: the actor's next mini-batch is a prefix
         for d in idle:
             batch, st.to_score = st.to_score[:per], st.to_score[per:]
             if not batch:
@@ -309,6 +314,7 @@ class Pipeline:
             c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.generated += len(records)
+            st.gen_time.update((r.group_id, now) for r in records)
             st.to_score.extend(records)
         elif f.kind == "inference":
             c.timeline.add_busy([f.device], "inference", "score", f.t0, now)

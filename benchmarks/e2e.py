@@ -1,0 +1,296 @@
+"""End-to-end scheduling benchmark: the same RL workload and seeds under `static`, `rlinf` and `tidal` on 8 CPU
+virtual devices with fixed compute shares, plus the simulator's figures for RLinf's example.
+
+    python benchmarks/e2e.py --quick --json benchmarks/results/e2e_cpu.json
+
+Real part (one run per policy, sequentially, same config and seeds; `tidal.pipeline.run.TrainingRun`):
+
+    placement   RLinf's: actor 0-1 (TP 1, DP 2), rollout 2-5 (4 instances), inference 6-7
+    compute     cluster.cpu_compute_share 0.125 -> each device is capped at 1/8 of this machine's cores
+                (2 cores / 8 = 0.25 core each): an idle device's capacity is lost, as on a GPU
+    workload    addition task from the random init (warm_start.iters 0): eos is sampled with probability
+                ~1/vocab per token, so response lengths are geometric (mean ~19 tokens) capped at
+                max_new_tokens: a natural long tail (a group ends with its longest sample)
+    actor       n_minibatches 4, a model whose iter on the 2 capped actor devices takes about as long as
+                rollout's tail, so both sides of the trade matter
+
+Per-step wall time excludes step 0 (worker warm-up: first allocations, process-group creation, first reshard
+plans); the JSON keeps every step. Each run's folder holds `events.json` (every decision, action, reshard and
+migration with its seconds), `timeline.png` and `summary.json`.
+
+Simulator part: `tidal.scheduler.simulator.simulate` on `rlinf_example()` (1.5B, 8 GPUs, 512 prompts x 16,
+4 iters, long tail) and on 1,024 devices (same shape, 2 prompts per device), static / rlinf / tidal.
+
+Calibration: from the static run's measurements (per rollout slice: batch and seconds per decode step; actor
+iter seconds per dp from every run; reshard seconds and bytes) the script fits the CPU cost model with
+`tidal.scheduler.costs.fit_linear` / `fit_decode` / `fit_actor` and reports the fitted values next to the
+preset the policy used (`tidal.scheduler.costs_cpu.cpu_e2e`); see docs/e2e.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+
+
+def build(policy: str, a: argparse.Namespace, out: Path):
+    from tidal.config import build_config
+    seq = 16 + a.max_new_tokens  # 9-token prompts + the response cap, rounded up
+    raw = {
+        "run": {"name": f"e2e-{policy}", "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
+                "eval_every": 10_000},
+        "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
+                    "component_placement": {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
+                    "auto_scheduler": policy != "static"},
+        "scheduler": {"policy": policy if policy != "static" else "tidal"},
+        "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": a.intermediate, "max_seq_len": seq},
+        "actor": {"micro_batch_size": 8, "lr": 1e-4, "warmup_iters": 0},
+        "rollout": {"max_new_tokens": a.max_new_tokens, "max_running_requests": a.max_running},
+        "algorithm": {"group_size": a.group_size, "n_minibatches": 4},
+        "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
+        "warm_start": {"iters": 0},
+    }
+    return build_config(raw, [])
+
+
+def run_one(policy: str, a: argparse.Namespace, out: Path) -> dict:
+    from tidal.pipeline.run import TrainingRun
+    cfg = build(policy, a, out)
+    run = TrainingRun(cfg, out / cfg.run.name)
+    t0 = time.monotonic()
+    try:
+        run.open()
+        t_open = time.monotonic() - t0
+        steps = []
+        for k in range(cfg.run.num_steps):
+            m = run.step()
+            res = run._res
+            ev = res.events
+            steps.append({
+                "step": k, "seconds": res.seconds, "idle_fraction": m["step/idle_fraction"],
+                "phase_seconds": res.phase_seconds,
+                "reshards": sum(e["kind"] == "reshard" for e in ev),
+                "migrations": sum(e["kind"] == "migration" for e in ev),
+                "actions": sum(e["kind"] == "action" for e in ev),
+                "failed_actions": sum(e["kind"] == "action" and not e["ok"] for e in ev),
+                "reward_mean": m.get("grpo/reward_mean", 0.0),
+                "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
+            })
+            print(f"  [{policy}] step {k}: {res.seconds:.2f}s idle {m['step/idle_fraction']:.2f} "
+                  f"reshards {steps[-1]['reshards']} migrations {steps[-1]['migrations']} "
+                  f"failed {steps[-1]['failed_actions']}", flush=True)
+        summary = run.finish()
+        events = list(run.pipe.cluster.events)
+        timeline = run.pipe.timeline
+        calib = {}
+        if a.calibrate and policy == "static":  # on an idle rollout device of the same capped group
+            fn = "tidal.scheduler.costs_cpu:"
+            calib["decode"] = run.group.call(2, fn + "measure_decode", batches=[1, 8, 16, 32, 64])
+            calib["prefill_per_token_s"] = run.group.call(2, fn + "measure_prefill")
+            print(f"  [{policy}] decode (batch, s/step): {calib['decode']}; prefill "
+                  f"{calib['prefill_per_token_s'] * 1e3:.2f} ms/token", flush=True)
+            calib["actor_iters"] = actor_iters(run, cfg)
+            print(f"  [{policy}] actor iter (dp, driver s, worker s): {calib['actor_iters']}", flush=True)
+    finally:
+        run.close()
+    measured = steps[1:] or steps
+    mean = sum(s["seconds"] for s in measured) / len(measured)
+    idle = sum(s["idle_fraction"] * s["seconds"] for s in measured) / sum(s["seconds"] for s in measured)
+    return {"policy": policy, "step_s": mean, "idle_fraction": idle, "open_s": t_open,
+            "reshards": sum(s["reshards"] for s in measured), "migrations": sum(s["migrations"] for s in measured),
+            "failed_actions": sum(s["failed_actions"] for s in measured), "steps": steps,
+            "final_weights_sha": summary.final_weights_sha, "output_dir": summary.output_dir,
+            "calibration": calib, "_events": events, "_timeline": timeline}
+
+
+def actor_iters(run, cfg, reps: int = 2) -> list[tuple[int, float, float]]:
+    """After the run (its workers idle): one iter's samples trained at dp 2, 4, 6, 8 on the same capped
+    devices, `reps` times each: (dp, seconds seen by the driver, seconds inside the worker). The actor moves
+    with plain reshard calls (the run is over: its ledger is not consulted)."""
+    import ray
+
+    from tidal.engine.grpo import count_response_tokens, flatten_groups
+    from tidal.engine.layout import Layout
+    g, st = run.group, run.pipe.step_state
+    n = cfg.sequences_per_iter
+    samples = flatten_groups([st.scored[i] for i in sorted(st.scored)])[:n]
+    ref, tokens = ray.put(samples), count_response_tokens(samples)
+    out = []
+    for dp in (2, 4, 6, 8):
+        lay = Layout(1, dp, tuple(range(dp)))
+        g.gather(g.submit_all("tidal.workers.roles:actor_reshard", layout=lay))
+        for _ in range(reps):
+            t0 = time.monotonic()
+            res = g.gather([g.submit(d, "tidal.workers.roles:actor_train_iter", samples=ref, num_tokens=tokens)
+                            for d in lay.devices])
+            out.append((dp, time.monotonic() - t0, max(r["actor/iter_s"] for r in res if r)))
+    return out
+
+
+def machine() -> dict:
+    cpu = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_start": os.getloadavg()}
+
+
+def sim_figures(steps_8: int, steps_1024: int) -> dict:
+    """Simulated static / rlinf / tidal on RLinf's example (8 devices) and at 1,024 devices (2 prompts each)."""
+    from tidal.scheduler.simulator import simulate
+    from tidal.scheduler.workload import rlinf_example
+    out = {}
+    for key, devices, ppd, steps in (("rlinf_example_8", 8, 64, steps_8), ("devices_1024", 1024, 2, steps_1024)):
+        spec = rlinf_example(devices, prompts_per_device=ppd)
+        res = {}
+        for pol in ("static", "rlinf", "tidal"):
+            r = simulate(spec, pol, None, steps, seed=0, keep_events=False)
+            res[pol] = {"mean_step_s": r.mean_step_s, "idle_fraction": r.idle_fraction,
+                        "reshards": sum(x.reshards for x in r.steps), "migrations": sum(x.migrations for x in r.steps),
+                        "sim_wall_s": r.sim_wall_s}
+        out[key] = {"devices": devices, "prompts": spec.params.rollout_batch_size, "group_size": spec.params.group_size,
+                    "n_minibatches": spec.params.n_minibatches, "steps": steps, "policies": res,
+                    "tidal_speedup_vs_static": res["static"]["mean_step_s"] / res["tidal"]["mean_step_s"],
+                    "tidal_speedup_vs_rlinf": res["rlinf"]["mean_step_s"] / res["tidal"]["mean_step_s"]}
+    return out
+
+
+def fit(runs: dict, cfg_tokens: float) -> dict:
+    """The CPU cost model fitted from this benchmark's measurements (see scheduler/costs_cpu.py)."""
+    from dataclasses import asdict
+
+    from tidal.scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
+    static = runs.get("static", {})
+    cal = static.get("calibration") or {}
+    if not cal.get("decode"):
+        return {}
+    iters = [(dp, s) for dp, s, _ in cal.get("actor_iters", [])]
+    moves: dict[str, list[float]] = {}
+    for r in runs.values():
+        for k, v in event_costs(r["_events"]).items():
+            moves.setdefault(k, []).extend(v)
+        iters += [] if cal.get("actor_iters") else iter_samples(r["_timeline"])
+    fitted = calibrate(cpu_e2e(), cal["decode"], cal["prefill_per_token_s"], iters, cfg_tokens, moves)
+    pick = lambda c: {"decode": asdict(c.decode), "actor": {k: v for k, v in asdict(c.actor).items()
+                                                             if k in ("train_per_token_s", "iter_fixed_s")},
+                      "reshard_fixed_s": c.reshard.fixed_s, "kv_fixed_s": c.kv_fixed_s, "lend_s": c.lend_s}
+    return {"samples": {"decode": cal["decode"], "prefill_per_token_s": cal["prefill_per_token_s"],
+                        "actor_iters_dp_s": iters, "iter_tokens": cfg_tokens,
+                        "moves": {k: sorted(v) for k, v in moves.items()}},
+            "fitted": pick(fitted), "preset_cpu_e2e": pick(cpu_e2e())}
+
+
+def group_creation_s(events: list[dict], step: int) -> float:
+    """Seconds of a step's reshards spent outside the workers' reshard (first use of a layout creates its
+    process groups, collective over the world: seconds on capped workers, once per layout per run)."""
+    return sum(max(0.0, e["seconds"] - e.get("worker_s", e["seconds"])) for e in events
+               if e["kind"] == "reshard" and e.get("step") == step)
+
+
+def table(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
+                    f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
+    for col in ("policy", "step s (steps>=1)", "vs static", "steady step s*", "idle", "reshards", "migrations",
+                "failed actions"):
+        t.add_column(col)
+    st = res["runs"]["static"]["step_s"] if "static" in res["runs"] else None
+    for k, v in res["runs"].items():
+        t.add_row(k, f"{v['step_s']:.2f}", f"{st / v['step_s']:.2f}x" if st else "-", f"{v['steady_step_s']:.2f}",
+                  f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]))
+    Console().print(t)
+    print("* steady: minus first-use process-group creation inside reshards (once per layout per run)")
+    for key, sim in res.get("simulator", {}).items():
+        t = Table(title=f"simulator {key}: {sim['devices']} devices, {sim['prompts']} prompts x {sim['group_size']}")
+        for col in ("policy", "mean step s", "vs static", "idle"):
+            t.add_column(col)
+        base = sim["policies"]["static"]["mean_step_s"]
+        for pol, v in sim["policies"].items():
+            t.add_row(pol, f"{v['mean_step_s']:.1f}", f"{base / v['mean_step_s']:.2f}x", f"{v['idle_fraction']:.2f}")
+        Console().print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="write results here")
+    ap.add_argument("--quick", action="store_true", help="3 steps per policy (< 10 min on 2 cores)")
+    ap.add_argument("--policies", default="static,rlinf,tidal")
+    ap.add_argument("--out", default="runs/e2e", help="run folders (events.json, timeline.png) go here")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--share", type=float, default=0.125, help="cluster.cpu_compute_share per device")
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--no-sim", action="store_true")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="skip the decode / actor measurements on the capped workers after the static run")
+    for k, v in QUICK.items():
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    a = ap.parse_args(argv)
+    base = QUICK if a.quick else FULL
+    for k, v in base.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    out = Path(a.out)
+    t0 = time.monotonic()
+    cores = a.share * (os.cpu_count() or 1)
+    res = {"name": "e2e", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(),
+           "config": {"cpu_compute_share": a.share, "cores_per_device": cores,
+                      "note": f"{os.cpu_count()} cores / 8 devices x share: each device is capped at {cores:.2f} "
+                              "core (cgroup CPU quota); the machine is shared, so the caps are ceilings, not "
+                              "guarantees (see load_avg)",
+                      "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7", "steps": a.steps,
+                      "step_time": "mean over steps >= 1 (step 0: warm-up)", "prompts": a.prompts,
+                      "group_size": a.group_size, "n_minibatches": 4, "max_new_tokens": a.max_new_tokens,
+                      "max_running_requests": a.max_running,
+                      "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate},
+                      "warm_start_iters": 0, "seed": a.seed}}
+    runs = {}
+    for pol in a.policies.split(","):
+        runs[pol] = run_one(pol, a, out)
+        ev = runs[pol]["_events"]
+        steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in runs[pol]["steps"][1:]]
+        runs[pol]["steady_step_s"] = sum(steady) / max(1, len(steady))
+        runs[pol]["group_creation_s"] = sum(group_creation_s(ev, s["step"]) for s in runs[pol]["steps"][1:])
+    res["runs"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in runs.items()}
+    for pol in ("static", "rlinf", "tidal"):
+        if pol in runs:
+            res[f"{pol}_step_s"] = runs[pol]["step_s"]
+    if "tidal" in runs and "static" in runs:
+        res["speedup_vs_static"] = runs["static"]["step_s"] / runs["tidal"]["step_s"]
+        res["steady_speedup_vs_static"] = runs["static"]["steady_step_s"] / runs["tidal"]["steady_step_s"]
+    if "tidal" in runs and "rlinf" in runs:
+        res["speedup_vs_rlinf"] = runs["rlinf"]["step_s"] / runs["tidal"]["step_s"]
+        res["steady_speedup_vs_rlinf"] = runs["rlinf"]["steady_step_s"] / runs["tidal"]["steady_step_s"]
+    seq_tokens = 9 + (sum(s["response_len_mean"] for s in runs.get("static", {}).get("steps", [])[1:]) /
+                      max(1, len(runs.get("static", {}).get("steps", [])[1:])) or a.max_new_tokens / 2)
+    res["cost_fit"] = fit(runs, a.prompts * a.group_size / 4 * seq_tokens) if "static" in runs else {}
+    if not a.no_sim:
+        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1)
+    res["machine"]["load_avg_end"] = os.getloadavg()
+    res["wall_s"] = time.monotonic() - t0
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    table(res)
+    print(json.dumps({k: v for k, v in res.items() if k.endswith("_s") or k.startswith("speedup")
+                      or k.startswith("steady")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
