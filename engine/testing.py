@@ -48,11 +48,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0, daemon: bool = True) -> list[Any]:
+    """`daemon=False` lets a rank start processes of its own (megatron-core's checkpoint writer forks writers)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=daemon) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

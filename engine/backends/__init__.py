@@ -1,0 +1,4 @@
+"""Actor backends: one protocol (`protocol.py`), the native engine behind it (`native.py`), and megatron-core interop
+(`megatron_map.py`: names, fused layouts, vocab padding, TransformerConfig; `megatron_cpu.py`: the narrow CPU
+workarounds; `megatron_ckpt.py`: dist_checkpointing read/write). megatron-core is imported lazily: this package
+imports without it. See docs/megatron.md."""

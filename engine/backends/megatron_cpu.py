@@ -1,0 +1,142 @@
+"""Running megatron-core's GPTModel and dist_checkpointing without CUDA: the narrow workarounds, in one place.
+
+megatron-core 0.16.1 is written for GPUs. Its parallel state runs on gloo as it is; a few call sites reach for
+CUDA unconditionally. Each workaround below is the smallest one that lets the *unchanged* megatron-core code run
+on CPU, and on a machine with CUDA every one of them is a no-op (`cpu_shim` patches nothing when CUDA is there):
+
+| where (megatron-core 0.16.1)                                   | CUDA call                          | workaround
+|----------------------------------------------------------------|------------------------------------|----------------
+| RotaryEmbedding.get_emb (moves inv_freq to the GPU)            | torch.cuda.current_device()        | cpu_shim
+| GlobalMemoryBuffer.get_tensor (attention scores buffer)        | torch.cuda.current_device()        | cpu_shim
+| dist_checkpointing FileSystemWriterAsync.preload_tensors (D2H) | torch.cuda.synchronize()           | cpu_shim
+| dist_checkpointing save_state_dict_async_finalize (fail flag)  | torch.cuda.current_device()        | cpu_shim
+| fused_softmax default causal mask (utils.get_default_causal_mask) | torch.ones(..., device="cuda")  | pass an explicit
+|                                                                 |                                    | mask (`causal_mask`)
+| CudaRNGStatesTracker.fork around attention dropout             | torch.cuda RNG state               | megatron's own
+|                                                                 |                                    | inference tracker
+|                                                                 |                                    | (no dropout here)
+
+`cpu_shim()` swaps `torch.cuda.current_device` for a function that returns "cpu" (every use above is a `device=`
+argument) and `torch.cuda.synchronize` for a no-op (there is no device to wait for), only for the duration of the
+`with` block, and restores both on exit. It is not thread-safe: do not run other CUDA-probing code concurrently.
+
+Not a CUDA shim, but a process rule: dist_checkpointing's writer forks one process per write bucket and opens a
+multiprocessing Manager, so the saving process must be allowed to have children (not a daemonic process; torchrun
+and Ray workers are not daemonic; tests use `run_ranks(..., daemon=False)`).
+
+megatron-core's optimizer (DistributedOptimizer) and its DDP wrapper need CUDA (fused kernels, CUDA streams): they
+are not run here (docs/megatron.md lists what remains for the GPU machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from tidal.engine.backends.megatron_map import gpt_model_kwargs, transformer_config
+from tidal.engine.model import ModelArgs
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def _no_sync(device=None) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def cpu_shim() -> Iterator[None]:
+    """Route megatron-core's unconditional CUDA calls to the CPU inside the block (a no-op when CUDA exists)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device, torch.cuda.synchronize
+    torch.cuda.current_device, torch.cuda.synchronize = _cpu_device, _no_sync
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+def import_megatron():
+    """megatron.core, with its "Transformer Engine and Apex are not installed" import warnings silenced (we run
+    the local spec, which needs neither). Raises ImportError with the install hint when it is missing."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+            from megatron.core import parallel_state  # noqa: F401
+    except ImportError as e:
+        raise ImportError("megatron-core is not installed: pip install 'tidal[megatron]' "
+                          "(megatron-core==0.16.1, psutil)") from e
+    import megatron.core
+    return megatron.core
+
+
+def init_parallel(tp: int) -> None:
+    """megatron-core's parallel state for TP = tp, PP = 1 over the initialized torch.distributed world (gloo on
+    CPU), and its RNG tracker. The inference tracker's `fork()` is a no-op instead of a CUDA RNG swap; that is
+    exact for our models, which have no dropout (the config sets both dropouts to 0)."""
+    import_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    if not torch.cuda.is_available():
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def build_gpt(args: ModelArgs, tp: int, padded_vocab: int, dtype: torch.dtype = torch.float32, **config_overrides):
+    """megatron-core GPTModel (local layer spec: no Transformer Engine) for our model at TP = tp. Call
+    `init_parallel(tp)` first."""
+    import_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    cfg = transformer_config(args, tp, dtype, **config_overrides)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(cfg, spec, **gpt_model_kwargs(args, padded_vocab))
+
+
+def causal_mask(t: int, device=None) -> torch.Tensor:
+    """Megatron's mask convention: [1, 1, T, T] bool, True = masked out (future positions)."""
+    return torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+@torch.no_grad()
+def gpt_logits(model, ids_BT: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocab logits [B, T, V] of GPTModel (vocab-parallel output gathered over its TP group, padded
+    columns dropped)."""
+    from megatron.core import parallel_state as ps
+
+    b, t = ids_BT.shape
+    pos = torch.arange(t, device=ids_BT.device).expand(b, t)
+    with cpu_shim():
+        local = model(ids_BT, pos, causal_mask(t, ids_BT.device))
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        local = torch.cat(parts, dim=-1)
+    return local[..., :vocab_size]
+
+
+@torch.no_grad()
+def load_gpt_weights(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy TP-local GPTModel weights (module names, `megatron_tp_shard`) into `model`; every parameter must be
+    given (only the layers' `_extra_state`, None for non-TE linears, may be absent)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise KeyError(f"GPTModel weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+__all__ = ["cpu_shim", "import_megatron", "init_parallel", "build_gpt", "causal_mask", "gpt_logits",
+           "load_gpt_weights"]
