@@ -227,3 +227,50 @@ def test_gpt_model_tp1_checkpoint_loads_into_native_tp2(tmp_path):
         assert exact and diff < TOL
         assert "linear_fc1.weight has shape (2, 192, 64) in the checkpoint, the model needs (2, 256, 64)" in error
         assert "intermediate_size=128" in error
+
+
+# ---- backend protocol ----------------------------------------------------------------------------------------
+def test_backend_registry_and_protocol():
+    from tidal.engine.backends.native import NativeBackend
+    from tidal.engine.backends.protocol import backend_names, make_backend, register_backend
+    from tidal.errors import ConfigError
+
+    assert "native" in backend_names()
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("native", NativeBackend)
+    with pytest.raises(ConfigError, match="actor.backend.*use one of native"):
+        make_backend("nemo")
+
+
+def _backend_roundtrip(rank, world, path):
+    """Native backend at tp=2 trains one iter and writes Megatron format; a native backend at tp=1, dp=2 (other
+    seed) loads it: its weights and fp32 masters equal the writer's bit for bit, moments and step are reset."""
+    from tidal.engine.actor import SharedQueue, nll_loss
+    from tidal.engine.backends.protocol import ActorBackend, make_backend
+    from tidal.engine.layout import Layout
+    from tidal.engine.optim import OptimConfig
+
+    args, hp = _args(), OptimConfig(lr=1e-2)
+    a = make_backend("native", args, hp, Layout(2, 1, (0, 1)), rank, seed=0)
+    ids = torch.randint(0, args.vocab_size, (4, 2, 9), generator=torch.Generator().manual_seed(2))
+    a.train_iter(SharedQueue(list(ids)), nll_loss, ids[:, :, 1:].numel())
+    a.save_megatron(path, padded_vocab=VP)
+    b = make_backend("native", args, hp, Layout(1, 2, (0, 1)), rank, seed=5)
+    b.load_megatron(path)
+    assert isinstance(b, ActorBackend) and b.layout == Layout(1, 2, (0, 1))
+    assert b.inventory() == tuple(param_specs(args))
+    ga, gb = a.shard.state_dict_global(), b.shard.state_dict_global()
+    names = [s.name for s in param_specs(args)]
+    params = all(torch.equal(ga[f"param/{n}"], gb[f"param/{n}"]) for n in names)
+    masters = all(torch.equal(gb[f"master/{n}"], ga[f"param/{n}"]) for n in names)
+    reset = all(not gb[f"exp_avg/{n}"].any() for n in names) and int(gb["step"]) == 0 and int(ga["step"]) == 1
+    trained = not torch.equal(ga["param/layers.0.mlp.up_proj.weight"], init_global_weights(args, 0)[
+        "layers.0.mlp.up_proj.weight"])
+    return params, masters, reset, trained
+
+
+@needs_megatron
+@pytest.mark.slow  # about 25-35 s on 2 cores
+def test_native_backend_megatron_checkpoint_changes_layout(tmp_path):
+    for params, masters, reset, trained in run_ranks(2, _backend_roundtrip, str(tmp_path / "ckpt"), daemon=False):
+        assert params and masters and reset and trained
