@@ -4,7 +4,8 @@
 order, including ranks that are not members (they get a non-member handle and never use it). So `GroupCache.get`
 must be called by every world rank with the same layout at the same point (`ActorShard.__init__` and
 `ActorShard.reshard` do). For each layout, in this order: every TP group (d = 0..dp-1), every DP group
-(t = 0..tp-1), then the group of all the layout's ranks. Groups of one rank are not created (`None`: no
+(t = 0..tp-1), then the group of all the layout's ranks; a rank set that already has a group (from this or an
+earlier layout) reuses it. Groups of one rank are not created (`None`: no
 communication needed), which every rank decides identically from the layout alone. torch orders a group's
 ranks by id, so a TP group's devices must be increasing (its group rank is the TP shard index); DP groups may
 be in any order (users map group ranks through `dp_order`).
@@ -44,6 +45,7 @@ class GroupCache:
 
     def __init__(self) -> None:
         self._groups: dict[Layout, LayoutGroups] = {}
+        self._by_ranks: dict[tuple[int, ...], object] = {}  # one group per rank set, shared by layouts
 
     def get(self, layout: Layout) -> LayoutGroups:
         if layout not in self._groups:
@@ -59,19 +61,27 @@ class GroupCache:
             coord = layout.coord(rank)
             tp = dp = everyone = None
             for d in range(layout.dp):
-                g = _new(layout.tp_group(d))
+                g = self._new(layout.tp_group(d))
                 if coord is not None and coord[1] == d:
                     tp = g
             for t in range(layout.tp):
-                g = _new(layout.dp_group(t))
+                g = self._new(layout.dp_group(t))
                 if coord is not None and coord[0] == t:
                     dp = g
-            g = _new(layout.devices)
+            g = self._new(layout.devices)
             if coord is not None:
                 everyone = g
             self._groups[layout] = LayoutGroups(layout, rank, tp, dp, everyone)
         return self._groups[layout]
 
 
-def _new(ranks: tuple[int, ...]):
-    return dist.new_group(sorted(ranks)) if len(ranks) > 1 else None
+    def _new(self, ranks: tuple[int, ...]):
+        """The group of a rank set, created on first use (every rank decides this identically from the layouts
+        it has seen, so the world's `new_group` calls stay in step). Layouts share groups: with tp = 1 the DP
+        group is the whole layout, and a layout met again after a reshard costs nothing."""
+        key = tuple(sorted(ranks))
+        if len(key) < 2:
+            return None
+        if key not in self._by_ranks:
+            self._by_ranks[key] = dist.new_group(list(key))
+        return self._by_ranks[key]

@@ -8,7 +8,9 @@ Used by tests and `tidal reshard-check` to exercise distributed code against sin
         return t.item()
     run_ranks(4, body, 1.0)              # -> [10.0, 10.0, 10.0, 10.0]
 
-`body` must be importable (module level). Results travel back through a multiprocessing queue on this host.
+`body` must be importable (module level). Results travel back through a multiprocessing queue on this host, by
+value: tensors are sent as numpy copies and rebuilt (torch's shared-memory hand-off needs the sending process
+alive, and a rank exits right after returning).
 A rank that raises makes `run_ranks` raise `RankFailed` naming the rank and carrying its traceback text; a rank
 that hangs past `timeout` is killed and reported the same way.
 """
@@ -29,6 +31,40 @@ class RankFailed(RuntimeError):
     pass
 
 
+class _Tensor:
+    """A tensor's bytes, pickled by value."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype = t.dtype
+        self.data = t.detach().cpu().contiguous().view(torch.uint8).numpy().copy() if t.numel() else None
+        self.shape = tuple(t.shape)
+
+    def tensor(self) -> torch.Tensor:
+        if self.data is None:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.from_numpy(self.data).view(self.dtype).reshape(self.shape)
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _Tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(v) for v in obj)
+    return obj
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, _Tensor):
+        return obj.tensor()
+    if isinstance(obj, dict):
+        return {k: _unpack(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(v) for v in obj)
+    return obj
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,7 +77,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            queue.put((rank, True, fn(rank, world, *args)))
+            queue.put((rank, True, _pack(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report to the parent, which raises; the process exits either way
@@ -66,7 +102,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0, daem
                 raise RankFailed(f"ranks {missing} gave no result within {timeout:.0f} s") from None
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = _unpack(value)
     finally:
         for p in procs:
             p.join(timeout=10)

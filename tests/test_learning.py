@@ -13,7 +13,7 @@ import pytest
 from tidal.config import load_config
 from tidal.pipeline.run import run_training
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "rlinf_dynamic.yaml"
 
 

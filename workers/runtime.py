@@ -77,6 +77,7 @@ class WorkerGroup:
 
     def __init__(self, session: RaySession, device_kind: DeviceKind, actors: dict[int, Any],
                  infos: dict[int, WorkerInfo], local: bool, poll_s: float, log_every_s: float):
+        self._store = None  # rendezvous store, when the driver hosts it
         self._session, self.device_kind = session, device_kind
         self._actors, self.infos, self._local = actors, infos, local
         self._poll_s, self._log_every_s = poll_s, log_every_s
@@ -141,10 +142,30 @@ class WorkerGroup:
         return group
 
     def _rendezvous(self, rank0_device: int) -> tuple[str, int]:
-        """Rank 0 opens the store on loopback (embedded Ray) or on its node's address; returns (host, port)."""
-        import ray
+        """Open the rendezvous store; returns (host, port).
 
-        host = "127.0.0.1" if self._local else self.infos[rank0_device].node_ip
+        Embedded Ray: the driver hosts it on loopback. Its server thread then never shares a (capped,
+        duty-cycled) worker's CPU: with the store inside worker 0, every `new_group` stalled while that worker
+        was throttled (measured: 5-8 s per new layout at 0.25 core per device). A cluster: rank 0 hosts it on
+        its node's address, reachable by every node.
+        """
+        import socket
+        from datetime import timedelta
+
+        import ray
+        import torch.distributed as dist
+
+        if self._local:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))  # bound here: torch's own listener would take every interface
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            self._store = dist.TCPStore("127.0.0.1", port, len(self._actors), is_master=True,
+                                        timeout=timedelta(seconds=300), wait_for_workers=False,
+                                        master_listen_fd=sock.detach())
+            return "127.0.0.1", port
+        host = self.infos[rank0_device].node_ip
         port = ray.get(self._actors[rank0_device].open_store.remote(host), timeout=60)
         return host, port
 
@@ -265,6 +286,7 @@ class WorkerGroup:
             pids = [i.pid for i in self.infos.values()]
             while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        self._store = None  # the driver-hosted rendezvous store (embedded Ray) stops with its last reference
         disconnect(self._session)
 
     def __enter__(self) -> "WorkerGroup":
