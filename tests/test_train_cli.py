@@ -1,0 +1,42 @@
+"""`tidal train` on bad inputs: one clear message, exit code 2, nothing started or overwritten."""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tidal.cli import main
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "experiments" / "rlinf_dynamic.yaml")
+
+
+def _train(tmp_path, *overrides):
+    return main(["train", CONFIG, f"run.output_dir={tmp_path}", *overrides, "--no-track"])
+
+
+def test_unknown_task_names_the_field_and_a_near_match(tmp_path, capsys):
+    assert _train(tmp_path, "data.task=adition") == 2
+    err = capsys.readouterr().err
+    assert "data.task" in err and "addition" in err
+
+
+def test_tokenizer_model_mismatch(tmp_path, capsys):
+    assert _train(tmp_path, "model.vocab_size=50") == 2
+    err = capsys.readouterr().err
+    assert "vocab_size" in err and "Fix:" in err
+
+
+def test_checkpoint_of_another_model_is_refused_and_left_alone(tmp_path, capsys):
+    other = tmp_path / "other.safetensors"
+    save_file({"embed_tokens.weight": torch.zeros(19, 64)}, str(other))
+    before = other.read_bytes()
+    assert _train(tmp_path, f"warm_start.checkpoint={other}") == 2
+    err = capsys.readouterr().err
+    assert "warm_start.checkpoint" in err and "does not fit this model" in err
+    assert other.read_bytes() == before
+
+
+def test_resume_from_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "--no-track", "--resume",
+                 str(tmp_path / "nothing-here")]) == 2
+    assert "resume" in capsys.readouterr().err.lower()
