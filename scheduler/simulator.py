@@ -315,8 +315,6 @@ class _Sim:
     def generated_groups(self, groups: list[int]) -> None:
         if not groups:
             return
-        c, p = self.c, self.p
-        tp = p.inference_tp
         seen = self.gen_seen
         for g in groups:
             assert not seen[g], f"group {g} generated twice"

@@ -68,6 +68,28 @@ class UnknownRequestError(GenerationError, KeyError):
         return self.args[0]
 
 
+def check_request_ids(op: str, ids: Sequence[str], live: Mapping[str, object], gone: Mapping[str, str],
+                      frozen: bool | None) -> list[str]:
+    """The ids an engine may act on for `op`, or UnknownRequestError naming each bad one and why.
+
+    live: requests held (each with a `frozen` flag); gone: why a request left (finished, aborted, moved);
+    frozen: True = must be exported (commit/cancel), False = must not be, None = either."""
+    ids = list(ids)
+    problems: dict[str, str] = {}
+    for rid in ids:
+        if ids.count(rid) > 1:
+            problems[rid] = "listed twice"
+        elif rid not in live:
+            problems[rid] = gone.get(rid, "never added here")
+        elif frozen is True and not live[rid].frozen:
+            problems[rid] = "not exported"
+        elif frozen is False and live[rid].frozen:
+            problems[rid] = "already exported, awaiting commit_export/cancel_export"
+    if problems:
+        raise UnknownRequestError(op, problems)
+    return ids
+
+
 class EngineBusyError(GenerationError):
     """An operation that needs an idle engine (weight update, release) while requests are in flight."""
 

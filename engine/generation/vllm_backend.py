@@ -69,7 +69,7 @@ import torch
 from safetensors.torch import save_file
 
 from tidal.engine.generation.protocol import (EngineBusyError, EngineStatus, GenerationEngine, GenerationError,
-                                              IllegalTransition, TRANSITIONS, UnknownRequestError)
+                                              IllegalTransition, TRANSITIONS, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import ModelArgs, param_specs
 from tidal.errors import TidalError
@@ -384,20 +384,7 @@ class VLLMEngine(GenerationEngine):
 
     # ---- abort and migration -----------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: Sequence[str], frozen: bool | None) -> list[str]:
-        ids = list(ids)
-        problems: dict[str, str] = {}
-        for rid in ids:
-            if ids.count(rid) > 1:
-                problems[rid] = "listed twice"
-            elif rid not in self._live:
-                problems[rid] = self._gone.get(rid, "never added here")
-            elif frozen is True and not self._live[rid].frozen:
-                problems[rid] = "not exported"
-            elif frozen is False and self._live[rid].frozen:
-                problems[rid] = "already exported, awaiting commit_export/cancel_export"
-        if problems:
-            raise UnknownRequestError(op, problems)
-        return ids
+        return check_request_ids(op, ids, self._live, self._gone, frozen)
 
     def abort(self, ids: Sequence[str]) -> None:
         ids = self._check_ids("abort", ids, None)
