@@ -70,8 +70,8 @@ def test_fused_qkv_layout_and_tp_shards():
             shard = megatron_tp_shard(mg, args, tp, t)
             loc = _local(w, args, tp, t)
             a = "layers.1.self_attn."
-            assert torch.equal(shard["decoder.layers.1.self_attention.linear_qkv.weight"],
-                               fuse_qkv(loc[a + "q_proj.weight"], loc[a + "k_proj.weight"], loc[a + "v_proj.weight"], qs))
+            fused = fuse_qkv(loc[a + "q_proj.weight"], loc[a + "k_proj.weight"], loc[a + "v_proj.weight"], qs)
+            assert torch.equal(shard["decoder.layers.1.self_attention.linear_qkv.weight"], fused)
             assert torch.equal(shard["decoder.layers.1.mlp.linear_fc1.weight"],
                                torch.cat([loc["layers.1.mlp.gate_proj.weight"], loc["layers.1.mlp.up_proj.weight"]]))
 
