@@ -122,7 +122,7 @@ def warm_start(model: Transformer, task: Task, tok: CharTokenizer, spec: WarmSta
         loss.backward()
         opt.step()
         if it % spec.eval_every == 0 or it == spec.iters:
-            point = EvalPoint(it, float(loss), greedy_accuracy(model, task, tok, heldout), time.perf_counter() - t0)
+            point = EvalPoint(it, float(loss.detach()), greedy_accuracy(model, task, tok, heldout), time.perf_counter() - t0)
             history.append(point)
             if log:
                 log(point)
