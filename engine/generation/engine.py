@@ -54,7 +54,7 @@ import torch
 from tidal.engine.generation import sampler
 from tidal.engine.generation.kv_cache import SlotKVCache
 from tidal.engine.generation.protocol import (EngineBusyError, EngineStatus, GenerationEngine, GenerationError,
-                                              IllegalTransition, TRANSITIONS, check_request_ids)
+                                              IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import Transformer
 from tidal.engine.tp import _size
@@ -425,16 +425,8 @@ class NativeEngine(GenerationEngine):
         self._waiting.extendleft(reversed([lv.request.request_id for lv in lives]))
 
     def _validate_state(self, st: RequestState, batch_ids: list[str]) -> _Live:
-        rid = st.request_id
-        where = f"import_state: request {rid!r}"
-        if rid in self._live or batch_ids.count(rid) > 1:
-            raise GenerationError(f"{where} is already here (a request runs in exactly one place; "
-                                  "commit or cancel the earlier migration first)")
+        where = check_importable(st, batch_ids, self._live, self._version)
         self._check_prompt(st.request)
-        if st.policy_version is not None and st.policy_version != self._version:
-            raise GenerationError(f"{where} sampled with policy version {st.policy_version} but this engine holds "
-                                  f"version {self._version}; a response never mixes policies: migrate within one "
-                                  "RL step, before the weight update")
         if len(st.token_ids) != len(st.logprobs) or len(st.token_ids) > st.request.params.max_new_tokens:
             raise GenerationError(f"{where}: {len(st.token_ids)} tokens, {len(st.logprobs)} log-probs, "
                                   f"max_new_tokens={st.request.params.max_new_tokens}: the state is corrupt")

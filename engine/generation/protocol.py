@@ -90,6 +90,22 @@ def check_request_ids(op: str, ids: Sequence[str], live: Mapping[str, object], g
     return ids
 
 
+def check_importable(st, batch_ids: Sequence[str], live: Mapping[str, object], version: int) -> str:
+    """Rules every backend applies to an imported request state (the `where` prefix of its errors is returned):
+    it runs in exactly one place, and it sampled with this engine's policy version (a response never mixes
+    policies)."""
+    rid = st.request_id
+    where = f"import_state: request {rid!r}"
+    if rid in live or list(batch_ids).count(rid) > 1:
+        raise GenerationError(f"{where} is already here (a request runs in exactly one place; "
+                              "commit or cancel the earlier migration first)")
+    if st.policy_version is not None and st.policy_version != version:
+        raise GenerationError(f"{where} sampled with policy version {st.policy_version} but this engine holds "
+                              f"version {version}; a response never mixes policies: migrate within one "
+                              "RL step, before the weight update")
+    return where
+
+
 class EngineBusyError(GenerationError):
     """An operation that needs an idle engine (weight update, release) while requests are in flight."""
 

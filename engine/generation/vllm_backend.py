@@ -69,7 +69,7 @@ import torch
 from safetensors.torch import save_file
 
 from tidal.engine.generation.protocol import (EngineBusyError, EngineStatus, GenerationEngine, GenerationError,
-                                              IllegalTransition, TRANSITIONS, check_request_ids)
+                                              IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import ModelArgs, param_specs
 from tidal.errors import TidalError
@@ -442,16 +442,8 @@ class VLLMEngine(GenerationEngine):
                 self._unfreeze(req)
 
     def _validate_state(self, st: RequestState, batch_ids: list[str]) -> _Req:
-        rid = st.request_id
-        where = f"import_state: request {rid!r}"
-        if rid in self._live or batch_ids.count(rid) > 1:
-            raise GenerationError(f"{where} is already here (a request runs in exactly one place; "
-                                  "commit or cancel the earlier migration first)")
+        where = check_importable(st, batch_ids, self._live, self._version)
         self._check_request(st.request)
-        if st.policy_version is not None and st.policy_version != self._version:
-            raise GenerationError(f"{where} sampled with policy version {st.policy_version} but this engine holds "
-                                  f"version {self._version}; a response never mixes policies: migrate within one "
-                                  "RL step, before the weight update")
         p, n = st.request.params, len(st.token_ids)
         total = len(st.request.prompt_ids) + n
         finished = n >= p.max_new_tokens or total >= self.args.max_seq_len or (
