@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from typing import Callable
 
@@ -34,8 +35,6 @@ def _optional(name: str, target: str, help_text: str) -> None:
     if importlib.util.find_spec(module) is not None:
         register(name, target, help_text)
 
-
-import importlib.util  # noqa: E402  (used by _optional above)
 
 _optional("reshard-check", "tidal.reshard_check:main", "self-test: reshard an actor between layouts, verify bytes")
 _optional("train", "tidal.train:main", "run an RL training job from a config")
