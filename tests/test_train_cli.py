@@ -1,7 +1,9 @@
-"""`tidal train` on bad inputs: one clear message, exit code 2, nothing started or overwritten."""
+"""`tidal train`: bad inputs give one clear message and exit code 2 with nothing started or overwritten; `--flow`
+runs the same job as the Prefect rl-training flow without a server."""
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -40,3 +42,16 @@ def test_resume_from_a_missing_checkpoint(tmp_path, capsys):
     assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "--no-track", "--resume",
                  str(tmp_path / "nothing-here")]) == 2
     assert "resume" in capsys.readouterr().err.lower()
+
+
+@pytest.mark.slow
+def test_train_as_a_prefect_flow_without_a_server(tmp_path, monkeypatch):
+    """`tidal train --flow`: the rl-training flow on a temporary local Prefect server (the embedded default)."""
+    import json
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    out = tmp_path / "summary.json"
+    assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "run.num_steps=1", "warm_start.iters=20",
+                 "data.eval_size=16", "--flow", "--no-track", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 1 and len(summary["reward_per_step"]) == 1

@@ -17,6 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tidal.errors import ConfigError
+
 
 
 def _spark(values: list[float]) -> str:
@@ -33,11 +35,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
     ap.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
     ap.add_argument("--no-track", action="store_true", help="skip MLflow and the database")
+    ap.add_argument("--flow", action="store_true",
+                    help="run it as the Prefect `rl-training` flow (a temporary local Prefect server when "
+                         "PREFECT_API_URL is unset; each step a subflow run)")
     ap.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (its newest complete "
                     "generation; the layout may differ)")
     args = ap.parse_args(argv)
     from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
     cfg = load_run_config(args.config, args.overrides)
+    if args.flow:
+        if args.resume:
+            raise ConfigError("--resume", args.resume, "is not a flow parameter yet", "drop --flow to resume")
+        from tidal.flows.rl_training import rl_training
+        from tidal.tasks.requests import TrainingRequest
+        summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
+                                              track=not args.no_track))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
+        return 0
     for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
         os.environ.setdefault(k, v)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
