@@ -97,11 +97,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(method: str, url: str, body: dict | None = None) -> dict | list:
+def _http(method: str, url: str, body: dict | None = None, attempts: int = 5) -> dict | list:
+    """One REST call; a 503 (the server busy on a loaded machine, seen once in CI) is retried a few times."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read() or b"null")
+    for k in range(attempts):
+        req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or k == attempts - 1:
+                raise
+            time.sleep(2.0 * (k + 1))
+    raise AssertionError("unreachable")
 
 
 def _wait(what: str, fn, timeout_s: float, every_s: float = 1.0, proc: subprocess.Popen | None = None,
