@@ -162,6 +162,16 @@ class _RunState:
 class _EventsMixin:
     """Event bookkeeping shared by both sinks: metrics derived from a record, the JSON list."""
 
+    # both sinks keep `_stack`, the open runs (innermost last)
+    @property
+    def run_id(self) -> str | None:
+        return self._stack[-1].run_id if self._stack else None
+
+    def _top(self) -> _RunState:
+        if not self._stack:
+            raise RuntimeError("no active run: call start_run first")
+        return self._stack[-1]
+
     @staticmethod
     def _event_metrics(state: _RunState, kind: str, record: Mapping[str, object]) -> tuple[Event, dict, int]:
         raw_step = record.get("step")
@@ -192,15 +202,6 @@ class NullSink(_EventsMixin):
     def __init__(self) -> None:
         self.runs: dict[str, dict[str, Any]] = {}
         self._stack: list[_RunState] = []
-
-    @property
-    def run_id(self) -> str | None:
-        return self._stack[-1].run_id if self._stack else None
-
-    def _top(self) -> _RunState:
-        if not self._stack:
-            raise RuntimeError("no active run: call start_run first")
-        return self._stack[-1]
 
     def start_run(self, name, params, tags=None, parent_run_id=None) -> str:
         run_id = f"null-{len(self.runs)}"
@@ -280,15 +281,6 @@ class MlflowSink(_EventsMixin):
     @property
     def client(self) -> "MlflowClient":
         return self._client
-
-    @property
-    def run_id(self) -> str | None:
-        return self._stack[-1].run_id if self._stack else None
-
-    def _top(self) -> _RunState:
-        if not self._stack:
-            raise RuntimeError("no active run: call start_run first")
-        return self._stack[-1]
 
     def start_run(self, name: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
                   parent_run_id: str | None = None) -> str:

@@ -53,7 +53,7 @@ import torch
 
 from tidal.engine.generation import sampler
 from tidal.engine.generation.kv_cache import SlotKVCache
-from tidal.engine.generation.protocol import (EngineBusyError, EngineStatus, GenerationEngine, GenerationError,
+from tidal.engine.generation.protocol import (EngineStatus, GenerationEngine, GenerationError,
                                               IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import Transformer
@@ -451,15 +451,6 @@ class NativeEngine(GenerationEngine):
         return live
 
     # ---- weights and memory ------------------------------------------------------------------------------
-    def _need_ready(self, op: str) -> None:
-        if self.status is not EngineStatus.READY:
-            raise GenerationError(f"{op}: engine memory is released; call resume() first")
-
-    def _need_idle(self, op: str) -> None:
-        if self._live:
-            ids = list(self._live)
-            raise EngineBusyError(f"{op}: {len(ids)} requests in flight ({ids[:4]}...); weights change only "
-                                  "between RL steps: let them finish, or export/abort them first")
 
     @torch.no_grad()
     def _load(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -119,6 +119,17 @@ class IllegalTransition(GenerationError):
 class GenerationEngine(ABC):
     """What rollout instances and migration code rely on. Implementations: `NativeEngine`."""
 
+    # Guards shared by the backends (each keeps `status` and a `_live` dict of requests in flight).
+    def _need_ready(self, op: str) -> None:
+        if self.status is not EngineStatus.READY:
+            raise GenerationError(f"{op}: engine memory is released; call resume() first")
+
+    def _need_idle(self, op: str) -> None:
+        if self._live:
+            ids = list(self._live)
+            raise EngineBusyError(f"{op}: {len(ids)} requests in flight ({ids[:4]}...); weights change only "
+                                  "between RL steps: let them finish, or export/abort them first")
+
     @property
     @abstractmethod
     def policy_version(self) -> int: ...

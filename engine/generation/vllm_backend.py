@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tidal.engine.generation.protocol import (EngineBusyError, EngineStatus, GenerationEngine, GenerationError,
+from tidal.engine.generation.protocol import (EngineStatus, GenerationEngine, GenerationError,
                                               IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import ModelArgs, param_specs
@@ -464,15 +464,6 @@ class VLLMEngine(GenerationEngine):
                     gen.numpy().tobytes(), st.num_migrations + 1, False)
 
     # ---- weights and memory ------------------------------------------------------------------------------
-    def _need_ready(self, op: str) -> None:
-        if self.status is not EngineStatus.READY:
-            raise GenerationError(f"{op}: engine memory is released; call resume() first")
-
-    def _need_idle(self, op: str) -> None:
-        if self._live:
-            ids = list(self._live)
-            raise EngineBusyError(f"{op}: {len(ids)} requests in flight ({ids[:4]}...); weights change only "
-                                  "between RL steps: let them finish, or export/abort them first")
 
     def _check_version(self, version: int) -> None:
         if not isinstance(version, int) or version <= self._version:

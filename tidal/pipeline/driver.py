@@ -336,12 +336,8 @@ class Pipeline:
     # ---- end of step ----------------------------------------------------------------------------------------
     def sync_weights(self, step: int) -> None:
         import ray
-        c, g = self.cluster, self.group
-        shards = [w for w in g.gather(g.submit_all(f"{ROLES}:actor_weights", device_ids=c.actor_layout.devices))
-                  if w is not None]
-        shards.sort(key=lambda w: int(w["__tp__"][1]))
-        from tidal.engine.generation.weights import rollout_shard
-        full = rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)
+        c = self.cluster
+        full = self.global_weights()
         self.version += 1
         t0 = self.clock()
         self._load_generation(ray.put(full), step + 1)
