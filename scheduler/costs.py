@@ -230,6 +230,23 @@ def fit_decode(samples: Sequence[tuple[int, float]], prefill_per_token_s: float)
                       prefill_per_token_s=prefill_per_token_s)
 
 
+def learn_decode(samples: Sequence[tuple[float, float]], prior: DecodeCost, min_samples: int = 8) -> DecodeCost | None:
+    """The decode cost a running service measured last step: `samples` are (mean running batch, seconds per engine
+    step) of rollout calls (each step there includes admitting and prefilling new requests, so this is the
+    step time the instance really pays). The batch barely varies within a run (and CPU rows are padded to a
+    fixed width), so the slope stays the prior's and the intercept is the median residual: robust to the
+    machine's load spikes. None when there are too few samples to say."""
+    if len(samples) < min_samples:
+        return None
+    b = np.asarray([x[0] for x in samples], dtype=float)
+    t = np.asarray([x[1] for x in samples], dtype=float)
+    ok = np.isfinite(t) & (t > 0)
+    if ok.sum() < min_samples:
+        return None
+    step_s = float(np.median(t[ok] - prior.per_seq_s * b[ok]))
+    return replace(prior, step_s=max(step_s, 1e-6))
+
+
 def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost) -> ActorCost:
     """`ActorCost` from measured (dp, iter seconds) at a fixed `tokens` per iter; the all-reduce term of
     `base` is subtracted first, so only the fixed and per-token terms are fitted."""

@@ -28,6 +28,7 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
+from tidal.scheduler.costs import learn_decode
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
@@ -141,7 +142,10 @@ class Reconciler:
             extra = self._do(a)
             ok, why = True, ""
         except Exception as err:  # a failed action is recorded and the run goes on (state was rolled back)
-            ok, why, extra = False, f"{type(err).__name__}: {err}"[:500], {}
+            cause = getattr(err, "cause", "")   # a worker's error: its own line, not the Ray traceback
+            ok, extra = False, {}
+            why = (f"{type(err).__name__} on device {err.device_id}: {cause}" if cause else
+                   f"{type(err).__name__}: {err}")[:500]
             log.warning("action %s failed: %s", type(a).__name__, why)
         c.record("action", step=sig.step, iter=sig.actor.iters_done, action=type(a).__name__,
                  reason=a.reason, ok=ok, error=why, seconds=self.p.clock() - t0, **extra)
@@ -149,10 +153,9 @@ class Reconciler:
 
     def _do(self, a: Action) -> dict:
         if isinstance(a, MigrateRequests):
-            return self.migrate(a.src, a.dst, a.count)
+            return self.migrate_many([(a.src, a.dst, a.count)])
         if isinstance(a, MigrateBatch):
-            outs = [self.migrate(s, d, n) for s, d, n in a.moves]
-            return {"groups": sum(o["groups"] for o in outs), "kv_bytes": sum(o["kv_bytes"] for o in outs)}
+            return self.migrate_many(list(a.moves))
         if isinstance(a, StartRollout):
             return self.lend(a.devices, lent=False)
         if isinstance(a, LendInference):
@@ -180,41 +183,85 @@ class Reconciler:
 
     def migrate(self, src: int, dst: int, count: int | None) -> dict:
         """Move `count` unfinished groups (None: all) of instance `src` to `dst`, two-phase, KV included."""
+        return self.migrate_many([(src, dst, count)])
+
+    def migrate_many(self, moves: list[tuple[int, int, int | None]]) -> dict:
+        """Apply `moves` [(src, dst, count)] with the result of applying them one by one, in rounds of concurrent
+        calls instead of three sequential calls per move.
+
+        Moves are cut into waves, in order, so that no device of a wave is both a source and a target: a wave's
+        sources then export exactly what they would have exported one move at a time (nothing arrives at them
+        during the wave; exports from one source run in submission order on its worker). Per wave: every export
+        at once, then every import (targets take their packages in move order), then commit the exports whose
+        import succeeded and cancel the others (two-phase per move: a failed import leaves that move's groups on
+        its source). A failure is raised after the whole wave is settled; earlier waves stay applied."""
+        out = {"groups": 0, "kv_bytes": 0}
+        wave: list[tuple[int, int, int | None]] = []
+        for m in moves:
+            if wave and (m[0] in {d for _, d, _ in wave} or m[1] in {s for s, _, _ in wave}):
+                self._migrate_wave(wave, out)
+                wave = []
+            wave.append(m)
+        if wave:
+            self._migrate_wave(wave, out)
+        return out
+
+    def _migrate_wave(self, wave: list[tuple[int, int, int | None]], out: dict) -> None:
         c, g, st = self.p.cluster, self.p.group, self.p.step_state
-        self._idle([src, dst])
+        self._idle({d for s, t, _ in wave for d in (s, t)})
         t0 = self.p.clock()
-        pkg = g.call(src, f"{ROLES}:rollout_export", count=count)
-        moved = len(pkg["queued"]) + len(pkg["open"])
-        try:
-            g.call(dst, f"{ROLES}:rollout_import", package=pkg)
-        except Exception:
-            g.call(src, f"{ROLES}:rollout_cancel_export", package=pkg)
-            raise
-        g.call(src, f"{ROLES}:rollout_commit_export", package=pkg)
-        st.given[src] = max(0, st.given.get(src, 0) - moved)
-        st.given[dst] = st.given.get(dst, 0) + moved
-        for d in (src, dst):   # their last reports are stale now: estimate from given groups until the next one
-            st.signals.pop(d, None)
-        kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in s.kv)
-                 for s in pkg["states"] if s.kv is not None)
-        c.timeline.add_busy([src, dst], "moving", "migrate", t0, self.p.clock())
-        c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=len(pkg["states"]),
-                 kv_bytes=kv, mode="kv", seconds=self.p.clock() - t0)
-        return {"groups": moved, "kv_bytes": kv}
+        exports = [g.submit(s, f"{ROLES}:rollout_export", count=n) for s, _, n in wave]
+        pkgs = g.gather(exports)
+        imports = [g.submit(t, f"{ROLES}:rollout_import", package=h.ref) for (_, t, _), h in zip(wave, exports)]
+        failed: list[tuple[int, Exception]] = []
+        for k, h in enumerate(imports):
+            try:
+                g.gather([h])
+            except Exception as err:   # this move stays on its source; the others go on
+                failed.append((k, err))
+        bad = {k for k, _ in failed}
+        g.gather([g.submit(s, f"{ROLES}:rollout_cancel_export" if k in bad else f"{ROLES}:rollout_commit_export",
+                           package=h.ref) for k, ((s, _, _), h) in enumerate(zip(wave, exports))])
+        t1 = self.p.clock()
+        for k, ((src, dst, _), pkg) in enumerate(zip(wave, pkgs)):
+            if k in bad:
+                continue
+            moved = len(pkg["queued"]) + len(pkg["open"])
+            st.given[src] = max(0, st.given.get(src, 0) - moved)
+            st.given[dst] = st.given.get(dst, 0) + moved
+            for d in (src, dst):   # their last reports are stale now: estimate from given groups until the next one
+                st.signals.pop(d, None)
+            kv = sum(sum(kk.numel() * kk.element_size() + v.numel() * v.element_size() for kk, v in s.kv)
+                     for s in pkg["states"] if s.kv is not None)
+            c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=len(pkg["states"]),
+                     kv_bytes=kv, mode="kv", seconds=t1 - t0, wave=len(wave))
+            out["groups"] += moved
+            out["kv_bytes"] += kv
+        c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
+        if failed:
+            k, err = failed[0]
+            raise RuntimeError(f"{len(failed)} of {len(wave)} moves failed (rolled back on their sources); first: "
+                               f"{wave[k][0]} -> {wave[k][1]}: {err}") from err
 
     def release_rollout(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
         c, st = self.p.cluster, self.p.step_state
         targets = [t for t in migrate_to if t in c.rollout and t not in instance_ids] or \
             [t for t in c.rollout if t not in instance_ids]
-        for k, inst in enumerate(instance_ids):
-            self._idle([inst])
-            if st.given.get(inst, 0) and targets:
-                self.migrate(inst, targets[k % len(targets)], None)
+        self._idle(instance_ids)
+        moves = [(inst, targets[k % len(targets)], None) for k, inst in enumerate(instance_ids)
+                 if st.given.get(inst, 0) and targets]
+        if moves:
+            self.migrate_many(moves)
+        for inst in instance_ids:
             if st.given.get(inst, 0):
                 raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
                                    "take them")
             self.p.ledger.release([inst], "rollout instance released")
-            self.p.group.call(inst, f"{ROLES}:rollout_release")
+            try:
+                self.p.group.call(inst, f"{ROLES}:rollout_release")
+            except Exception:   # the instance still runs (it refused): it stays a rollout instance
+                self.p.ledger.land([inst], Owner.ROLLOUT, "release refused: rolled back")
+                raise
             c.rollout.remove(inst)
             if back_to is Owner.FREE:
                 self.p.ledger.free([inst], "rollout freed its memory")
@@ -325,8 +372,14 @@ class Reconciler:
         t = np.maximum.accumulate(np.asarray([st.gen_time[i] for i in sorted(st.gen_time)])) - self._t_start
         span = float(t.max()) if t.size and t.max() > 0 else 1.0
         curve = tuple((np.quantile(t, np.linspace(0, 1, 17)) / span).tolist()) if t.size else ()
+        costs = p.sched_state.costs
+        dec = learn_decode(st.decode_samples, costs.decode)
+        if dec is not None:   # the decode step time this run measured (the preset's is a prior)
+            costs = costs.with_decode(dec)
+            p.cluster.record("learn", step=st.step, decode_step_s=dec.step_s, samples=len(st.decode_samples),
+                             mean_response_tokens=self.lengths.mean)
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
-                                prompt_tokens=float(np.mean(prompts)), ready_curve=curve)
+                                prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs)
 
     # ---- end of step ---------------------------------------------------------------------------------------
     def restore(self) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from tidal.config import build_config
 from tidal.pipeline.run import TrainingRun
-from tidal.scheduler.actions import MigrateRequests, ReleaseRollout, ReshardActor
+from tidal.scheduler.actions import MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
 from tidal.scheduler.signals import ActorLayout
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,8 @@ def scripted(state, sig, now):
     k, lay = sig.actor.iters_done, sig.actor.layout
     live = {r.id for r in sig.rollout}
     if k == 0 and 5 in live:
-        return [MigrateRequests("script", src=5, dst=4, count=1 << 20),
+        # one migration wave with three exports from one source in flight at once (each takes the next groups)
+        return [MigrateBatch("script", moves=((5, 4, 1), (5, 3, 1), (5, 4, 1 << 20)), kv=True),
                 ReleaseRollout("script", instance_ids=(5,), devices=(5,), migrate_to=(4,)),
                 ReshardActor("script", lay, ActorLayout(1, 3, (0, 1, 5)))]
     if k == 1 and 4 in live:
@@ -89,6 +90,8 @@ def test_dynamic_run_equals_static_run(tmp_path):
         kinds = [e["kind"] for e in events if e.get("step") == step]
         assert kinds.count("reshard") >= 3 and kinds.count("migration") >= 2, kinds
         assert all(e["ok"] for e in events if e["kind"] == "action")
+        wave = [e for e in events if e["kind"] == "migration" and e.get("step") == step and e.get("wave") == 3]
+        assert [e["src"] for e in wave] == [5, 5, 5], wave   # three exports from one source in one wave
     assert sum(e["requests"] for e in events if e["kind"] == "migration") > 0  # in-flight requests moved (KV)
     assert set(static.final_weights) == set(dynamic.final_weights)
     for name, w in static.final_weights.items():

@@ -36,3 +36,9 @@ class WorkerCallError(WorkerError):
     def __init__(self, device_id: int, fn: str, remote_traceback: str):
         self.device_id, self.fn, self.remote_traceback = device_id, fn, remote_traceback
         super().__init__(f"{fn} failed on device {device_id}:\n{remote_traceback}")
+
+    @property
+    def cause(self) -> str:
+        """The remote exception's own line (`Type: message`), the part worth a one-line log."""
+        lines = [ln.strip() for ln in self.remote_traceback.strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else ""

@@ -201,8 +201,12 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     inst: RolloutInstance = r["inst"]
     inst.reopen()  # new work may have arrived in the local queue
     t0 = time.perf_counter()
+    pumps = 0
+    batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
         inst.pump()
+        pumps += 1
+        batch += r["engine"].num_running()
         if r["out"] and time.perf_counter() - t0 > budget_s / 4:
             break
     finished, r["out"][:] = list(r["out"]), []
@@ -214,7 +218,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     return records, {"groups_in_progress": s.groups_in_progress, "running": s.running_requests, "progress": progress,
                      "waiting": s.waiting_requests, "tokens": s.tokens_generated, "token_rate": s.token_rate,
                      "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
-                     "busy_s": time.perf_counter() - t0}
+                     "busy_s": time.perf_counter() - t0, "pumps": pumps, "mean_batch": batch / max(1, pumps)}
 
 
 def rollout_export(ctx, count: int | None = None) -> dict:
@@ -229,7 +233,12 @@ def rollout_export(ctx, count: int | None = None) -> dict:
     queued = []
     while len(queued) < want and r["queue"].remaining():
         queued.append(r["queue"].pop_back())
-    open_ids = [gid for gid in reversed(inst.group_ids())][:max(0, int(min(want, 1 << 30)) - len(queued))]
+    # groups frozen by an export not yet committed or cancelled are not offered again: several exports from one
+    # source may be in flight at once (the reconciler's migration waves), each taking the next groups
+    frozen = r.setdefault("exporting", set())
+    open_ids = [gid for gid in reversed(inst.group_ids()) if gid not in frozen]
+    open_ids = open_ids[:max(0, int(min(want, 1 << 30)) - len(queued))]
+    frozen.update(open_ids)
     open_groups = {gid: inst.group_snapshot(gid) for gid in open_ids}
     ids = [rid for rid in r["engine"].request_ids() if int(rid.split("/")[1][1:]) in open_groups]
     states = r["engine"].export_state(ids) if ids else []
@@ -260,6 +269,7 @@ def rollout_commit_export(ctx, package: Any) -> None:
         r["engine"].commit_export(ids)
     for gid in package["open"]:
         r["inst"].drop_group(gid)
+        r.setdefault("exporting", set()).discard(gid)
 
 
 def rollout_cancel_export(ctx, package: Any) -> None:
@@ -269,6 +279,7 @@ def rollout_cancel_export(ctx, package: Any) -> None:
     ids = [s.request_id for s in package["states"]]
     if ids:
         r["engine"].cancel_export(ids)
+    r.setdefault("exporting", set()).difference_update(package["open"])
     r["queue"].extend(package["queued"])
     r["inst"].reopen()
 

@@ -79,6 +79,8 @@ class StepState:
     last_iter_s: float = 0.0
     held: bool = False
     actor_metrics: list[dict] = field(default_factory=list)
+    # (mean batch, seconds per engine step) of every rollout call that stepped: the decode cost, measured
+    decode_samples: list[tuple[float, float]] = field(default_factory=list)
 
 
 class Cluster:
@@ -311,6 +313,8 @@ class Pipeline:
         if f.kind == "rollout":
             records, sig = res
             st.signals[f.device] = sig
+            if sig.get("pumps", 0) >= 4:   # a call of a few steps is mostly call overhead: not a decode sample
+                st.decode_samples.append((sig["mean_batch"], sig["busy_s"] / sig["pumps"]))
             c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.generated += len(records)
