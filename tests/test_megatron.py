@@ -238,7 +238,7 @@ def test_backend_registry_and_protocol():
     assert "native" in backend_names()
     with pytest.raises(ValueError, match="already registered"):
         register_backend("native", NativeBackend)
-    with pytest.raises(ConfigError, match="actor.backend.*use one of native"):
+    with pytest.raises(ConfigError, match="actor.backend.*use one of (megatron, )?native"):
         make_backend("nemo")
 
 

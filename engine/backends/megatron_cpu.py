@@ -15,6 +15,12 @@ on CPU, and on a machine with CUDA every one of them is a no-op (`cpu_shim` patc
 | CudaRNGStatesTracker.fork around attention dropout             | torch.cuda RNG state               | megatron's own
 |                                                                 |                                    | inference tracker
 |                                                                 |                                    | (no dropout here)
+| param_and_grad_buffer._ParamAndGradBuffer (DDP param/grad bufs)| device=torch.cuda.current_device() | cpu_shim
+| MixedPrecisionOptimizer.__init__ (optimizer.py:481, 485)       | torch.tensor(..., device='cuda')   | optimizer_shim
+| clip_grads.get_grad_norm_fp32 / clip_grad_by_total_norm_fp32   | torch.zeros(..., device='cuda')    | optimizer_shim
+| utils.local_multi_tensor_l2_norm (no Apex/TE: the torch path)  | torch.tensor(..., device='cuda')   | optimizer_shim
+| DistributedOptimizer._build_model_and_main_param_groups (361,  | param.type() in                    | optimizer_shim
+|   420), DistributedOptimizer.__init__ (582), clip_grads (167)  |   ['torch.cuda.FloatTensor', ...]  |
 
 `cpu_shim()` swaps `torch.cuda.current_device` for a function that returns "cpu" (every use above is a `device=`
 argument) and `torch.cuda.synchronize` for a no-op (there is no device to wait for), only for the duration of the
@@ -24,8 +30,17 @@ Not a CUDA shim, but a process rule: dist_checkpointing's writer forks one proce
 multiprocessing Manager, so the saving process must be allowed to have children (not a daemonic process; torchrun
 and Ray workers are not daemonic; tests use `run_ranks(..., daemon=False)`).
 
-megatron-core's optimizer (DistributedOptimizer) and its DDP wrapper need CUDA (fused kernels, CUDA streams): they
-are not run here (docs/megatron.md lists what remains for the GPU machine).
+`optimizer_shim()` (cpu_shim plus a torch function mode, `_CudaToCpu`) lets megatron-core's DDP wrapper
+(`overlap_grad_reduce=False`: no CUDA streams) and DistributedOptimizer (torch AdamW: no Apex/TE fused kernels) run
+unchanged on gloo. Inside the block the mode rewrites three things and nothing else:
+- a factory call's `device=` that names CUDA (a string, a torch.device or an index) becomes "cpu";
+- `Tensor.cuda()` returns the tensor itself (it is already where the work happens);
+- `Tensor.type()` without arguments on a CPU tensor answers the CUDA type name ("torch.FloatTensor" ->
+  "torch.cuda.FloatTensor"): megatron-core classifies parameters by that string (fp32 vs fp16/bf16 main params,
+  clip's fp32 check); the answer keeps the dtype, which is all those checks read.
+The mode costs a Python call per torch op inside the block, so the backend uses it around optimizer construction
+and `step()` only (forward/backward need just `cpu_shim`). Every site above is exercised by
+tests/test_megatron_backend.py (a DDP + DistributedOptimizer step on gloo, compared with our engine).
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from tidal.engine.backends.megatron_map import gpt_model_kwargs, transformer_config
 from tidal.engine.model import ModelArgs
@@ -61,6 +77,33 @@ def cpu_shim() -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """See the module doc: CUDA placements -> CPU, `.cuda()` -> identity, `.type()` -> the CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None and (isinstance(dev, int) or torch.device(dev).type == "cuda"):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def optimizer_shim() -> Iterator[None]:
+    """`cpu_shim` plus `_CudaToCpu` (module doc), for megatron-core's DDP and DistributedOptimizer on CPU; a no-op
+    when CUDA exists."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with cpu_shim(), _CudaToCpu():
+        yield
 
 
 def import_megatron():
@@ -138,5 +181,5 @@ def load_gpt_weights(model, state: dict[str, torch.Tensor]) -> None:
         raise KeyError(f"GPTModel weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-__all__ = ["cpu_shim", "import_megatron", "init_parallel", "build_gpt", "causal_mask", "gpt_logits",
+__all__ = ["cpu_shim", "optimizer_shim", "import_megatron", "init_parallel", "build_gpt", "causal_mask", "gpt_logits",
            "load_gpt_weights"]

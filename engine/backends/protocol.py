@@ -77,6 +77,10 @@ def make_backend(name: str, *args: Any, **kwargs: Any) -> ActorBackend:
 def _load_builtin() -> None:
     # the native backend registers itself on import; importing it here keeps `protocol` free of engine imports
     import tidal.engine.backends.native  # noqa: F401
+    import importlib.util
+    if "megatron" not in _REGISTRY and importlib.util.find_spec("megatron") is not None \
+            and importlib.util.find_spec("megatron.core") is not None:
+        import tidal.engine.backends.megatron_backend  # noqa: F401  (registers "megatron")
 
 
 __all__ = ["ActorBackend", "BackendFactory", "register_backend", "backend_names", "make_backend"]

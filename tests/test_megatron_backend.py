@@ -1,0 +1,198 @@
+"""The "megatron" actor backend (GPTModel + megatron-core DDP + DistributedOptimizer) on CPU gloo worlds.
+
+Reference: our native engine (`ActorShard`) loaded with the same weights. The two agree on the loss and the
+gradients to fp32 round-off (different attention and matmul kernels); after Adam steps the weights agree to a
+small fraction of one step (Adam divides by sqrt(v) + eps, so elements whose grad is ~eps amplify round-off).
+Resharding moves bytes: states before and after a reshard are bit-identical, and a run resharded A -> B -> A
+between iters ends bit-identical to the same run without the reshard. Skipped when megatron-core is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tidal.engine.testing import run_ranks
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
+pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
+                                "(pip install -e '.[megatron]')")
+
+ARGS = dict(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+            max_seq_len=32)
+HP = dict(lr=1e-3, warmup_iters=1, total_iters=10, weight_decay=0.1, grad_clip=0.5)
+
+
+def _setup():
+    from tidal.engine.model import ModelArgs, init_global_weights
+    from tidal.engine.optim import OptimConfig
+    args = ModelArgs(**ARGS)
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, ARGS["vocab_size"], (2, 12), generator=g) for _ in range(4)]
+    return args, OptimConfig(**HP), init_global_weights(args, 3), mbs, 4 * 2 * 11
+
+
+def _vs_native(rank, world):
+    """World 1: loss, grads (mapped to our names) and three train iters of both engines."""
+    from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
+    from tidal.engine.backends.megatron_map import from_megatron
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.layout import Layout
+
+    args, hp, w, mbs, ntok = _setup()
+    lay = Layout(1, 1, (0,))
+    nat = ActorShard(args, hp, lay, 0, weights=w)
+    meg = make_backend("megatron", args, hp, lay, 0, weights=w)
+    loss_n = sum(nll_loss(nat.model, mb, ntok) for mb in mbs)
+    loss_n.backward()
+    g_nat = {n: p.grad for n, p in nat.model.named_parameters()}
+    loss_m, n_mb = meg.forward_backward(SharedQueue(mbs), nll_loss, ntok)
+    g_meg = from_megatron({k: v.clone() for k, v in meg.grads().items()}, args)
+    grad_diff = max(float((g_nat[k] - g_meg[k]).abs().max()) for k in g_nat)
+    padded_grad = float(meg.grads()["output_layer.weight"][args.vocab_size:].abs().max())
+    for p in nat.model.parameters():
+        p.grad = None
+    reports = [(nat.train_iter(SharedQueue(mbs), nll_loss, ntok), meg.train_iter(SharedQueue(mbs), nll_loss, ntok))
+               for _ in range(3)]
+    w_meg = from_megatron({n: p.detach().clone() for n, p in meg.stack.params.items()}, args)
+    w_diff = max(float((p.detach() - w_meg[n]).abs().max()) for n, p in nat.model.named_parameters())
+    return (float(loss_n), loss_m, n_mb, grad_diff, padded_grad, w_diff,
+            [(a.loss, b.loss, a.grad_norm, b.grad_norm, a.lr, b.lr, a.clipped, b.clipped) for a, b in reports],
+            type(meg).__name__)
+
+
+def test_megatron_backend_matches_native_world1():
+    loss_n, loss_m, n_mb, grad_diff, padded_grad, w_diff, reports, kind = run_ranks(1, _vs_native)[0]
+    assert kind == "MegatronBackend" and n_mb == 4
+    assert abs(loss_n - loss_m) < 1e-6 * abs(loss_n)
+    assert grad_diff < 1e-6          # measured 1.9e-8 (grads ~1e-2)
+    assert padded_grad == 0.0        # padded vocab rows are masked out of the softmax
+    for ln, lm, gn, gm, lrn, lrm, cn, cm in reports:
+        assert abs(ln - lm) < 1e-5 * abs(ln) and abs(gn - gm) < 1e-5 * gn
+        assert lrn == lrm and cn == cm
+    assert w_diff < 0.05 * HP["lr"]  # a small fraction of one Adam step after 3 steps
+
+
+def _layouts(rank, world):
+    """tp 2 x dp 1 and tp 1 x dp 2: three iters each, losses and final weights in our names."""
+    from tidal.engine.actor import SharedQueue, nll_loss
+    from tidal.engine.backends.megatron_backend import MegatronBackend
+    from tidal.engine.backends.megatron_map import from_megatron
+    from tidal.engine.layout import Layout
+
+    args, hp, w, mbs, ntok = _setup()
+    out = {}
+    for tp in (2, 1):
+        meg = MegatronBackend(args, hp, Layout(tp, world // tp, (0, 1)), rank, weights=w)
+        losses = [meg.train_iter(SharedQueue(mbs), nll_loss, ntok).loss for _ in range(3)]
+        glob = meg.state_dict_global()
+        fused = {}
+        for spec in meg.inventory():
+            name, _, half = spec.name.partition("#")
+            fused.setdefault(name, []).append(glob[f"param/{spec.name}"])
+        weights = from_megatron({k: torch.cat(v) for k, v in fused.items()}, args)
+        out[tp] = (losses, {k: v.numpy() for k, v in weights.items()})
+    return out
+
+
+def _native_ref(rank, world):
+    from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
+    from tidal.engine.layout import Layout
+    args, hp, w, mbs, ntok = _setup()
+    nat = ActorShard(args, hp, Layout(1, 1, (0,)), 0, weights=w)
+    losses = [nat.train_iter(SharedQueue(mbs), nll_loss, ntok).loss for _ in range(3)]
+    return losses, {n: p.detach().numpy().copy() for n, p in nat.model.named_parameters()}
+
+
+@pytest.mark.slow  # about 40 s on 2 shared cores
+def test_megatron_backend_tp2_and_dp2_match_native():
+    ref_losses, ref_w = run_ranks(1, _native_ref)[0]
+    for rank_out in run_ranks(2, _layouts):
+        for tp, (losses, weights) in rank_out.items():
+            assert all(abs(a - b) < 1e-5 * abs(a) for a, b in zip(ref_losses, losses)), (tp, ref_losses, losses)
+            assert set(weights) == set(ref_w)
+            assert max(float(abs(ref_w[k] - weights[k]).max()) for k in ref_w) < 0.05 * HP["lr"], tp
+
+
+def _reshard(rank, world):
+    """ref: A, 3 iters. x: A, iter, reshard to B (state bit-identical), iter at B, back to A (bit-identical),
+    iter. y: A, iter, A -> B -> A, 2 iters: must end bit-identical to ref."""
+    from tidal.engine.actor import SharedQueue, nll_loss
+    from tidal.engine.backends.megatron_backend import MegatronBackend
+    from tidal.engine.layout import Layout
+
+    args, hp, w, mbs, ntok = _setup()
+    a, b = Layout(2, 1, (0, 1)), Layout(1, 2, (0, 1))
+
+    def it(m):
+        return m.train_iter(SharedQueue(mbs), nll_loss, ntok).loss
+
+    def same(s, t):
+        return sorted(s) == sorted(t) and all(torch.equal(s[k], t[k]) for k in s)
+
+    ref = MegatronBackend(args, hp, a, rank, weights=w)
+    ref_losses = [it(ref) for _ in range(3)]
+    ref_state = ref.state_dict_global()
+
+    x = MegatronBackend(args, hp, a, rank, weights=w)
+    x_losses = [it(x)]
+    s1 = x.state_dict_global()
+    rep = x.reshard(b)
+    at_b = same(s1, x.state_dict_global())
+    split = sum(1 for o in x.stack.views(x.specs, x.step).opt if o is not None)  # specs with an owned range
+    x_losses.append(it(x))
+    s2 = x.state_dict_global()
+    x.reshard(a)
+    back_a = same(s2, x.state_dict_global())
+    x_losses.append(it(x))
+
+    y = MegatronBackend(args, hp, a, rank, weights=w)
+    it(y)
+    y.reshard(b)
+    y.reshard(a)
+    y_losses = [it(y), it(y)]
+    exact = same(ref_state, y.state_dict_global())
+    moments_nonzero = bool(s1[f"exp_avg/{x.specs[1].name}"].abs().sum() > 0)
+    return (ref_losses, x_losses, y_losses, at_b, back_a, exact, rep.ok, rep.bytes_moved, split, len(x.specs),
+            moments_nonzero, x.step)
+
+
+@pytest.mark.slow  # about 40 s on 2 shared cores
+def test_megatron_reshard_dp1_tp2_to_dp2_tp1_and_back_is_exact():
+    for (ref_losses, x_losses, y_losses, at_b, back_a, exact, ok, moved, split, n_specs, moments,
+         step) in run_ranks(2, _reshard):
+        assert ok and moved > 0 and moments and step == 3
+        assert at_b and back_a       # every param, fp32 main param, exp_avg, exp_avg_sq bit-identical
+        assert exact                 # A -> B -> A between iters changes nothing
+        assert y_losses == ref_losses[1:]
+        assert x_losses[0] == ref_losses[0]
+        # iter 2 ran at B on the bit-identical state: another TP / DP reduction order, same loss to round-off
+        assert abs(x_losses[1] - ref_losses[1]) < 1e-6 * ref_losses[1], (ref_losses, x_losses)
+        # iter 3 (at A again) starts from weights that differ by B's round-off, which Adam amplifies where grads
+        # are small: the size of any TP/DP change (1e-3 relative at lr 1e-2), not a reshard error
+        assert abs(x_losses[2] - ref_losses[2]) < 1e-2 * ref_losses[2], (ref_losses, x_losses)
+        assert 0 < split < n_specs   # DP 2: each rank owns ranges of only part of the specs
+
+
+def _bad_layout(rank, world):
+    from tidal.engine.backends.megatron_backend import MegatronBackend
+    from tidal.engine.layout import Layout
+    from tidal.errors import LayoutError
+    args, hp, w, _, _ = _setup()
+    try:
+        MegatronBackend(args, hp, Layout(1, 1, (1,)), rank, weights=w)
+    except LayoutError as e:
+        return str(e)
+    return ""
+
+
+def test_megatron_backend_refuses_a_partial_world():
+    for msg in run_ranks(2, _bad_layout):
+        assert "layout.devices" in msg and "whole world" in msg and "0-1" in msg
+
+
+def test_megatron_registered_when_installed():
+    from tidal.engine.backends.protocol import backend_names
+    assert {"native", "megatron"} <= set(backend_names())
