@@ -37,13 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.engine.groups import GroupCache
+from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, Transformer, check_tp, init_global_weights, param_specs, rope_tables
 from tidal.engine.optim import (OPT_KINDS, BufferPool, OptimConfig, ShardState, ZeroShape, adamw_update,
                                 clip_coefficient, lr_at, rng_seed)
 from tidal.engine.reshard import ReshardReport
 from tidal.engine.reshard._commit import reshard_state
+from tidal.errors import LayoutError
 
 LossFn = Callable[[Transformer, Any, int], torch.Tensor]
 
@@ -330,14 +331,32 @@ class ActorShard:
             torch._foreach_copy_(dst, src)
 
     # ---- resharding ----------------------------------------------------------------------------------
-    def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None) -> ReshardReport:
+    def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None, *,
+                local: bool = False, old_layout: Layout | None = None) -> ReshardReport:
         """Move this actor to `new_layout` (collective over the world; see engine/reshard). Raises ReshardError
-        after a rollback on every rank, leaving the old layout intact."""
+        after a rollback on every rank, leaving the old layout intact.
+
+        `local=True`: only the ranks in the old or the new layout call this (the others keep working); every
+        group the move needs must exist already (`GroupCache.has` of `reshard_rank_sets`: they were made by an
+        earlier world-wide reshard between the same layouts' rank sets), else LayoutError and nothing moves.
+        `old_layout`: the actor's layout as the caller knows it; a rank that sat out local reshards (holding no
+        state) catches up with it first."""
         check_tp(self.args, new_layout.tp)
+        self.sync_layout(old_layout)
+        if local:
+            missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
+            if missing:
+                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"a member-local reshard needs "
+                                  f"groups not made yet: {missing[:3]}", "reshard world-wide once (local=False)")
+            if self.rank not in new_layout.devices and self.rank not in self.layout.devices:
+                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"rank {self.rank} is in neither "
+                                  "layout of a member-local reshard", "call it on the ranks of either layout only")
         self.groups.get(new_layout)
+        union = self.groups.union(self.layout, new_layout)
         new_state, report = reshard_state(self.state, self.layout, new_layout, self.specs, rank=self.rank,
                                           device=self.device, param_dtype=self.dtype, pool=self.pool,
-                                          seed=self.seed, bucket_bytes=self.bucket_bytes, fault=fault)
+                                          seed=self.seed, bucket_bytes=self.bucket_bytes, fault=fault,
+                                          vote_group=union if local else None)
         if self._grad is not None:
             self.pool.give(self._grad)
         if self.state is not None:
@@ -348,6 +367,16 @@ class ActorShard:
         elif new_state is not None:
             self._bind()
         return report
+
+    def sync_layout(self, layout: Layout | None) -> None:
+        """A rank outside the actor that sat out member-local reshards learns the current layout (it holds no
+        state, so nothing moves)."""
+        if layout is None or layout == self.layout:
+            return
+        if self.state is not None:
+            raise LayoutError("layout", str(layout), f"rank {self.rank} holds shards of {self.layout}, not of "
+                              f"{layout}", "pass the layout this rank's last reshard moved it to")
+        self.layout = layout
 
     def adopt(self, layout: Layout, state: ShardState | None) -> None:
         """Swap in `state` of `layout`, built elsewhere (a checkpoint load, engine/checkpoint.py); the old buffers

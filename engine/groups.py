@@ -13,6 +13,11 @@ be in any order (users map group ranks through `dp_order`).
     cache = GroupCache()
     g = cache.get(Layout(2, 2, (0, 1, 2, 3)))   # on every world rank
     g.tp, g.dp, g.all                           # this rank's groups (None: size 1 or not a member)
+
+Member-local resharding: a reshard between layouts `a` and `b` votes on the group of the ranks in either
+(`union_ranks`). `reshard_rank_sets(a, b)` lists every rank set such a reshard needs, in creation order; a
+driver that mirrors which sets exist (it sees every world-wide call) can tell when a reshard needs no new
+group and then calls only the ranks in `a` or `b`: the others keep working (rollout keeps generating).
 """
 
 from __future__ import annotations
@@ -60,19 +65,21 @@ class GroupCache:
                                       "list the devices of each TP group in increasing order")
             coord = layout.coord(rank)
             tp = dp = everyone = None
-            for d in range(layout.dp):
-                g = self._new(layout.tp_group(d))
-                if coord is not None and coord[1] == d:
-                    tp = g
-            for t in range(layout.tp):
-                g = self._new(layout.dp_group(t))
-                if coord is not None and coord[0] == t:
-                    dp = g
-            g = self._new(layout.devices)
-            if coord is not None:
-                everyone = g
+            sets = layout_rank_sets(layout)
+            made = [self._new(r) for r in sets]
+            if coord is not None:   # sets: TP groups (d order), DP groups (t order), all: pick this rank's
+                tp, dp, everyone = made[coord[1]], made[layout.dp + coord[0]], made[-1]
             self._groups[layout] = LayoutGroups(layout, rank, tp, dp, everyone)
         return self._groups[layout]
+
+    def union(self, a: Layout, b: Layout):
+        """The group of the ranks in `a` or `b` (created on first use: collective over the world, so every world
+        rank calls this at the same point, as `get`). None when that is one rank."""
+        return self._new(union_ranks(a, b))
+
+    def has(self, ranks: tuple[int, ...]) -> bool:
+        key = tuple(sorted(ranks))
+        return len(key) < 2 or key in self._by_ranks
 
 
     def _new(self, ranks: tuple[int, ...]):
@@ -85,3 +92,19 @@ class GroupCache:
         if key not in self._by_ranks:
             self._by_ranks[key] = dist.new_group(list(key))
         return self._by_ranks[key]
+
+
+def layout_rank_sets(layout: Layout) -> list[tuple[int, ...]]:
+    """The rank sets of `layout`'s groups in creation order: TP groups (d = 0..dp-1), DP groups (t = 0..tp-1),
+    all of its ranks. Sets of one rank get no group."""
+    return ([layout.tp_group(d) for d in range(layout.dp)] + [layout.dp_group(t) for t in range(layout.tp)]
+            + [layout.devices])
+
+
+def union_ranks(a: Layout, b: Layout) -> tuple[int, ...]:
+    return tuple(sorted(set(a.devices) | set(b.devices)))
+
+
+def reshard_rank_sets(a: Layout, b: Layout) -> list[tuple[int, ...]]:
+    """Every rank set (as sorted tuples, size >= 2) a reshard a -> b uses: b's groups and the union's."""
+    return [tuple(sorted(r)) for r in layout_rank_sets(b) + [union_ranks(a, b)] if len(r) >= 2]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tidal.devices import Owner
+from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
 from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
@@ -58,6 +59,11 @@ class Reconciler:
         # tail estimates) and the readiness curve of the previous step (see `learn`)
         self.lengths = LengthModel.prior(pipeline.cfg.rollout.max_new_tokens)
         self.inf_lent: list[int] = []     # inference devices now hosting rollout instances (LendInference)
+        # rank sets whose process groups every worker has made (mirrors engine.groups.GroupCache: the initial
+        # layout's at actor_init, then every world-wide reshard's), and the layout notes still in flight
+        init = pipeline.initial_layout
+        self._rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(init) if len(r) >= 2}
+        self._layout_notes: list = []
         self._t_start = 0.0
 
     # ---- signals --------------------------------------------------------------------------------------------
@@ -117,6 +123,8 @@ class Reconciler:
             self._t_start = now
         if trigger == "step_end":
             self.restore()
+            self.p.group.gather(self._layout_notes)   # a failed note is a bug: raise it here, not later
+            self._layout_notes = []
             self.learn()
             return True
         sig = self.signals(trigger)
@@ -285,22 +293,34 @@ class Reconciler:
         return {"devices": list(devices)}
 
     def reshard(self, layout: Layout) -> dict:
-        """Collective over the world: every worker must be idle first."""
+        """Move the actor. The first time a move needs a process group that does not exist yet it is collective
+        over the world (every worker idle first: group creation); later moves between known rank sets involve
+        only the devices of either layout, and every other worker keeps generating or scoring meanwhile (it
+        learns the new layout by a call queued behind its current one)."""
         c, g, ledger = self.p.cluster, self.p.group, self.p.ledger
         old = c.actor_layout
         if layout == old:
             return {}
-        self._idle(set(g.device_ids))
+        sets = reshard_rank_sets(old, layout)
+        local = all(r in self._rank_sets for r in sets)
+        members = sorted(set(old.devices) | set(layout.devices))
+        self._idle(set(members) if local else set(g.device_ids))
         joining = [d for d in layout.devices if d not in old.devices]
         leaving = [d for d in old.devices if d not in layout.devices]
         ledger.assign(joining, Owner.ACTOR, f"actor grows to {layout}")
         t0 = self.p.clock()
         try:
-            reports = g.gather(g.submit_all(f"{ROLES}:actor_reshard", layout=layout))
+            handles = g.submit_all(f"{ROLES}:actor_reshard", device_ids=members if local else None, layout=layout,
+                                   current=old, local=local)
+            reports = [r for r in g.gather(handles) if r is not None]
         except Exception:
             ledger.release(joining, "reshard failed: rolled back")
             ledger.free(joining, "reshard failed: rolled back")
             raise
+        self._rank_sets.update(sets)
+        if local:   # the others learn the layout in order, without waiting for them now
+            others = [d for d in g.device_ids if d not in members]
+            self._layout_notes += g.submit_all(f"{ROLES}:actor_set_layout", device_ids=others, layout=layout)
         c.actor_layout = layout
         if leaving:
             ledger.release(leaving, f"actor shrinks to {layout}")
@@ -313,7 +333,7 @@ class Reconciler:
         work = max(r["seconds"] for r in reports)
         c.record("reshard", step=self.p.step_state.step, iter=self.p.step_state.iters_done, from_layout=str(old),
                  to_layout=str(layout), bytes_moved=moved, seconds=secs, worker_s=work,
-                 devices=list(layout.devices))
+                 devices=list(layout.devices), scope="members" if local else "world")
         return {"bytes_moved": moved}
 
     def lend(self, devices, lent: bool = True) -> dict:

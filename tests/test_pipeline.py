@@ -92,6 +92,9 @@ def test_dynamic_run_equals_static_run(tmp_path):
         assert all(e["ok"] for e in events if e["kind"] == "action")
         wave = [e for e in events if e["kind"] == "migration" and e.get("step") == step and e.get("wave") == 3]
         assert [e["src"] for e in wave] == [5, 5, 5], wave   # three exports from one source in one wave
+    # step 1 meets step 0's layouts again: its reshards involve only the actor's devices (rollout keeps going)
+    scopes = [e["scope"] for e in events if e["kind"] == "reshard" and e.get("step") == 1]
+    assert scopes and set(scopes) == {"members"}, scopes
     assert sum(e["requests"] for e in events if e["kind"] == "migration") > 0  # in-flight requests moved (KV)
     assert set(static.final_weights) == set(dynamic.final_weights)
     for name, w in static.final_weights.items():

@@ -214,3 +214,49 @@ def test_fault_at_each_phase_rolls_back():
             assert intact, f"rank {rank}: old layout changed by a failed reshard at {phase}"
             assert live == 2, f"rank {rank}: {live} shard states alive after rollback at {phase} (want 2)"
         assert same, f"rank {rank}: training after failed reshards differs from a shard that never tried"
+
+
+def member_local(rank, world):
+    """World 4. A = tp1 dp2 on (0, 1), B = tp2 dp1 on (1, 2): rank 3 is in neither. A world-wide A -> B -> A makes
+    every group; then A -> B -> A member-local (rank 3 sits out, only learning the layout) must end bit-identical
+    to the world-wide round trip, and training at B after a local move must equal training at B after a world
+    one. A local move whose groups do not exist is refused before anything moves."""
+    from tidal.errors import LayoutError
+    groups = GroupCache()
+    a, b = Layout.parse("tp=1,dp=2,devices=0-1"), Layout.parse("tp=2,dp=1,devices=1-2")
+    c = Layout.parse("tp=1,dp=2,devices=0,2")   # its group (0, 2) was never made
+    s = ActorShard(ARGS, HP, a, rank, seed=SEED, groups=groups)
+    train(s, range(2))
+    s.reshard(b)              # world-wide: makes b's groups and the union's, on every rank
+    world_b = s.local_tensors() if rank in b.devices else None
+    s.reshard(a)
+    world_a = s.local_tensors() if rank in a.devices else None
+    out = {"refused": False}
+    if rank in (0, 1, 2):
+        try:                  # c's groups were never made: refused, on every member, before any transfer
+            s.reshard(c, local=True)
+        except LayoutError:
+            out["refused"] = True
+        assert s.layout == a
+        s.reshard(b, local=True)
+        out["b_equal"] = not _equal_dicts(world_b, s.local_tensors()) if rank in b.devices else True
+        train(s, range(2, 3))  # members of b train; rank 0 (not in b) returns None
+        s.reshard(a, local=True, old_layout=b)
+    else:
+        s.sync_layout(b)      # what actor_set_layout does, queued behind the worker's own work
+        out["b_equal"] = True
+        s.sync_layout(a)
+    out["layout"] = str(s.layout)
+    dist.barrier()
+    s.reshard(b)              # world-wide again: rank 3 takes part with the layout it learned
+    out["after"] = s.local_tensors() if rank in b.devices else None
+    out["after"] = None if out["after"] is None else {k: v.numpy().copy() for k, v in out["after"].items()}
+    return out
+
+
+def test_member_local_reshard():
+    res = run_ranks(4, member_local)
+    assert [r["refused"] for r in res] == [True, True, True, False]
+    assert all(r["b_equal"] for r in res)
+    assert all(r["layout"] == "tp=1,dp=2,devices=0-1" for r in res)
+    assert res[0]["after"] is None and res[3]["after"] is None and res[1]["after"] and res[2]["after"]

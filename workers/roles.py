@@ -136,16 +136,25 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     return out if shard.coord == (0, 0) else None
 
 
-def actor_reshard(ctx, layout: Layout) -> dict:
-    """Every worker (collective over the world): move the actor to `layout`."""
+def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: bool = False) -> dict:
+    """Move the actor from `current` to `layout`: on every worker (collective over the world), or with `local`
+    only on the workers of either layout (every group it needs exists; see engine/groups.py)."""
     shard: ActorShard = ctx.state["actor"]
     t0 = time.perf_counter()
-    shard.groups.get(layout)  # first use of a layout creates its groups (collective over the world)
+    shard.sync_layout(current)
+    if not local:   # first use of a layout creates its groups (collective over the world)
+        shard.groups.get(layout)
+        shard.groups.union(shard.layout, layout)
     groups_s = time.perf_counter() - t0
-    report = shard.reshard(layout)
+    report = shard.reshard(layout, local=local)
     return {"bytes_moved": report.bytes_moved, "seconds": report.seconds, "held_bytes": shard.held_bytes(),
             "groups_s": groups_s, "call_s": time.perf_counter() - t0,
             **{f"phase_{k}_s": v for k, v in getattr(report, "phase_seconds", {}).items()}}
+
+
+def actor_set_layout(ctx, layout: Layout) -> None:
+    """A worker outside a member-local reshard learns the actor's new layout (queued behind its current call)."""
+    ctx.state["actor"].sync_layout(layout)
 
 
 def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
@@ -201,6 +210,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     inst: RolloutInstance = r["inst"]
     inst.reopen()  # new work may have arrived in the local queue
     t0 = time.perf_counter()
+    tokens0 = inst.signals().tokens_generated
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
@@ -218,7 +228,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     return records, {"groups_in_progress": s.groups_in_progress, "running": s.running_requests, "progress": progress,
                      "waiting": s.waiting_requests, "tokens": s.tokens_generated, "token_rate": s.token_rate,
                      "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
-                     "busy_s": time.perf_counter() - t0, "pumps": pumps, "mean_batch": batch / max(1, pumps)}
+                     "busy_s": time.perf_counter() - t0, "pumps": pumps, "mean_batch": batch / max(1, pumps),
+                     "call_tokens": s.tokens_generated - tokens0}
 
 
 def rollout_export(ctx, count: int | None = None) -> dict:

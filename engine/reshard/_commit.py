@@ -11,7 +11,8 @@
                       ok: return the new state (caller swaps and releases the old into its pool)
                       no: drop the new state on every rank; raise ReshardError (old state intact, usable)
 
-Votes travel on the world group, so ranks in neither layout take part (and do nothing else). A peer that dies
+Votes travel on the world group, so ranks in neither layout take part (and do nothing else), unless the caller
+passes `vote_group` (the group of the ranks in either layout): then only those ranks take part. A peer that dies
 mid-transfer is not covered: its P2P partners would block in the transport (that needs communicator abort and is
 left to the worker layer's timeout); every rank-local failure is.
 """
@@ -29,9 +30,9 @@ from tidal.engine.reshard import ReshardError, ReshardReport, plan_reshard
 from tidal.engine.reshard._execute import compile_program, execute
 
 
-def _vote(ok: bool, device: torch.device) -> bool:
+def _vote(ok: bool, device: torch.device, group=None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -42,8 +43,10 @@ def _phase(fault, name: str) -> None:
 
 def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs, *, rank: int,
                   device: torch.device, param_dtype: torch.dtype, pool: BufferPool, seed: int,
-                  bucket_bytes: int, fault=None) -> tuple[ShardState | None, ReshardReport]:
-    """Move `old_state` (None if this rank is not in `old`) to the new layout; see module doc."""
+                  bucket_bytes: int, fault=None, vote_group=None) -> tuple[ShardState | None, ReshardReport]:
+    """Move `old_state` (None if this rank is not in `old`) to the new layout; see module doc. `vote_group`:
+    the group the votes travel on (None: the world; the group of the ranks in `old` or `new` when only those
+    ranks take part, see engine/groups.py)."""
     t0 = time.perf_counter()
     report = ReshardReport(old, new, ok=False)
     phases = report.phase_seconds
@@ -76,7 +79,7 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
         except Exception as e:
             error = f"allocate: {type(e).__name__}: {e}"
     t = lap("allocate", t)
-    ok = _vote(error is None, device)
+    ok = _vote(error is None, device, vote_group)
     t = lap("vote", t)
     if ok:
         rng_bytes = torch.Generator(device).get_state().numel()
@@ -93,7 +96,7 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
                 _phase(fault, "commit")
             except Exception as e:
                 error = f"commit: {type(e).__name__}: {e}"
-        ok = _vote(error is None, device)
+        ok = _vote(error is None, device, vote_group)
         t = lap("commit", t)
     report.seconds = time.perf_counter() - t0
     if not ok:

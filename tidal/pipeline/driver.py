@@ -79,7 +79,7 @@ class StepState:
     last_iter_s: float = 0.0
     held: bool = False
     actor_metrics: list[dict] = field(default_factory=list)
-    # (mean batch, seconds per engine step) of every rollout call that stepped: the decode cost, measured
+    # (mean batch, wall seconds per decode step) of every rollout call that generated: the decode cost, measured
     decode_samples: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -313,8 +313,9 @@ class Pipeline:
         if f.kind == "rollout":
             records, sig = res
             st.signals[f.device] = sig
-            if sig.get("pumps", 0) >= 4:   # a call of a few steps is mostly call overhead: not a decode sample
-                st.decode_samples.append((sig["mean_batch"], sig["busy_s"] / sig["pumps"]))
+            if sig.get("call_tokens", 0) > 0:   # seconds per decode step as the driver sees it: call overhead,
+                b = sig["mean_batch"]                # admissions and the machine's contention included
+                st.decode_samples.append((b, (now - f.t0) * b / sig["call_tokens"]))
             c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.generated += len(records)
