@@ -13,9 +13,8 @@ Every verb is collective over the world like `ActorShard`'s: every world rank ca
 outside the layout take part in group creation and votes and return None where a value is returned.
 
 A backend is picked by name (`actor.backend`), the one place users plug in, so there is a registry and it refuses
-duplicates. Registered here: "native" (engine/backends/native.py, over `ActorShard`). A "megatron" backend
-(GPTModel + megatron-core DDP + DistributedOptimizer) needs CUDA for its optimizer and is not registered on this
-code path yet: docs/megatron.md says what is done and what remains.
+duplicates. Registered here: "native" (engine/backends/native.py, over `ActorShard`) and, when megatron-core is
+importable, "megatron" (engine/backends/megatron_backend.py: GPTModel + megatron-core DDP + DistributedOptimizer).
 """
 
 from __future__ import annotations
