@@ -234,7 +234,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/e2e", help="run folders (events.json, timeline.png) go here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--share", type=float, default=0.125, help="cluster.cpu_compute_share per device")
-    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--max-running", type=int, default=16,
+                    help="rollout.max_running_requests: 16 gives 4 waves of 64 sequences per instance, RLinf's "
+                         "example ratio (2,048 sequences per instance at 512 slots); 64 runs every sequence at "
+                         "once (latency-bound: no policy can gain much, see docs/e2e.md)")
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="skip the decode / actor measurements on the capped workers after the static run")

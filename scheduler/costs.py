@@ -231,11 +231,12 @@ def fit_decode(samples: Sequence[tuple[int, float]], prefill_per_token_s: float)
 
 
 def learn_decode(samples: Sequence[tuple[float, float]], prior: DecodeCost, min_samples: int = 8) -> DecodeCost | None:
-    """The decode cost a running service measured last step: `samples` are (mean running batch, seconds per engine
-    step) of rollout calls (each step there includes admitting and prefilling new requests, so this is the
-    step time the instance really pays). The batch barely varies within a run (and CPU rows are padded to a
-    fixed width), so the slope stays the prior's and the intercept is the median residual: robust to the
-    machine's load spikes. None when there are too few samples to say."""
+    """The decode cost a running service measured last step: `samples` are (mean running batch, wall seconds per
+    decode step) of rollout calls as the driver saw them (call seconds x batch / tokens generated: admissions,
+    prefills, call overhead and the machine's contention included, so this is the step time the rollout
+    really pays, which a decode-only microbenchmark underestimates 2-3x on the capped CPU devices). The batch
+    barely varies within a run (and CPU rows are padded to a fixed width), so the slope stays the prior's and
+    the intercept is the median residual: robust to load spikes. None when there are too few samples."""
     if len(samples) < min_samples:
         return None
     b = np.asarray([x[0] for x in samples], dtype=float)
@@ -245,6 +246,17 @@ def learn_decode(samples: Sequence[tuple[float, float]], prior: DecodeCost, min_
         return None
     step_s = float(np.median(t[ok] - prior.per_seq_s * b[ok]))
     return replace(prior, step_s=max(step_s, 1e-6))
+
+
+def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | None:
+    """The fixed cost of a reshard as last step's `reshard` events measured it (seconds minus the modelled
+    transfer of the bytes each receiving device got): drain, calls, plans, votes and, for a layout met the first
+    time, its process groups. None without events."""
+    xs = [max(0.0, e["seconds"] - e.get("bytes_moved", 0) / max(1, len(e.get("devices", ()) or (1,))) / prior.bw)
+          for e in events if e.get("kind") == "reshard" and e.get("seconds") is not None]
+    if not xs:
+        return None
+    return replace(prior, fixed_s=float(np.median(xs)))
 
 
 def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost) -> ActorCost:

@@ -29,7 +29,7 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
-from tidal.scheduler.costs import learn_decode
+from tidal.scheduler.costs import learn_decode, learn_reshard
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
@@ -85,6 +85,11 @@ class Reconciler:
                 queued[k] = max(0, given - s.get("groups_in_progress", 0)) * g
             else:
                 queued[k] = given * g
+        # groups not handed out yet (the driver feeds instances a few groups at a time) are work all the same:
+        # each instance will pull an even share of them. Without this the policy sees the step as nearly done
+        # while most of it waits in the driver's queue (RLinf's regime: many more sequences than slots)
+        if insts and st.queue:
+            queued += len(st.queue) * g / len(insts)
         est = self.lengths.remaining_many(started, progress, queued)
         tail = self.lengths.tail_many(started, progress, queued)
         for k, inst in enumerate(insts):
@@ -111,10 +116,14 @@ class Reconciler:
                        all_registered=not st.queue, trigger=trigger)
 
     # ---- decide and act --------------------------------------------------------------------------------------
-    def consult(self, trigger: str) -> bool:
-        """Ask the policy; apply its actions. Returns False if the actor must wait (a `Wait` action)."""
+    def consult(self, trigger: str, data_ready: bool = False) -> bool:
+        """Ask the policy; apply its actions. Returns False if the actor must wait (a `Wait` action).
+        `data_ready`: the actor's next mini-batch is scored; the first ask with it is never skipped (the policy
+        decides then whether lent devices come back, before any training starts)."""
         now = self.p.clock()
-        key = (trigger, self.p.step_state.step, self.p.step_state.iters_done)
+        c = self.p.cluster
+        lent_out = bool(c.lent & set(c.actor_layout.devices))
+        key = (trigger, self.p.step_state.step, self.p.step_state.iters_done, data_ready, lent_out)
         if trigger == "boundary" and self._last and self._last[0] == key and \
                 now - self._last[1] < self.min_interval_s:  # same boundary asked again soon: nothing new to see
             return self._held_since is None
@@ -132,8 +141,14 @@ class Reconciler:
         actions = self.p.policy(self.p.sched_state, sig, now)
         decide_s = time.perf_counter() - t0
         if actions:
+            cols = sig.cols   # what the policy saw, so a decision can be checked against what happened next
             self.p.cluster.record("decision", step=sig.step, iter=sig.actor.iters_done, trigger=trigger,
-                                  actions=describe(actions), decide_s=decide_s)
+                                  actions=describe(actions), decide_s=decide_s,
+                                  seen={"running": int(cols.running.sum()), "groups_generated": sig.groups_generated,
+                                        "groups_scored": sig.inference.groups_finished,
+                                        "est_remaining_tokens": float(cols.est_remaining_tokens.sum()),
+                                        "est_tail_tokens": float(cols.est_tail_tokens.max()) if cols.id.size else 0.0,
+                                        "instances": int(cols.id.size)})
         wait = False
         for a in actions:
             if isinstance(a, Wait):
@@ -396,18 +411,28 @@ class Reconciler:
         dec = learn_decode(st.decode_samples, costs.decode)
         if dec is not None:   # the decode step time this run measured (the preset's is a prior)
             costs = costs.with_decode(dec)
-            p.cluster.record("learn", step=st.step, decode_step_s=dec.step_s, samples=len(st.decode_samples),
-                             mean_response_tokens=self.lengths.mean)
+        res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)
+        if res is not None:   # and what its reshards really cost, all in
+            costs = replace(costs, reshard=res)
+        p.cluster.record("learn", step=st.step, decode_step_s=costs.decode.step_s, reshard_fixed_s=costs.reshard.fixed_s,
+                         decode_samples=len(st.decode_samples), mean_response_tokens=self.lengths.mean)
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
                                 prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs)
 
     # ---- end of step ---------------------------------------------------------------------------------------
+    def return_lent(self, why: str) -> None:
+        """Every instance on lent actor devices goes back to the actor (their work, if any, migrates first)."""
+        c = self.p.cluster
+        if c.lent:
+            lent = sorted(c.lent)
+            self.release_rollout(lent, back_to=Owner.ACTOR)
+            c.lent.clear()
+            c.record("return_lent", step=self.p.step_state.step, devices=lent, reason=why)
+
     def restore(self) -> None:
         """Back to the initial placement for the next step's rollout (RLinf does the same)."""
         p, c = self.p, self.p.cluster
-        for inst in sorted(c.lent):
-            self.release_rollout([inst], back_to=Owner.ACTOR)
-        c.lent.clear()
+        self.return_lent("step end")
         if self.inf_lent:
             self.return_inference(list(self.inf_lent))
         if c.actor_layout != p.initial_layout:

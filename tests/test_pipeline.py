@@ -6,7 +6,7 @@ import torch
 
 from tidal.config import build_config
 from tidal.pipeline.run import TrainingRun
-from tidal.scheduler.actions import MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
+from tidal.scheduler.actions import LendToRollout, MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
 from tidal.scheduler.signals import ActorLayout
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,10 @@ TINY = {
 def scripted(state, sig, now):
     """Three reshards and two migrations in every step, at fixed iter boundaries (same actions whatever the
     timing), through the real reconciler."""
-    if sig.trigger != "boundary" or not sig.actor.at_boundary:
-        return []
+    if sig.trigger == "start" and sig.step == 1:   # step 1: the actor's devices generate until rollout is done
+        return [LendToRollout("script", devices=(0, 1), instance_ids=(0, 1))]
+    if sig.trigger != "boundary" or not sig.actor.at_boundary or sig.actor.lent_out:
+        return []   # lent: the driver trains nothing until the devices are back (it takes them when rollout ends)
     k, lay = sig.actor.iters_done, sig.actor.layout
     live = {r.id for r in sig.rollout}
     if k == 0 and 5 in live:
@@ -92,6 +94,13 @@ def test_dynamic_run_equals_static_run(tmp_path):
         assert all(e["ok"] for e in events if e["kind"] == "action")
         wave = [e for e in events if e["kind"] == "migration" and e.get("step") == step and e.get("wave") == 3]
         assert [e["src"] for e in wave] == [5, 5, 5], wave   # three exports from one source in one wave
+    # step 1 lent the actor's devices at the start; nothing trained on them until the driver took them back
+    lent = next(e["time"] for e in events if e["kind"] == "action" and e["action"] == "LendToRollout")
+    back = [e for e in events if e["kind"] == "return_lent" and e.get("step") == 1]
+    assert back and back[0]["reason"].startswith("rollout is done"), back
+    trained_while_lent = [s for s in dynamic.pipe.timeline.busy
+                          if s.role == "actor" and lent <= s.t0 < back[0]["time"]]
+    assert not trained_while_lent, trained_while_lent
     # step 1 meets step 0's layouts again: its reshards involve only the actor's devices (rollout keeps going)
     scopes = [e["scope"] for e in events if e["kind"] == "reshard" and e.get("step") == 1]
     assert scopes and set(scopes) == {"members"}, scopes

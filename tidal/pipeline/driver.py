@@ -289,12 +289,18 @@ class Pipeline:
     def _maybe_train(self) -> None:
         import ray
         st = self.step_state
-        if not self.reconciler.consult("boundary"):
+        ready = self.iter_ready()
+        if not self.reconciler.consult("boundary", data_ready=ready):
             st.held = True
             return
         st.held = False
-        if not self.iter_ready():
+        if not ready:
             return
+        if self.cluster.lent & set(self.cluster.actor_layout.devices):
+            if st.generated < st.num_groups:
+                return   # its devices host rollout instances: the actor trains once the policy takes them back
+            self.reconciler.return_lent("rollout is done: lent devices go back to the actor")
+            return   # the next pass asks the policy again, with the devices back, before the iter starts
         k, g, n = st.iters_done, self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
         gids = self._iter_groups(k)
         samples = flatten_groups([st.scored[i] for i in gids])

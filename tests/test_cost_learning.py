@@ -1,0 +1,31 @@
+"""What the reconciler learns between steps from its own measurements (scheduler/costs.py): the decode step time
+and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`."""
+
+import pytest
+
+from tidal.scheduler.costs import learn_decode, learn_reshard
+from tidal.scheduler.costs_cpu import cpu_e2e
+
+
+def test_decode_step_is_the_median_residual_and_keeps_the_slope():
+    prior = cpu_e2e().decode
+    samples = [(16.0, 0.06)] * 9 + [(16.0, 5.0)]   # one call stalled by the machine: the median ignores it
+    got = learn_decode(samples, prior)
+    assert got.step_s == pytest.approx(0.06 - prior.per_seq_s * 16)
+    assert (got.per_seq_s, got.prefill_per_token_s) == (prior.per_seq_s, prior.prefill_per_token_s)
+
+
+def test_decode_needs_enough_samples():
+    assert learn_decode([(16.0, 0.06)] * 7, cpu_e2e().decode) is None
+    assert learn_decode([(16.0, 0.0)] * 9, cpu_e2e().decode) is None   # no positive timings: nothing to say
+
+
+def test_reshard_fixed_cost_net_of_the_modelled_transfer():
+    prior = cpu_e2e().reshard
+    ev = [{"kind": "reshard", "seconds": 1.2, "bytes_moved": 4e8, "devices": [0, 1, 2, 3]},   # 0.1 s of bytes
+          {"kind": "reshard", "seconds": 0.4, "bytes_moved": 0, "devices": [0, 1]},
+          {"kind": "reshard", "seconds": 0.8, "bytes_moved": 2e8, "devices": [0, 1]},        # 0.1 s
+          {"kind": "migration", "seconds": 9.0}]
+    got = learn_reshard(ev, prior)
+    assert got.fixed_s == pytest.approx(0.7)   # median of 1.1, 0.4, 0.7
+    assert got.bw == prior.bw and learn_reshard(ev[3:], prior) is None
