@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-fraction", type=float, default=0.92, help="skip cases whose estimated peak exceeds "
                                                                     "this fraction of GPU memory")
     p.add_argument("--json", dest="json_path", help="write {'cases': [...]} here")
+    p.add_argument("--cases", default=None, help="comma-separated indices into each world's case list "
+                                                 "(default: all); big shapes take minutes per case")
     ns = p.parse_args(argv)
     from tidal.reshard_check import run_world
     if ns.quick and ns.shape:
@@ -335,7 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             "mem_fraction": ns.mem_fraction}
     cases = []
     for w in worlds:
-        cases += run_world(w, ns.backend, _case_body, args.__dict__, CASES[w], ns.backend, ns.reps, shm, opts,
+        pick = CASES[w]
+        if ns.cases:
+            try:
+                pick = [CASES[w][int(i)] for i in ns.cases.split(",")]
+            except (ValueError, IndexError):
+                p.error(f"--cases {ns.cases!r}: give indices below {len(CASES[w])}, e.g. 0,2")
+        cases += run_world(w, ns.backend, _case_body, args.__dict__, pick, ns.backend, ns.reps, shm, opts,
                            timeout=1800.0)[0]
     print(f"{'world':>5} {'from':>22} {'to':>22} {'state GB':>8} {'moved GB':>8} {'ms':>8} {'GB/s':>6} "
           f"{'link':>6} {'%NVL':>5} {'vs raw':>6} {'vs dcp':>7} {'peak GiB':>8} exact")

@@ -353,7 +353,10 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     lent = cols.lent
     live = np.flatnonzero(~lent)
     lent_idx = np.flatnonzero(lent)
-    order = live[np.lexsort((cols.id[live], srem[live]))]
+    # least loaded first; loads within MARGIN_S of each other count as equal and go lowest id first, so the actor
+    # tends to grow onto the same contiguous device sets step after step: a layout met before reshards among
+    # its own devices only, with its process groups cached (a new one is world-wide: ~0.4 s vs ~0.05 s on CPU)
+    order = live[np.lexsort((cols.id[live], np.floor(srem[live] / MARGIN_S)))]
     n = order.size
     top = min(p.num_devices // tp, p.sequences_per_iter) * tp   # tidal sizes: every multiple of tp up to top
     all_dev = layout.size + len(free) + int(cols.n_devices[live].sum())
