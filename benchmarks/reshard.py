@@ -70,17 +70,18 @@ SALT = {"param": 11, "master": 11, "exp_avg": 23, "exp_avg_sq": 37}
 
 
 def _expected(spec, box, kind, device) -> torch.Tensor:
-    """k/256 values (exact in fp32 and bf16) from a hash of the global flat index of each element of `box`."""
-    idx = torch.zeros((), dtype=torch.int64)
+    """k/256 values (exact in fp32 and bf16) from a hash of the global flat index of each element of `box`,
+    computed on `device` (on one CPU thread a 1B-parameter state took minutes per fill or check)."""
+    idx = torch.zeros((), dtype=torch.int64, device=device)
     strides = [1] * len(spec.shape)
     for k in range(len(spec.shape) - 2, -1, -1):
         strides[k] = strides[k + 1] * spec.shape[k + 1]
     for k, (lo, hi) in enumerate(box):
         shape = [1] * len(box)
         shape[k] = hi - lo
-        idx = idx + (torch.arange(lo, hi, dtype=torch.int64) * strides[k]).view(shape)
+        idx = idx + (torch.arange(lo, hi, dtype=torch.int64, device=device) * strides[k]).view(shape)
     h = ((idx * 2654435761 + SALT[kind] * 97) >> 11) % 256
-    return (h.float() / 256.0).to(device)
+    return h.float() / 256.0
 
 
 def _holding_views(shard: ActorShard):

@@ -49,6 +49,8 @@ from tidal.scheduler.state import SchedState
 
 #: a move must beat doing nothing by this much (seconds) on top of its modelled cost: churn guard
 MARGIN_S = 0.25
+#: instances whose predicted remaining times differ by less than this are equally loaded (release: lowest id first)
+TIE_S = 1.0
 #: rebalance only when the heaviest instance's remaining time exceeds the lightest's by this factor
 REBALANCE_RATIO = 1.5
 #: candidate families (switches for ablations in benchmarks/scheduler.py; all on by default)
@@ -353,10 +355,10 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     lent = cols.lent
     live = np.flatnonzero(~lent)
     lent_idx = np.flatnonzero(lent)
-    # least loaded first; loads within MARGIN_S of each other count as equal and go lowest id first, so the actor
+    # least loaded first; loads within TIE_S of each other count as equal and go lowest id first, so the actor
     # tends to grow onto the same contiguous device sets step after step: a layout met before reshards among
     # its own devices only, with its process groups cached (a new one is world-wide: ~0.4 s vs ~0.05 s on CPU)
-    order = live[np.lexsort((cols.id[live], np.floor(srem[live] / MARGIN_S)))]
+    order = live[np.lexsort((cols.id[live], np.floor(srem[live] / TIE_S)))]
     n = order.size
     top = min(p.num_devices // tp, p.sequences_per_iter) * tp   # tidal sizes: every multiple of tp up to top
     all_dev = layout.size + len(free) + int(cols.n_devices[live].sum())
