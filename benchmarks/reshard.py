@@ -337,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"dcp": ns.dcp, "chunk": ns.raw_chunk_mb << 20, "link_gbps": ns.link_gbps,
             "mem_fraction": ns.mem_fraction}
     cases = []
+    head = {"name": "reshard", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, backend {ns.backend}"
+                       + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+                          if ns.backend == "nccl" else ""),
+            "shape": "quick" if ns.quick else (ns.shape or "small"), "num_params": args.num_params(),
+            "model": args.__dict__, "reps": ns.reps, "link_gbps_limit": ns.link_gbps}
     for w in worlds:
         pick = CASES[w]
         if ns.cases:
@@ -344,8 +350,14 @@ def main(argv: list[str] | None = None) -> int:
                 pick = [CASES[w][int(i)] for i in ns.cases.split(",")]
             except (ValueError, IndexError):
                 p.error(f"--cases {ns.cases!r}: give indices below {len(CASES[w])}, e.g. 0,2")
-        cases += run_world(w, ns.backend, _case_body, args.__dict__, pick, ns.backend, ns.reps, shm, opts,
-                           timeout=1800.0)[0]
+        for case in pick:   # one world per case, the JSON rewritten after each: a cut-off run keeps what it did
+            cases += run_world(w, ns.backend, _case_body, args.__dict__, [case], ns.backend, ns.reps, shm, opts,
+                               timeout=1800.0)[0]
+            print(f"  world {w} {case[0]} -> {case[1]}: {cases[-1].get('seconds', cases[-1].get('skipped'))}",
+                  flush=True)
+            if ns.json_path:
+                with open(ns.json_path, "w") as f:
+                    json.dump({**head, "cases": cases}, f, indent=2)
     print(f"{'world':>5} {'from':>22} {'to':>22} {'state GB':>8} {'moved GB':>8} {'ms':>8} {'GB/s':>6} "
           f"{'link':>6} {'%NVL':>5} {'vs raw':>6} {'vs dcp':>7} {'peak GiB':>8} exact")
     for c in cases:
@@ -357,12 +369,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['bytes_moved'] / 1e9:>8.2f} {c['seconds'] * 1e3:>8.1f} {c['gbps']:>6.1f} {c['link_gbps']:>6.1f} "
               f"{c['link_fraction']:>5.0%} {c['transport_ratio']:>6.2f} {dcp_txt} {c['max_mem_gb']:>8.1f} "
               f"{c['exact']}")
-    result = {"name": "reshard", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, backend {ns.backend}"
-                         + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-                            if ns.backend == "nccl" else ""),
-              "shape": "quick" if ns.quick else (ns.shape or "small"), "num_params": args.num_params(),
-              "model": args.__dict__, "reps": ns.reps, "link_gbps_limit": ns.link_gbps, "cases": cases}
+    result = {**head, "cases": cases}
     if ns.json_path:
         with open(ns.json_path, "w") as f:
             json.dump(result, f, indent=2)
