@@ -77,6 +77,11 @@ class GroupCache:
         rank calls this at the same point, as `get`). None when that is one rank."""
         return self._new(union_ranks(a, b))
 
+    def ensure(self, rank_sets) -> None:
+        """Make these rank sets' groups now (collective over the world: same list, same order, every rank)."""
+        for r in rank_sets:
+            self._new(tuple(r))
+
     def has(self, ranks: tuple[int, ...]) -> bool:
         key = tuple(sorted(ranks))
         return len(key) < 2 or key in self._by_ranks
@@ -108,3 +113,25 @@ def union_ranks(a: Layout, b: Layout) -> tuple[int, ...]:
 def reshard_rank_sets(a: Layout, b: Layout) -> list[tuple[int, ...]]:
     """Every rank set (as sorted tuples, size >= 2) a reshard a -> b uses: b's groups and the union's."""
     return [tuple(sorted(r)) for r in layout_rank_sets(b) + [union_ranks(a, b)] if len(r) >= 2]
+
+
+def growth_rank_sets(initial: Layout, devices: int, limit: int = 256) -> list[tuple[int, ...]]:
+    """Rank sets of every layout the actor can grow to from `initial` by adding any subset of the other
+    `devices` (keeping its own, whole TP groups), and of the moves between those layouts and back: made once at
+    start, they turn every later grow / shrink into a member-local reshard. Empty when there would be more than
+    `limit` such layouts (large clusters: groups are then made on first use, world-wide)."""
+    from itertools import combinations
+    others = [d for d in range(devices) if d not in initial.devices]
+    if 2 ** len(others) > limit:
+        return []
+    out: dict[tuple[int, ...], None] = {}
+    tp = initial.tp
+    for k in range(1, len(others) + 1):
+        for extra in combinations(others, k):
+            devs = tuple(sorted(initial.devices + extra))
+            if len(devs) % tp:
+                continue
+            grown = Layout(tp, len(devs) // tp, devs)
+            for r in reshard_rank_sets(initial, grown) + reshard_rank_sets(grown, initial):
+                out.setdefault(r, None)
+    return list(out)

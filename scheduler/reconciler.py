@@ -66,6 +66,10 @@ class Reconciler:
         self._layout_notes: list = []
         self._t_start = 0.0
 
+    def known_rank_sets(self, sets) -> None:
+        """Rank sets whose groups every worker has made (outside a reshard, e.g. at start)."""
+        self._rank_sets.update(tuple(sorted(r)) for r in sets if len(r) >= 2)
+
     # ---- signals --------------------------------------------------------------------------------------------
     def signals(self, trigger: str) -> Signals:
         p, c, st = self.p, self.p.cluster, self.p.step_state

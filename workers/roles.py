@@ -152,6 +152,14 @@ def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: boo
             **{f"phase_{k}_s": v for k, v in getattr(report, "phase_seconds", {}).items()}}
 
 
+def actor_make_groups(ctx, rank_sets: list) -> float:
+    """Every worker (collective over the world, same order everywhere): make these rank sets' process groups now
+    (engine.groups.growth_rank_sets), so later reshards among them are member-local. Returns seconds."""
+    t0 = time.perf_counter()
+    ctx.state["actor"].groups.ensure(rank_sets)
+    return time.perf_counter() - t0
+
+
 def actor_set_layout(ctx, layout: Layout) -> None:
     """A worker outside a member-local reshard learns the actor's new layout (queued behind its current call)."""
     ctx.state["actor"].sync_layout(layout)

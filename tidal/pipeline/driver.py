@@ -168,6 +168,13 @@ class Pipeline:
         self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
         self._load_generation(ref, step=0)
         self.reconciler = Reconciler(self)
+        if self.cfg.cluster.auto_scheduler:   # groups of every layout the actor can grow to: reshards stay local
+            from tidal.engine.groups import growth_rank_sets
+            sets = growth_rank_sets(self.initial_layout, self.cfg.placement.num_devices)
+            if sets:
+                secs = max(g.gather(g.submit_all(f"{ROLES}:actor_make_groups", rank_sets=sets)))
+                self.reconciler.known_rank_sets(sets)
+                c.record("groups", step=0, rank_sets=len(sets), seconds=secs)
         self._weights = None
 
     def _load_generation(self, weights_ref, step: int) -> None:
