@@ -23,6 +23,7 @@ group and then calls only the ranks in `a` or `b`: the others keep working (roll
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 
 import torch.distributed as dist
 
@@ -120,7 +121,6 @@ def growth_rank_sets(initial: Layout, devices: int, limit: int = 256) -> list[tu
     `devices` (keeping its own, whole TP groups), and of the moves between those layouts and back: made once at
     start, they turn every later grow / shrink into a member-local reshard. Empty when there would be more than
     `limit` such layouts (large clusters: groups are then made on first use, world-wide)."""
-    from itertools import combinations
     others = [d for d in range(devices) if d not in initial.devices]
     if 2 ** len(others) > limit:
         return []

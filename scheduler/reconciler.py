@@ -224,11 +224,15 @@ class Reconciler:
         its source). A failure is raised after the whole wave is settled; earlier waves stay applied."""
         out = {"groups": 0, "kv_bytes": 0}
         wave: list[tuple[int, int, int | None]] = []
+        srcs: set[int] = set()
+        dsts: set[int] = set()
         for m in moves:
-            if wave and (m[0] in {d for _, d, _ in wave} or m[1] in {s for s, _, _ in wave}):
+            if m[0] in dsts or m[1] in srcs:
                 self._migrate_wave(wave, out)
-                wave = []
+                wave, srcs, dsts = [], set(), set()
             wave.append(m)
+            srcs.add(m[0])
+            dsts.add(m[1])
         if wave:
             self._migrate_wave(wave, out)
         return out

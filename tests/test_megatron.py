@@ -106,17 +106,23 @@ def test_checkpoint_chunks_cover_every_element_once(tp):
 
 
 # ---- megatron-core on gloo -----------------------------------------------------------------------------------
-def _gpt_vs_transformer(rank, world):
-    """GPTModel at TP = world with our weights (in-memory mapping) vs our single-process Transformer."""
-    from tidal.engine.backends import megatron_cpu as mc
+def _reference(args: ModelArgs) -> tuple[dict, torch.Tensor]:
+    """The test weights (seed 3) and our single-process Transformer's logits on `_ids()` with them."""
     from tidal.engine.model import Transformer
 
-    args = _args()
     w = init_global_weights(args, 3)
     ref = Transformer(args)
     ref.load_global(w)
     with torch.no_grad():
-        want = ref(_ids())
+        return w, ref(_ids())
+
+
+def _gpt_vs_transformer(rank, world):
+    """GPTModel at TP = world with our weights (in-memory mapping) vs our single-process Transformer."""
+    from tidal.engine.backends import megatron_cpu as mc
+
+    args = _args()
+    w, want = _reference(args)
     mc.init_parallel(world)
     m = mc.build_gpt(args, world, VP)
     mc.load_gpt_weights(m, megatron_tp_shard(to_megatron(w, args, VP), args, world, rank))
@@ -143,14 +149,9 @@ def _gpt_load(rank, world, path):
     loaded weights against the exact mapping of the native ones."""
     from megatron.core import dist_checkpointing
     from tidal.engine.backends import megatron_cpu as mc
-    from tidal.engine.model import Transformer
 
     args = _args()
-    w = init_global_weights(args, 3)
-    ref = Transformer(args)
-    ref.load_global(w)
-    with torch.no_grad():
-        want = ref(_ids())
+    w, want = _reference(args)
     mc.init_parallel(world)
     m = mc.build_gpt(args, world, VP)
     with mc.cpu_shim():
