@@ -2,8 +2,9 @@
 
 Compile (cached per plan, rank, dtypes, bucket size; pure): every move touching this rank becomes a `Region` (a
 strided view of a flat buffer: offset, size, stride) on each side. Regions of one (src, dst) pair, in plan order,
-grouped by dtype, are cut into messages of at most `bucket_bytes` (large regions split by rows). Sender and
-receiver derive the same message boundaries from the same plan, so they need no handshake.
+grouped by dtype, are cut into messages of at most `bucket_bytes` (large regions split by rows; a piece contiguous
+on both ends is sent in place, cut only at `DIRECT_BYTES`). Sender and receiver derive the same message
+boundaries from the same plan, so they need no handshake.
 
 Execute, per round r (the r-th message of every pair)::
 
@@ -33,6 +34,7 @@ from tidal.engine.reshard import ReshardPlan
 from tidal.engine.reshard._plan import shard_box
 
 META_HEAD = 16  # bytes: step (int64), data cursor (int64); the RNG state follows
+DIRECT_BYTES = 1 << 30  # the largest message sent from / received into the state buffers in place
 
 
 @dataclass(frozen=True)
@@ -111,17 +113,22 @@ def _merge(items: list[tuple[Region, Region]]) -> list[tuple[Region, Region]]:
     return out
 
 
-def _messages(items: list[tuple[str, Region]], bucket: dict[str, int]) -> tuple[Msg, ...]:
+def _messages(items: list[tuple[str, Region, Region]], bucket: dict[str, int], side: int) -> tuple[Msg, ...]:
+    """Cut one pair's pieces `(dtype, src region, dst region)` into messages; `side` 0 keeps the sender's regions,
+    1 the receiver's. Both ends cut from the same pieces, so their message boundaries agree without a handshake.
+    A piece contiguous on both ends travels in place (no staging) and is cut only at `DIRECT_BYTES`: one message
+    per 32 MiB bucket cost ~40 us of posting each, 30% of a 47 GB move on NVLink."""
     out: list[Msg] = []
     for dtype in ("param", "fp32"):
         cap = bucket[dtype]
         parts: list[Region] = []
         n = 0
-        for kind, r in items:
+        for kind, *ends in items:
             if kind != dtype:
                 continue
+            r, direct = ends[side], ends[0].contiguous and ends[1].contiguous
             per_row = prod(r.size[1:]) if len(r.size) > 1 else 1
-            step = max(1, cap // per_row)
+            step = max(1, (max(cap, bucket["direct_" + dtype]) if direct else cap) // per_row)
             chunks = [r.rows(a, min(a + step, r.size[0])) for a in range(0, r.size[0], step)]
             for c in chunks:
                 if c.numel >= cap // 8:  # big: a message of its own, sent/received in place when contiguous
@@ -160,14 +167,15 @@ def compile_program(plan: ReshardPlan, rank: int, param_bytes: int, bucket_bytes
     recv_items: dict[int, list] = defaultdict(list)
     for (src, dst), items in pairs.items():
         for s_r, d_r in _merge(sorted(items, key=lambda x: KIND_ORDER[x[0].buf])):  # stable: plan order per kind
-            dkey = "param" if s_r.buf == "param" else "fp32"
+            piece = ("param" if s_r.buf == "param" else "fp32", s_r, d_r)
             if src == rank:
-                send_items[dst].append((dkey, s_r))
+                send_items[dst].append(piece)
             else:
-                recv_items[src].append((dkey, d_r))
-    bucket = {"param": max(1, bucket_bytes // param_bytes), "fp32": max(1, bucket_bytes // 4)}
-    sends = {p: _messages(v, bucket) for p, v in sorted(send_items.items())}
-    recvs = {p: _messages(v, bucket) for p, v in sorted(recv_items.items())}
+                recv_items[src].append(piece)
+    bucket = {"param": max(1, bucket_bytes // param_bytes), "fp32": max(1, bucket_bytes // 4),
+              "direct_param": DIRECT_BYTES // param_bytes, "direct_fp32": DIRECT_BYTES // 4}
+    sends = {p: _messages(v, bucket, 0) for p, v in sorted(send_items.items())}
+    recvs = {p: _messages(v, bucket, 1) for p, v in sorted(recv_items.items())}
     meta_to = tuple(mm.dst for mm in plan.meta if mm.src == rank and mm.dst != rank)
     mine = [mm for mm in plan.meta if mm.dst == rank]
     meta_from = (mine[0].src, mine[0].keep_rng) if mine else None
