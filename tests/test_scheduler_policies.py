@@ -304,3 +304,18 @@ def test_length_model_tail_grows_with_the_number_of_sequences():
     one, many = m.tail_many(np.array([1, 255]), np.array([0.0, 0.0]), np.array([0, 0]))
     assert one < many <= 1000
     assert m.tail_many(np.array([0]), np.array([0.0]), np.array([0]))[0] == 0.0
+
+
+def test_tidal_does_not_ping_pong_a_straggler():
+    """Flat decode cost (CPU workers): an instance whose time is its longest sequence gains nothing by handing
+    groups away (the moved groups may carry that sequence); the same instance with more work than its slots run
+    at once does hand groups to the idle one. Measured before the fix: one tail group moved 8 times in a step."""
+    import numpy as np
+    from tidal.scheduler.costs_cpu import cpu_e2e
+    st = SchedState(dataclasses.replace(P8, max_running_requests=16, group_size=8), cpu_e2e(), 20.0, 10.0)
+    light = [tinst(3, 1, 1, 5.0, 5.0), tinst(4, 2, 1, 10.0, 8.0), tinst(5, 2, 1, 12.0, 9.0)]
+    tail_bound = _between([tinst(2, 10, 3, 10 * 25.0, 48.0)] + light)
+    assert policy_tidal._rebalance(st, tail_bound, np.ones(4, bool)) == []
+    busy = _between([tinst(2, 60, 8, 60 * 25.0, 48.0)] + light)
+    moves = [m for a in policy_tidal._rebalance(st, busy, np.ones(4, bool)) for m in a.expand()]
+    assert [(m.src, m.dst) for m in moves] == [(2, 3)] and moves[0].count >= 1
