@@ -248,6 +248,24 @@ def learn_decode(samples: Sequence[tuple[float, float]], prior: DecodeCost, min_
     return replace(prior, step_s=max(step_s, 1e-6))
 
 
+def learn_scoring(samples: Sequence[tuple[int, float, float]], prior: InferenceCost, tp: int = 1,
+                  min_samples: int = 4) -> InferenceCost | None:
+    """The scoring cost a running service measured last step: `samples` are (groups, tokens, wall seconds) of
+    inference calls as the driver saw them (call overhead and contention included). The per-token slope stays the
+    prior's; the fixed cost per group is the median residual. None when there are too few samples."""
+    if len(samples) < min_samples:
+        return None
+    g = np.asarray([x[0] for x in samples], dtype=float)
+    tok = np.asarray([x[1] for x in samples], dtype=float)
+    t = np.asarray([x[2] for x in samples], dtype=float)
+    ok = np.isfinite(t) & (t > 0) & (g > 0)
+    if ok.sum() < min_samples:
+        return None
+    per_tok = prior.per_token_s / (tp * (prior.tp_eff if tp > 1 else 1.0))
+    per_group = float(np.median((t[ok] - per_tok * tok[ok]) / g[ok]))
+    return replace(prior, per_group_s=max(per_group, 0.0))
+
+
 def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | None:
     """The fixed cost of a reshard as last step's `reshard` events measured it (seconds minus the modelled
     transfer of the bytes each receiving device got): drain, calls, plans, votes and, for a layout met the first

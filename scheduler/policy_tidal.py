@@ -342,11 +342,17 @@ def _return_inference(state: SchedState, sig: Signals) -> list[Action]:
         until = 0.0
     else:
         until = t_r * (state.time_fraction(need / total) - f_now) / (1.0 - f_now)
-    backlog = c.return_s + min(need, sig.groups_generated) * score_s / servers
-    if running and until > backlog + 1.0:
+    # what waits to be scored, counted (not the id-order prefix of generated groups: with the prefix, 28 groups
+    # waiting looked like 2 and inference came back after rollout, measured on the CPU e2e run)
+    queued = sig.inference.groups_queued
+    backlog = c.return_s + min(max(0, need - sig.inference.groups_finished), queued) * score_s / servers
+    drain = c.return_s + queued * score_s / servers   # scoring everything waiting, once back
+    if running and until > backlog + 1.0 and drain < t_r:
         return [Wait(f"inference lent: next mini-batch generated in ~{until:.0f}s, scoring backlog "
-                     f"~{backlog:.1f}s", recheck_s=max(0.5, (until - backlog) / 2))]
-    why = f"scoring backlog ~{backlog:.1f}s vs ~{until:.0f}s to mini-batch {sig.actor.iters_done}: inference back"
+                     f"~{backlog:.1f}s (all waiting: ~{drain:.1f}s vs ~{t_r:.1f}s of rollout left)",
+                     recheck_s=max(0.5, min(until - backlog, t_r - drain) / 2))]
+    why = (f"scoring backlog ~{backlog:.1f}s vs ~{until:.0f}s to mini-batch {sig.actor.iters_done}, all waiting "
+           f"~{drain:.1f}s vs ~{t_r:.1f}s of rollout left: inference back")
     srem = inst_seconds(state, cols)
     survivors = np.flatnonzero(~on_inf & ~cols.lent)
     if not survivors.size:
@@ -407,6 +413,8 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     while j < n:
         js.add(j)
         j *= 2
+    if 0 < running <= p.max_running_requests:   # what is left fits one instance's slots: keep one, free the rest
+        js.add(n - 1)
     tl = _timeline(state, sig)
     base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra, timeline=tl)
     best = (base, 0, layout.size)

@@ -29,7 +29,7 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
-from tidal.scheduler.costs import learn_decode, learn_reshard
+from tidal.scheduler.costs import learn_decode, learn_reshard, learn_scoring
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
@@ -419,10 +419,15 @@ class Reconciler:
         dec = learn_decode(st.decode_samples, costs.decode)
         if dec is not None:   # the decode step time this run measured (the preset's is a prior)
             costs = costs.with_decode(dec)
+        sc = learn_scoring(st.score_samples, costs.inference, p.cfg.inference.tensor_parallel_size)
+        if sc is not None:    # and what scoring a group costs as the driver sees it
+            costs = replace(costs, inference=sc)
         res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)
         if res is not None:   # and what its reshards really cost, all in
             costs = replace(costs, reshard=res)
         p.cluster.record("learn", step=st.step, decode_step_s=costs.decode.step_s, reshard_fixed_s=costs.reshard.fixed_s,
+                         score_group_s=costs.inference.per_group_s, score_samples=len(st.score_samples),
+                         iter_samples=[list(x) for x in st.iter_samples],
                          decode_samples=len(st.decode_samples), mean_response_tokens=self.lengths.mean)
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
                                 prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs)

@@ -1,9 +1,9 @@
-"""What the reconciler learns between steps from its own measurements (scheduler/costs.py): the decode step time
-and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`."""
+"""What the reconciler learns between steps from its own measurements (scheduler/costs.py): the decode step time,
+the scoring cost per group and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`."""
 
 import pytest
 
-from tidal.scheduler.costs import learn_decode, learn_reshard
+from tidal.scheduler.costs import learn_decode, learn_reshard, learn_scoring
 from tidal.scheduler.costs_cpu import cpu_e2e
 
 
@@ -29,3 +29,15 @@ def test_reshard_fixed_cost_net_of_the_modelled_transfer():
     got = learn_reshard(ev, prior)
     assert got.fixed_s == pytest.approx(0.7)   # median of 1.1, 0.4, 0.7
     assert got.bw == prior.bw and learn_reshard(ev[3:], prior) is None
+
+
+def test_scoring_cost_per_group_is_the_median_residual_and_keeps_the_slope():
+    prior = cpu_e2e().inference
+    tok = 8 * (12 + 20)   # a group: 8 samples of 12 prompt + 20 response tokens
+    samples = [(2, 2 * tok, 0.30)] * 4 + [(1, tok, 0.15), (2, 2 * tok, 4.0)]   # one call stalled: ignored
+    got = learn_scoring(samples, prior)
+    assert got.per_group_s == pytest.approx(0.15 - prior.per_token_s * tok)
+    assert got.per_token_s == prior.per_token_s
+    # what the policy then predicts for a group is what the driver saw
+    assert got.group_time(tok, 1) == pytest.approx(0.15)
+    assert learn_scoring(samples[:3], prior) is None

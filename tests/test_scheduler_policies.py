@@ -319,3 +319,30 @@ def test_tidal_does_not_ping_pong_a_straggler():
     busy = _between([tinst(2, 60, 8, 60 * 25.0, 48.0)] + light)
     moves = [m for a in policy_tidal._rebalance(st, busy, np.ones(4, bool)) for m in a.expand()]
     assert [(m.src, m.dst) for m in moves] == [(2, 3)] and moves[0].count >= 1
+
+
+def test_tidal_inference_returns_by_the_groups_waiting_not_the_generated_prefix():
+    """Inference lent, group 2 still running (the id-order prefix of generated groups is 2) while 150 groups wait
+    to be scored: scoring them takes about as long as the rest of rollout, so inference comes back now. With the
+    prefix as the backlog (before the fix) it waited, and on the CPU e2e run scored 30 groups after rollout."""
+    mid = [tinst(i, 300, 30, 300 * 800.0, 2500.0) for i in range(8)]
+    out = {}
+    for waiting in (2, 150):
+        s = sig(mid, iters=0, trigger="tick", generated=2, scored=0, lent_out=True, inf_devices=())
+        s = dataclasses.replace(s, inference=InferenceSignal((), waiting, 0, False, (6, 7)))
+        out[waiting] = [type(a).__name__ for a in policy_tidal.decide(lstate(), s, s.time)]
+    assert out == {2: ["Wait"], 150: ["MigrateBatch", "ReturnToInference"]}
+
+
+def test_tidal_keeps_one_instance_when_what_is_left_fits_its_slots():
+    """110 sequences left over 4 instances of 512 slots: keeping only the busiest one and growing the actor onto
+    the other 3 beats the doubling grid's best (release 2). Seen on the CPU e2e run: 1 sequence left on 4
+    instances, 2 released, the actor trained its remaining iters at DP 4 instead of 7."""
+    layout = ActorLayout(1, 2, (0, 1))
+    rollout = [tinst(2, 100, 13, 100 * 300.0, 900.0), tinst(3, 5, 1, 5 * 200.0, 400.0),
+               tinst(4, 3, 1, 3 * 200.0, 300.0), tinst(5, 2, 1, 2 * 150.0, 200.0)]
+    s = sig(rollout, iters=1, scored=300, trigger="boundary", generated=500, layout=layout)
+    got = fields(policy_tidal.decide(lstate(actor_tp=1), s, s.time))
+    assert got == [M(5, 2, 1), M(3, 2, 1), M(4, 2, 1),
+                   ("ReleaseRollout", {"instance_ids": (5, 3, 4), "devices": (5, 3, 4), "migrate_to": (2,)}),
+                   ("ReshardActor", {"from_layout": layout, "to_layout": ActorLayout(1, 5, (0, 1, 3, 4, 5))})]

@@ -81,6 +81,11 @@ class StepState:
     actor_metrics: list[dict] = field(default_factory=list)
     # (mean batch, wall seconds per decode step) of every rollout call that generated: the decode cost, measured
     decode_samples: list[tuple[float, float]] = field(default_factory=list)
+    # (groups, tokens, wall seconds) of every scoring call: the scoring cost, measured
+    score_samples: list[tuple[int, float, float]] = field(default_factory=list)
+    # (tp, dp, tokens, wall seconds) of every actor iter: its cost per layout, measured
+    iter_samples: list[tuple[int, int, float, float]] = field(default_factory=list)
+    iter_tokens: float = 0.0
 
 
 class Cluster:
@@ -320,6 +325,7 @@ class Pipeline:
         samples = samples[lo:hi]
         ref = ray.put(samples)
         st.iter_running = True
+        st.iter_tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
         for d in self.cluster.actor_layout.devices:
             self.cluster.submit("actor", d, "actor_train_iter", payload=k, samples=ref,
                                 num_tokens=count_response_tokens(samples))
@@ -341,6 +347,9 @@ class Pipeline:
         elif f.kind == "inference":
             c.timeline.add_busy([f.device], "inference", "score", f.t0, now)
             st.scoring -= f.payload
+            st.score_samples.append((len(res), float(sum(len(g.prompt_ids) * len(g.response_ids)
+                                                         + sum(len(r) for r in g.response_ids) for g in res)),
+                                     now - f.t0))
             for g in res:
                 assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
                 st.scored[g.group_id] = g
@@ -352,6 +361,8 @@ class Pipeline:
                 st.iter_running = False
                 st.iters_done += 1
                 st.last_iter_s = now - f.t0
+                lay = c.actor_layout
+                st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
         elif f.kind == "eval":
             self.last_eval = (f.payload, res)
 
