@@ -266,6 +266,17 @@ def learn_scoring(samples: Sequence[tuple[int, float, float]], prior: InferenceC
     return replace(prior, per_group_s=max(per_group, 0.0))
 
 
+def learn_rollout_factor(predictions: Sequence[tuple[float, float]], rollout_end: float,
+                         lo: float = 0.5, hi: float = 4.0, min_samples: int = 3) -> float | None:
+    """Measured over modelled remaining rollout time: `predictions` are (when, modelled seconds left) taken during
+    last step's rollout, `rollout_end` when its last group came back (same clock). The median ratio, clipped to
+    [lo, hi] (a stalled step must not teach the policy that rollout never ends). None with too few samples."""
+    r = [(rollout_end - t) / p for t, p in predictions if p > 0 and t < rollout_end]
+    if len(r) < min_samples:
+        return None
+    return float(min(hi, max(lo, np.median(r))))
+
+
 def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | None:
     """The fixed cost of a reshard as last step's `reshard` events measured it (seconds minus the modelled
     transfer of the bytes each receiving device got): drain, calls, plans, votes and, for a layout met the first

@@ -86,7 +86,7 @@ def inst_seconds(state: SchedState, cols: RolloutColumns) -> np.ndarray:
     d = state.costs.decode
     rem = cols.est_remaining_tokens
     steps = np.maximum(cols.est_tail_tokens, rem / state.params.max_running_requests)
-    model = d.step_s * steps + d.per_seq_s * rem
+    model = (d.step_s * steps + d.per_seq_s * rem) * state.rollout_time_factor
     out = np.where(cols.est_tail_tokens > 0, model, cols.est_remaining_s)
     return np.where((cols.running == 0) | (rem <= 0), 0.0, out)
 
@@ -95,7 +95,7 @@ def rollout_seconds(state: SchedState, remaining: float, tail: float, n_inst: in
     """Rollout time of `remaining` tokens spread evenly over `n_inst` instances, longest sequence `tail`."""
     d = state.costs.decode
     steps = max(tail, remaining / (n_inst * state.params.max_running_requests))
-    return d.step_s * steps + d.per_seq_s * remaining / n_inst
+    return (d.step_s * steps + d.per_seq_s * remaining / n_inst) * state.rollout_time_factor
 
 
 def _timeline(state: SchedState, sig: Signals) -> tuple[float, list[tuple[int, float | None, float]]]:
@@ -192,7 +192,7 @@ def _rebalance_gain(state: SchedState, cols: RolloutColumns, hi: np.ndarray, lo:
     moved = rem_h * frac
     after_h = d.step_s * np.maximum(tail_h, (rem_h - moved) / slots) + d.per_seq_s * (rem_h - moved)
     after_l = d.step_s * np.maximum(np.maximum(tail_l, tail_h), (rem_l + moved) / slots) + d.per_seq_s * (rem_l + moved)
-    model = th - np.maximum(after_h, after_l)
+    model = th - np.maximum(after_h, after_l) * state.rollout_time_factor
     # without a tail estimate (a producer that reports rates only) the load gap is all there is
     return np.where(tail_h > 0, model, (th - tl) / 2)
 
@@ -334,7 +334,7 @@ def _return_inference(state: SchedState, sig: Signals) -> list[Action]:
     total = max(sig.groups_total, 1)
     remaining = float(cols.est_remaining_tokens.sum())
     running = int(cols.running.sum())
-    tail = float(cols.est_tail_tokens.max()) if running else 0.0
+    tail = sig.tail_tokens if running else 0.0
     n = int(cols.running.size)
     t_r = rollout_seconds(state, remaining, max(tail, 1.0), n) if running else 0.0
     f_now = state.time_fraction(sig.groups_generated / total)
@@ -395,7 +395,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     full = fit(all_dev)
     remaining = float(cols.est_remaining_tokens.sum())
     running = int(cols.running.sum())
-    tail = float(cols.est_tail_tokens.max()) if cols.running.size else 0.0
+    tail = sig.tail_tokens if cols.running.size else 0.0
     if tail <= 0 and running:   # no tail estimate from the producer: the mean residual (a lower bound)
         tail = remaining / running
     prompt = state.prompt_tokens

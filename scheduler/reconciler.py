@@ -29,8 +29,9 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
-from tidal.scheduler.costs import learn_decode, learn_reshard, learn_scoring
+from tidal.scheduler.costs import learn_decode, learn_reshard, learn_rollout_factor, learn_scoring
 from tidal.scheduler.estimate import LengthModel
+from tidal.scheduler.policy_tidal import rollout_seconds
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
 
@@ -64,6 +65,7 @@ class Reconciler:
         init = pipeline.initial_layout
         self._rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(init) if len(r) >= 2}
         self._layout_notes: list = []
+        self._predictions: list[tuple[float, float, float, int]] = []   # rollout left, noted: see learn
         self._t_start = 0.0
 
     def known_rank_sets(self, sets) -> None:
@@ -96,6 +98,8 @@ class Reconciler:
             queued += len(st.queue) * g / len(insts)
         est = self.lengths.remaining_many(started, progress, queued)
         tail = self.lengths.tail_many(started, progress, queued)
+        tail_all = float(self.lengths.tail_many(np.array([started.sum()]), np.array([progress.sum()]),
+                                                np.array([queued.sum()]))[0]) if insts else 0.0
         for k, inst in enumerate(insts):
             s, given = st.signals.get(inst, {}), st.given.get(inst, 0)
             rollout.append(RolloutInstanceSignal(
@@ -117,7 +121,7 @@ class Reconciler:
                             lent_out=bool(c.lent & set(lay.devices)), held=st.held)
         return Signals(p.clock(), st.step, tuple(rollout), inference, actor,
                        DeviceSignal.from_snapshot(p.ledger.snapshot()), st.num_groups, gen_prefix,
-                       all_registered=not st.queue, trigger=trigger)
+                       all_registered=not st.queue, trigger=trigger, rollout_tail_tokens=tail_all)
 
     # ---- decide and act --------------------------------------------------------------------------------------
     def consult(self, trigger: str, data_ready: bool = False) -> bool:
@@ -141,6 +145,7 @@ class Reconciler:
             self.learn()
             return True
         sig = self.signals(trigger)
+        self._note_rollout_prediction(sig, now)
         t0 = time.perf_counter()
         actions = self.p.policy(self.p.sched_state, sig, now)
         decide_s = time.perf_counter() - t0
@@ -151,7 +156,7 @@ class Reconciler:
                                   seen={"running": int(cols.running.sum()), "groups_generated": sig.groups_generated,
                                         "groups_scored": sig.inference.groups_finished,
                                         "est_remaining_tokens": float(cols.est_remaining_tokens.sum()),
-                                        "est_tail_tokens": float(cols.est_tail_tokens.max()) if cols.id.size else 0.0,
+                                        "est_tail_tokens": sig.tail_tokens,
                                         "instances": int(cols.id.size)})
         wait = False
         for a in actions:
@@ -161,6 +166,16 @@ class Reconciler:
             self.apply(a, sig)
         self._held_since = (self._held_since or now) if wait else None
         return not wait
+
+    def _note_rollout_prediction(self, sig: Signals, now: float) -> None:
+        """Note what is left of this step's rollout (tokens, longest sequence, instances) now: `learn` prices it
+        with the cost model and compares with when rollout really ended (at most one note per 0.25 s)."""
+        cols = sig.cols
+        running = int(cols.running.sum()) if cols.id.size else 0
+        if not running or (self._predictions and now - self._predictions[-1][0] < 0.25):
+            return
+        self._predictions.append((now, float(cols.est_remaining_tokens.sum()), sig.tail_tokens,
+                                  int(cols.id.size)))
 
     def apply(self, a: Action, sig: Signals) -> bool:
         c = self.p.cluster
@@ -422,15 +437,24 @@ class Reconciler:
         sc = learn_scoring(st.score_samples, costs.inference, p.cfg.inference.tensor_parallel_size)
         if sc is not None:    # and what scoring a group costs as the driver sees it
             costs = replace(costs, inference=sc)
+        # priced with the decode cost just learned, so the factor corrects only what the model misses (sequences
+        # start in waves, stragglers), not the step time twice
+        plain = replace(p.sched_state, costs=costs, rollout_time_factor=1.0)
+        notes = [(t, rollout_seconds(plain, rem, tail, n)) for t, rem, tail, n in self._predictions]
+        factor = learn_rollout_factor(notes, max(st.gen_time.values(), default=0.0))
+        self._predictions = []
+        if factor is None:
+            factor = p.sched_state.rollout_time_factor
         res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)
         if res is not None:   # and what its reshards really cost, all in
             costs = replace(costs, reshard=res)
         p.cluster.record("learn", step=st.step, decode_step_s=costs.decode.step_s, reshard_fixed_s=costs.reshard.fixed_s,
                          score_group_s=costs.inference.per_group_s, score_samples=len(st.score_samples),
-                         iter_samples=[list(x) for x in st.iter_samples],
+                         iter_samples=[list(x) for x in st.iter_samples], rollout_time_factor=factor,
                          decode_samples=len(st.decode_samples), mean_response_tokens=self.lengths.mean)
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
-                                prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs)
+                                prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs,
+                                rollout_time_factor=factor)
 
     # ---- end of step ---------------------------------------------------------------------------------------
     def return_lent(self, why: str) -> None:

@@ -379,11 +379,13 @@ class _Sim:
             lm = self.length_model
             est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            tail_all = float(lm.tail_many(np.array([s["started_unfinished"].sum()]), np.array([s["progress"].sum()]),
+                                          np.array([s["queued_seqs"].sum()]))[0])
             cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
                                   np.floor(s["progress"]), s["rate"], est, lent, tail, np.floor(s["tokens"]))
             rollout = RolloutView(cols, devices)
         else:
-            rollout, cols = (), None
+            rollout, cols, tail_all = (), None, 0.0
         p, a = self.p, self.actor
         n_scored = len(self.scored)
         inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, n_scored, n_scored == p.rollout_batch_size,
@@ -391,7 +393,7 @@ class _Sim:
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
         return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
-                       self.n_generated, self.dispatched, trigger, cols)
+                       self.n_generated, self.dispatched, trigger, cols, tail_all)
 
     def call(self, trigger: str) -> None:
         if self.policy_name == "static":

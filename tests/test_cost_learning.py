@@ -1,9 +1,10 @@
 """What the reconciler learns between steps from its own measurements (scheduler/costs.py): the decode step time,
-the scoring cost per group and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`."""
+the scoring cost per group and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`;
+and how far the rollout-time model is off (`SchedState.rollout_time_factor`)."""
 
 import pytest
 
-from tidal.scheduler.costs import learn_decode, learn_reshard, learn_scoring
+from tidal.scheduler.costs import learn_decode, learn_reshard, learn_rollout_factor, learn_scoring
 from tidal.scheduler.costs_cpu import cpu_e2e
 
 
@@ -41,3 +42,11 @@ def test_scoring_cost_per_group_is_the_median_residual_and_keeps_the_slope():
     # what the policy then predicts for a group is what the driver saw
     assert got.group_time(tok, 1) == pytest.approx(0.15)
     assert learn_scoring(samples[:3], prior) is None
+
+
+def test_rollout_factor_is_the_median_measured_over_modelled_time_left():
+    # rollout ended at t = 10; notes (when, modelled seconds left): the model said half of what it took
+    notes = [(2.0, 4.0), (4.0, 3.0), (6.0, 2.0), (9.0, 5.0), (11.0, 1.0)]   # the last one is after the end
+    assert learn_rollout_factor(notes, 10.0) == pytest.approx(2.0)          # median of 2, 2, 2, 0.2
+    assert learn_rollout_factor([(0.0, 0.1)] * 3, 10.0) == 4.0              # clipped: a stall teaches little
+    assert learn_rollout_factor(notes[:2], 10.0) is None
