@@ -261,20 +261,28 @@ class Pipeline:
 
     def _feed_rollout(self) -> None:
         """Idle instances pull whole groups from the step's one queue: up to their capacity, and no more than a
-        fair share of what is left, so early pullers do not take everything."""
+        fair share of what is left, so early pullers do not take everything. Groups are dealt round robin (lowest
+        ids first, one per instance per round), so each instance's first wave holds the lowest ids: the actor
+        trains iter k on a prefix of group ids, and with consecutive ids per instance (0-3 on one, 4-7 on the
+        next) half of mini-batch 0 waited for a second wave while later mini-batches ran in the first."""
         st, c = self.step_state, self.cluster
         share = -(-len(st.queue) // max(1, len(c.rollout)))
-        for inst in list(c.rollout):
-            if c.busy(inst):
-                continue
-            give = []
-            while st.queue and len(give) < share and st.given.get(inst, 0) + len(give) < self._capacity_groups():
-                give.append(st.queue.popleft())
-            if not give and st.given.get(inst, 0) == 0:
+        idle = [inst for inst in c.rollout if not c.busy(inst)]
+        give: dict[int, list] = {inst: [] for inst in idle}
+        cap = self._capacity_groups()
+        dealt = True
+        while st.queue and dealt:
+            dealt = False
+            for inst in idle:
+                if st.queue and len(give[inst]) < share and st.given.get(inst, 0) + len(give[inst]) < cap:
+                    give[inst].append(st.queue.popleft())
+                    dealt = True
+        for inst in idle:
+            if not give[inst] and st.given.get(inst, 0) == 0:
                 continue  # nothing to do there
-            st.given[inst] = st.given.get(inst, 0) + len(give)
-            st.total_given[inst] = st.total_given.get(inst, 0) + len(give) * self.cfg.algorithm.group_size
-            c.submit("rollout", inst, "rollout_run", groups=give, budget_s=self.slice_s)
+            st.given[inst] = st.given.get(inst, 0) + len(give[inst])
+            st.total_given[inst] = st.total_given.get(inst, 0) + len(give[inst]) * self.cfg.algorithm.group_size
+            c.submit("rollout", inst, "rollout_run", groups=give[inst], budget_s=self.slice_s)
 
     def _feed_inference(self) -> None:
         st, c = self.step_state, self.cluster
