@@ -266,6 +266,18 @@ def learn_scoring(samples: Sequence[tuple[int, float, float]], prior: InferenceC
     return replace(prior, per_group_s=max(per_group, 0.0))
 
 
+def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: ActorCost, lo: float = 0.5,
+                       hi: float = 4.0, min_samples: int = 3) -> float | None:
+    """Measured over modelled actor iter time: `samples` are (tp, dp, tokens, wall seconds) of last step's iters.
+    One factor, not a refit of fixed and per-token cost: iters measured while rollout runs are slowed by the
+    machine, and a refit from them (tried) read the slowdown as fixed cost and ruled out growing. The median
+    ratio, clipped to [lo, hi]; None with too few samples."""
+    r = [t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp)) > 0]
+    if len(r) < min_samples:
+        return None
+    return float(min(hi, max(lo, np.median(r))))
+
+
 def learn_rollout_factor(predictions: Sequence[tuple[float, float]], rollout_end: float,
                          lo: float = 0.5, hi: float = 4.0, min_samples: int = 3) -> float | None:
     """Measured over modelled remaining rollout time: `predictions` are (when, modelled seconds left) taken during

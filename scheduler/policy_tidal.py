@@ -149,7 +149,7 @@ def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float,
         if j > first and size < full_size and start >= t_r + lag:  # grows at a later boundary
             start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
-        t = start + c.actor.iter_time(tokens, tp, size // tp)
+        t = start + c.actor.iter_time(tokens, tp, size // tp) * state.actor_time_factor
     t += c.reshard.grow_time(size, len(p.actor_devices), tp)
     return t
 

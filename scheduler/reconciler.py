@@ -29,7 +29,8 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
-from tidal.scheduler.costs import learn_decode, learn_reshard, learn_rollout_factor, learn_scoring
+from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
+                                   learn_scoring)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.policy_tidal import rollout_seconds
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
@@ -445,16 +446,20 @@ class Reconciler:
         self._predictions = []
         if factor is None:
             factor = p.sched_state.rollout_time_factor
+        actor_factor = learn_actor_factor(st.iter_samples, costs.actor)
+        if actor_factor is None:
+            actor_factor = p.sched_state.actor_time_factor
         res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)
         if res is not None:   # and what its reshards really cost, all in
             costs = replace(costs, reshard=res)
         p.cluster.record("learn", step=st.step, decode_step_s=costs.decode.step_s, reshard_fixed_s=costs.reshard.fixed_s,
                          score_group_s=costs.inference.per_group_s, score_samples=len(st.score_samples),
                          iter_samples=[list(x) for x in st.iter_samples], rollout_time_factor=factor,
+                         actor_time_factor=actor_factor,
                          decode_samples=len(st.decode_samples), mean_response_tokens=self.lengths.mean)
         p.sched_state = replace(p.sched_state, mean_response_tokens=self.lengths.mean,
                                 prompt_tokens=float(np.mean(prompts)), ready_curve=curve, costs=costs,
-                                rollout_time_factor=factor)
+                                rollout_time_factor=factor, actor_time_factor=actor_factor)
 
     # ---- end of step ---------------------------------------------------------------------------------------
     def return_lent(self, why: str) -> None:

@@ -93,6 +93,8 @@ class SchedState:
                                          #: mini-batches hold the longer responses)
     ready_curve: tuple[float, ...] = ()  #: fraction of rollout time by which k/16 of the groups were generated,
                                          #: k = 0..16 (groups finish front-loaded; the tail sets the end)
+    actor_time_factor: float = 1.0       #: measured / modelled actor iter time, learned by the producer (the
+                                         #: layout scaling stays the model's; a busy machine slows every iter)
     rollout_time_factor: float = 1.0     #: measured / modelled remaining rollout time, learned by the producer
                                          #: (sequences start in waves, the slowest stragglers: the model's
                                          #: max(tail, tokens / slots) undercounts both; 1 = trust the model)

@@ -4,7 +4,8 @@ and how far the rollout-time model is off (`SchedState.rollout_time_factor`)."""
 
 import pytest
 
-from tidal.scheduler.costs import learn_decode, learn_reshard, learn_rollout_factor, learn_scoring
+from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
+                                   learn_scoring)
 from tidal.scheduler.costs_cpu import cpu_e2e
 
 
@@ -50,3 +51,11 @@ def test_rollout_factor_is_the_median_measured_over_modelled_time_left():
     assert learn_rollout_factor(notes, 10.0) == pytest.approx(2.0)          # median of 2, 2, 2, 0.2
     assert learn_rollout_factor([(0.0, 0.1)] * 3, 10.0) == 4.0              # clipped: a stall teaches little
     assert learn_rollout_factor(notes[:2], 10.0) is None
+
+
+def test_actor_factor_scales_the_model_keeping_its_layout_scaling():
+    prior = cpu_e2e().actor
+    slow = [(1, dp, 1800.0, 1.6 * prior.iter_time(1800.0, 1, dp)) for dp in (2, 2, 2)]
+    slow.append((1, 2, 1800.0, 9.0 * prior.iter_time(1800.0, 1, 2)))   # one iter stalled: the median ignores it
+    assert learn_actor_factor(slow, prior) == pytest.approx(1.6)
+    assert learn_actor_factor(slow[:2], prior) is None
