@@ -272,10 +272,8 @@ def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: 
     One factor, not a refit of fixed and per-token cost: iters measured while rollout runs are slowed by the
     machine, and a refit from them (tried) read the slowdown as fixed cost and ruled out growing. The median
     ratio, clipped to [lo, hi]; None with too few samples."""
-    r = [t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp)) > 0]
-    if len(r) < min_samples:
-        return None
-    return float(min(hi, max(lo, np.median(r))))
+    return _median_ratio([t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp)) > 0],
+                         lo, hi, min_samples)
 
 
 def learn_rollout_factor(predictions: Sequence[tuple[float, float]], rollout_end: float,
@@ -283,10 +281,15 @@ def learn_rollout_factor(predictions: Sequence[tuple[float, float]], rollout_end
     """Measured over modelled remaining rollout time: `predictions` are (when, modelled seconds left) taken during
     last step's rollout, `rollout_end` when its last group came back (same clock). The median ratio, clipped to
     [lo, hi] (a stalled step must not teach the policy that rollout never ends). None with too few samples."""
-    r = [(rollout_end - t) / p for t, p in predictions if p > 0 and t < rollout_end]
-    if len(r) < min_samples:
+    return _median_ratio([(rollout_end - t) / p for t, p in predictions if p > 0 and t < rollout_end],
+                         lo, hi, min_samples)
+
+
+def _median_ratio(ratios: Sequence[float], lo: float, hi: float, min_samples: int) -> float | None:
+    """Median of measured / modelled ratios clipped to [lo, hi]; None with fewer than `min_samples`."""
+    if len(ratios) < min_samples:
         return None
-    return float(min(hi, max(lo, np.median(r))))
+    return float(min(hi, max(lo, np.median(ratios))))
 
 
 def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | None:

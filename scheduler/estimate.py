@@ -93,6 +93,15 @@ class LengthModel:
         t_queued = np.where(queued > 0, tab[0, kq], 0.0)
         return np.maximum(t_started, t_queued)
 
+    def tail_total(self, started: np.ndarray, progress_tokens: np.ndarray, queued: np.ndarray) -> float:
+        """Expected longest remaining sequence over all instances together (`tail_many` of the sums): the
+        expected maximum of all sequences, which exceeds the largest per-instance expectation (0 when empty)."""
+        if not np.size(started):
+            return 0.0
+        return float(self.tail_many(np.array([np.sum(started)], dtype=np.float64),
+                                    np.array([np.sum(progress_tokens)], dtype=np.float64),
+                                    np.array([np.sum(queued)], dtype=np.float64))[0])
+
     def remaining_many(self, started: np.ndarray, progress_tokens: np.ndarray, queued: np.ndarray) -> np.ndarray:
         """`instance_remaining` for many instances at once (arrays)."""
         mean_x = np.divide(progress_tokens, started, out=np.zeros(started.shape), where=started > 0)

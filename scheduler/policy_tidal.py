@@ -83,19 +83,14 @@ def inst_seconds(state: SchedState, cols: RolloutColumns) -> np.ndarray:
     """Predicted seconds each instance needs for its work. Every decode step costs `step_s + per_seq_s * b`
     and yields b tokens, so an instance needs `steps * step_s + tokens * per_seq_s` with steps = max(longest
     remaining sequence, tokens / slots). Without a tail estimate from the producer: tokens / current rate."""
-    d = state.costs.decode
     rem = cols.est_remaining_tokens
-    steps = np.maximum(cols.est_tail_tokens, rem / state.params.max_running_requests)
-    model = (d.step_s * steps + d.per_seq_s * rem) * state.rollout_time_factor
-    out = np.where(cols.est_tail_tokens > 0, model, cols.est_remaining_s)
+    out = np.where(cols.est_tail_tokens > 0, state.decode_seconds(rem, cols.est_tail_tokens), cols.est_remaining_s)
     return np.where((cols.running == 0) | (rem <= 0), 0.0, out)
 
 
 def rollout_seconds(state: SchedState, remaining: float, tail: float, n_inst: int) -> float:
     """Rollout time of `remaining` tokens spread evenly over `n_inst` instances, longest sequence `tail`."""
-    d = state.costs.decode
-    steps = max(tail, remaining / (n_inst * state.params.max_running_requests))
-    return (d.step_s * steps + d.per_seq_s * remaining / n_inst) * state.rollout_time_factor
+    return float(state.decode_seconds(remaining / n_inst, tail))
 
 
 def _timeline(state: SchedState, sig: Signals) -> tuple[float, list[tuple[int, float | None, float]]]:
@@ -186,13 +181,12 @@ def _rebalance_gain(state: SchedState, cols: RolloutColumns, hi: np.ndarray, lo:
     so the light one is charged that tail too: decode time per step does not shrink with fewer sequences, and
     moving a straggler only moves it (measured on the CPU e2e run: a 48-token tail group ping-ponged 8 times
     between instances, each move pausing it, when the gain was taken as half the load gap)."""
-    d, slots = state.costs.decode, state.params.max_running_requests
     rem_h, rem_l = cols.est_remaining_tokens[hi], cols.est_remaining_tokens[lo]
     tail_h, tail_l = cols.est_tail_tokens[hi], cols.est_tail_tokens[lo]
     moved = rem_h * frac
-    after_h = d.step_s * np.maximum(tail_h, (rem_h - moved) / slots) + d.per_seq_s * (rem_h - moved)
-    after_l = d.step_s * np.maximum(np.maximum(tail_l, tail_h), (rem_l + moved) / slots) + d.per_seq_s * (rem_l + moved)
-    model = th - np.maximum(after_h, after_l) * state.rollout_time_factor
+    after_h = state.decode_seconds(rem_h - moved, tail_h)
+    after_l = state.decode_seconds(rem_l + moved, np.maximum(tail_l, tail_h))
+    model = th - np.maximum(after_h, after_l)
     # without a tail estimate (a producer that reports rates only) the load gap is all there is
     return np.where(tail_h > 0, model, (th - tl) / 2)
 

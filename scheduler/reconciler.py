@@ -32,7 +32,6 @@ from tidal.scheduler.actions import (Action, LendInference, LendToRollout, Migra
 from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
                                    learn_scoring)
 from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.policy_tidal import rollout_seconds
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
 
@@ -99,8 +98,7 @@ class Reconciler:
             queued += len(st.queue) * g / len(insts)
         est = self.lengths.remaining_many(started, progress, queued)
         tail = self.lengths.tail_many(started, progress, queued)
-        tail_all = float(self.lengths.tail_many(np.array([started.sum()]), np.array([progress.sum()]),
-                                                np.array([queued.sum()]))[0]) if insts else 0.0
+        tail_all = self.lengths.tail_total(started, progress, queued)
         for k, inst in enumerate(insts):
             s, given = st.signals.get(inst, {}), st.given.get(inst, 0)
             rollout.append(RolloutInstanceSignal(
@@ -171,12 +169,10 @@ class Reconciler:
     def _note_rollout_prediction(self, sig: Signals, now: float) -> None:
         """Note what is left of this step's rollout (tokens, longest sequence, instances) now: `learn` prices it
         with the cost model and compares with when rollout really ended (at most one note per 0.25 s)."""
-        cols = sig.cols
-        running = int(cols.running.sum()) if cols.id.size else 0
-        if not running or (self._predictions and now - self._predictions[-1][0] < 0.25):
+        if not sig.running or (self._predictions and now - self._predictions[-1][0] < 0.25):
             return
-        self._predictions.append((now, float(cols.est_remaining_tokens.sum()), sig.tail_tokens,
-                                  int(cols.id.size)))
+        cols = sig.cols
+        self._predictions.append((now, float(cols.est_remaining_tokens.sum()), sig.tail_tokens, int(cols.id.size)))
 
     def apply(self, a: Action, sig: Signals) -> bool:
         c = self.p.cluster
@@ -441,7 +437,7 @@ class Reconciler:
         # priced with the decode cost just learned, so the factor corrects only what the model misses (sequences
         # start in waves, stragglers), not the step time twice
         plain = replace(p.sched_state, costs=costs, rollout_time_factor=1.0)
-        notes = [(t, rollout_seconds(plain, rem, tail, n)) for t, rem, tail, n in self._predictions]
+        notes = [(t, float(plain.decode_seconds(rem / n, tail))) for t, rem, tail, n in self._predictions]
         factor = learn_rollout_factor(notes, max(st.gen_time.values(), default=0.0))
         self._predictions = []
         if factor is None:

@@ -379,8 +379,7 @@ class _Sim:
             lm = self.length_model
             est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
-            tail_all = float(lm.tail_many(np.array([s["started_unfinished"].sum()]), np.array([s["progress"].sum()]),
-                                          np.array([s["queued_seqs"].sum()]))[0])
+            tail_all = lm.tail_total(s["started_unfinished"], s["progress"], s["queued_seqs"])
             cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
                                   np.floor(s["progress"]), s["rate"], est, lent, tail, np.floor(s["tokens"]))
             rollout = RolloutView(cols, devices)

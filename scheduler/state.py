@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tidal.config import TidalConfig
 from tidal.scheduler.costs import CostModel, gpu_h200_1p5b
 from tidal.scheduler.signals import ActorLayout
@@ -98,6 +100,14 @@ class SchedState:
     rollout_time_factor: float = 1.0     #: measured / modelled remaining rollout time, learned by the producer
                                          #: (sequences start in waves, the slowest stragglers: the model's
                                          #: max(tail, tokens / slots) undercounts both; 1 = trust the model)
+
+    def decode_seconds(self, tokens, tail):
+        """Seconds one instance needs for `tokens` left whose longest sequence has `tail` left (scalars or arrays):
+        every decode step costs `step_s + per_seq_s * b` and yields b tokens, so `steps * step_s + tokens *
+        per_seq_s` with steps = max(tail, tokens / slots), times the learned `rollout_time_factor`."""
+        d = self.costs.decode
+        steps = np.maximum(tail, tokens / self.params.max_running_requests)
+        return (d.step_s * steps + d.per_seq_s * tokens) * self.rollout_time_factor
 
     def iter_share(self, j: int) -> float:
         n = self.params.n_minibatches
