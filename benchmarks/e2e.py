@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from tidal.placement import parse_device_ids
+
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 
@@ -49,6 +51,7 @@ def build(policy: str, a: argparse.Namespace, out: Path):
         "run": {"name": f"e2e-{policy}", "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
                 "eval_every": 10_000},
         "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
+                    "cpu_device_cores": a.device_cores,
                     "component_placement": {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
                     "auto_scheduler": policy != "static"},
         "scheduler": {"policy": policy if policy != "static" else "tidal"},
@@ -233,7 +236,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="static,rlinf,tidal")
     ap.add_argument("--out", default="runs/e2e", help="run folders (events.json, timeline.png) go here")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--share", type=float, default=0.125, help="cluster.cpu_compute_share per device")
+    ap.add_argument("--share", type=float, default=0.125,
+                    help="cluster.cpu_compute_share per device (a fraction of the device cores)")
+    ap.add_argument("--device-cores", default="auto",
+                    help='cluster.cpu_device_cores: the cores the 8 devices are pinned to; the driver and Ray run '
+                         'on the others. auto: every core but core 0 (on 2 cores: "1"); "all": no pinning. '
+                         "Why: on a VM whose vCPUs share a host core a device slows down when the others are "
+                         "busy unless all devices share one core's time (benchmarks/share.py, docs/e2e.md)")
     ap.add_argument("--max-running", type=int, default=16,
                     help="rollout.max_running_requests: 16 gives 4 waves of 64 sequences per instance, RLinf's "
                          "example ratio (2,048 sequences per instance at 512 slots); 64 runs every sequence at "
@@ -250,13 +259,21 @@ def main(argv=None) -> int:
             setattr(a, k, v)
     out = Path(a.out)
     t0 = time.monotonic()
-    cores = a.share * (os.cpu_count() or 1)
+    n_cpu = os.cpu_count() or 1
+    if a.device_cores == "auto":
+        a.device_cores = None if n_cpu < 2 else ("1" if n_cpu == 2 else f"1-{n_cpu - 1}")
+    elif a.device_cores == "all":
+        a.device_cores = None
+    pinned = set(parse_device_ids(a.device_cores, "--device-cores")) if a.device_cores else set()
+    if pinned and len(pinned) < n_cpu:  # the driver, and the Ray processes it starts, off the devices' cores
+        os.sched_setaffinity(0, set(range(n_cpu)) - pinned)
+    cores = a.share * (len(pinned) or n_cpu)
     res = {"name": "e2e", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(),
            "config": {"cpu_compute_share": a.share, "cores_per_device": cores,
-                      "note": f"{os.cpu_count()} cores / 8 devices x share: each device is capped at {cores:.2f} "
-                              "core (cgroup CPU quota); the machine is shared, so the caps are ceilings, not "
-                              "guarantees (see load_avg)",
+                      "cpu_device_cores": a.device_cores or "all",
+                      "note": f"devices on cores {a.device_cores or 'all'} of {n_cpu}, each capped at {cores:.3f} "
+                              "core (cgroup CPU quota); driver and Ray on the other cores",
                       "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7", "steps": a.steps,
                       "step_time": "mean over steps >= 1 (step 0: warm-up)", "prompts": a.prompts,
                       "group_size": a.group_size, "n_minibatches": 4, "max_new_tokens": a.max_new_tokens,

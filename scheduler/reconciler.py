@@ -361,13 +361,15 @@ class Reconciler:
             ledger.release(leaving, f"actor shrinks to {layout}")
             ledger.free(leaving, "actor freed its shards")
         secs = self.p.clock() - t0
-        moved = sum(r["bytes_moved"] for r in reports)
+        moved = max(r["bytes_moved"] for r in reports)   # each rank reports the whole plan's bytes
         c.timeline.add_busy(sorted(set(old.devices) | set(layout.devices)), "moving", "reshard", t0, t0 + secs)
         # the workers' own reshard time excludes creating the layout's process groups (first use of a layout:
         # collective over the world, seconds on capped CPU workers); the rest of `secs` is that plus call overhead
         work = max(r["seconds"] for r in reports)
+        phases = {k[len("phase_"):-2]: round(max(r.get(k, 0.0) for r in reports), 4)
+                  for k in sorted({k for r in reports for k in r if k.startswith("phase_")})}
         c.record("reshard", step=self.p.step_state.step, iter=self.p.step_state.iters_done, from_layout=str(old),
-                 to_layout=str(layout), bytes_moved=moved, seconds=secs, worker_s=work,
+                 to_layout=str(layout), bytes_moved=moved, seconds=secs, worker_s=work, phases_s=phases,
                  devices=list(layout.devices), scope="members" if local else "world")
         return {"bytes_moved": moved}
 

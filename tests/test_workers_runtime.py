@@ -233,3 +233,40 @@ def test_ray_workers_with_compute_share_are_capped(ray_session):
         assert group.call_all(P + "allreduce_sum", value=1.0, timeout=30) == {0: 2.0, 1: 2.0}
     finally:
         group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_ray_workers_pinned_to_cores_with_the_share_of_those_cores(ray_session):
+    """cpu_cores pins every thread of every worker (threads made later inherit) and the share is of those cores."""
+    last = (os.cpu_count() or 1) - 1
+    share = 0.25  # of one core -> 0.25 core per device
+    group = WorkerGroup.start([0, 1], "cpu", compute_share=share, cpu_cores=[last])
+    try:
+        for d, threads in group.call_all(P + "thread_affinities", timeout=30).items():
+            assert threads and all(t == [last] for t in threads), (d, threads)
+        control = _burn(2.0)
+        rates = group.call_all(P + "busy_cpu_rate", seconds=2.0, timeout=60)
+        control_rate = float(control.communicate(timeout=60)[0])
+        for d, rate in rates.items():
+            _assert_quarter_core(rate, control_rate, f"device {d}")
+        assert group.call_all(P + "allreduce_sum", value=1.0, timeout=30) == {0: 2.0, 1: 2.0}
+    finally:
+        group.shutdown()
+
+
+def test_cpu_cores_input_errors(tmp_path):
+    from tidal.config import build_config
+    from tidal.errors import ConfigError
+    from tidal.workers.compute_share import pin_process
+
+    with pytest.raises(ValueError, match="this machine has cores"):
+        WorkerGroup.start([0], "cpu", cpu_cores=[os.cpu_count() or 1])
+    with pytest.raises(ValueError, match="CPU virtual devices only"):
+        WorkerGroup.start([0], "cuda", cpu_cores=[0])
+    with pytest.raises(ValueError, match="do not exist"):
+        pin_process(os.getpid(), {(os.cpu_count() or 1) + 3})
+    with pytest.raises(ProcessLookupError):
+        pin_process(2**22 + 12345, {0})
+    with pytest.raises(ConfigError, match="cluster.cpu_device_cores"):
+        build_config({"cluster": {"cpu_device_cores": "2-1"}})
+    assert build_config({"cluster": {"cpu_device_cores": "0-1"}}).cluster.cpu_device_core_ids == (0, 1)

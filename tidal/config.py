@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tidal.errors import ConfigError
-from tidal.placement import COMPONENTS, Placement, parse_placement
+from tidal.placement import COMPONENTS, Placement, parse_device_ids, parse_placement
 
 
 class Section(BaseModel):
@@ -39,6 +39,10 @@ class ClusterConfig(Section):
         None, gt=0, le=1,
         description="Fixed share of the machine's cores per CPU virtual device (duty-cycled), e.g. 0.125 for 8 "
                     "devices: idle capacity is then lost as on a GPU. None: no cap.")
+    cpu_device_cores: str | int | None = Field(
+        None, description='Cores the CPU virtual devices run on (e.g. "1" or "2-7"); cpu_compute_share is then a '
+                          "fraction of these cores. Keeps devices on cores of one speed and the driver off them "
+                          "(docs/e2e.md). None: any core.")
     component_placement: dict[str, Any] = Field(
         default_factory=lambda: {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
         description='RLinf placement: component (or "a,b" for shared) -> device ids like "0-3" or "0-1,4-5".')
@@ -52,6 +56,12 @@ class ClusterConfig(Section):
     @property
     def num_devices(self) -> int:
         return self.num_nodes * self.num_devices_per_node
+
+    @property
+    def cpu_device_core_ids(self) -> tuple[int, ...] | None:
+        if self.cpu_device_cores is None:
+            return None
+        return parse_device_ids(self.cpu_device_cores, "cluster.cpu_device_cores")
 
 
 class ModelConfig(Section):
@@ -287,6 +297,7 @@ def build_config(data: object, overrides: list[str] | None = None) -> TidalConfi
     except (TypeError, ValueError) as err:  # pydantic raises these for unhashable/odd inputs in rare paths
         raise ConfigError("<config>", str(err)[:80], "could not be read as a config", "check the YAML types") from None
     _ = cfg.placement
+    _ = cfg.cluster.cpu_device_core_ids  # ConfigError naming the field on a bad core list
     _check_cross_fields(cfg)
     return cfg
 

@@ -63,9 +63,13 @@ def main(argv: list[str]) -> int:
     console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
                   f"{cfg.cluster.num_devices} devices, policy [bold]{policy}[/], {cfg.run.num_steps} steps, "
                   f"task {cfg.data.task}; output {out_dir}")
+    where = ("the machine" if cfg.cluster.cpu_device_cores is None
+             else f"cores {cfg.cluster.cpu_device_cores} (devices pinned there)")
     if cfg.cluster.cpu_compute_share:
-        console.print(f"CPU virtual devices capped at {cfg.cluster.cpu_compute_share:.3f} of the machine each "
+        console.print(f"CPU virtual devices capped at {cfg.cluster.cpu_compute_share:.3f} of {where} each "
                       "(fixed compute share: idle capacity is lost, as on a GPU)")
+    elif cfg.cluster.cpu_device_cores is not None:
+        console.print(f"CPU virtual devices pinned to {where}")
 
     from tidal.pipeline.run import run_training
     tracking = RunTracking.null(cfg) if args.no_track else RunTracking.open(cfg, out_dir)

@@ -111,6 +111,33 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+# ----------------------------------------------------------------------------------------------- pinning
+def pin_process(pid: int, cpus: set[int] | frozenset[int] | tuple[int, ...]) -> None:
+    """Run every thread of `pid` (and the threads and children they make later) on `cpus` only.
+
+    `os.sched_setaffinity(pid)` moves one thread (the one whose id is `pid`); a Ray worker already has a dozen,
+    so each thread of ``/proc/PID/task`` is moved. New threads inherit their creator's mask.
+    Why pin at all: a share caps CPU *time*, and CPU time is only work when every device runs on cores of one
+    speed. On a VM whose vCPUs are hyperthreads of one host core, two busy vCPUs do about the work of one
+    (measured, docs/e2e.md): devices spread over both slow each other down exactly when all are busy.
+    """
+    cpus = set(cpus)
+    if not cpus:
+        raise ValueError("pin_process: cpus is empty; give at least one core id")
+    bad = sorted(c for c in cpus if c >= (os.cpu_count() or 1) or c < 0)
+    if bad:
+        raise ValueError(f"cores {bad} do not exist on this machine ({os.cpu_count()} cores: 0-{(os.cpu_count() or 1) - 1})")
+    try:
+        tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+    except FileNotFoundError as e:
+        raise ProcessLookupError(f"cannot pin pid {pid}: no such live process") from e
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            continue  # the thread exited between listing and pinning
+
+
 # ------------------------------------------------------------------------------------------------ cgroups
 def _cgroup_parent(backend: str) -> Path | None:
     """Writable parent for our cgroups under this backend, or None if it cannot be used here."""

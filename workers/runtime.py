@@ -36,12 +36,13 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
 
-from tidal.workers.compute_share import ComputeShare, cores_for_share, process_alive
+from tidal.workers.compute_share import ComputeShare, cores_for_share, pin_process, process_alive
 from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerInfo
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.ray_env import RaySession, connect, disconnect
@@ -88,17 +89,31 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------------------ start
     @classmethod
     def start(cls, devices: Sequence[int], device_kind: DeviceKind = "cpu", compute_share: float | None = None,
-              ray_address: str | None = None, *, world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+              ray_address: str | None = None, *, cpu_cores: Sequence[int] | None = None,
+              world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
               poll_s: float = 0.5, log_every_s: float = 10.0) -> "WorkerGroup":
-        """Start one worker per device id and join them in one world. Connects to (or starts) Ray."""
+        """Start one worker per device id and join them in one world. Connects to (or starts) Ray.
+
+        CPU virtual devices: `cpu_cores` pins every worker to those cores, and `compute_share` is then a
+        fraction of them (else of the whole machine).
+        """
         devices = _check_devices(devices)
         if device_kind not in ("cpu", "cuda"):
             raise ValueError(f"device_kind={device_kind!r}: use 'cpu' (virtual devices) or 'cuda'")
+        if cpu_cores is not None:
+            cpu_cores = tuple(sorted(set(cpu_cores)))
+            if device_kind != "cpu":
+                raise ValueError(f"cpu_cores={list(cpu_cores)} applies to CPU virtual devices only; "
+                                 "drop it for device_kind='cuda'")
+            have = os.cpu_count() or 1
+            if not cpu_cores or cpu_cores[0] < 0 or cpu_cores[-1] >= have:
+                raise ValueError(f"cpu_cores={list(cpu_cores)}: this machine has cores 0-{have - 1}; "
+                                 "pick cores among them")
         if compute_share is not None:
             if device_kind != "cpu":
                 raise ValueError(f"compute_share={compute_share!r} applies to CPU virtual devices only; "
                                  "drop it for device_kind='cuda'")
-            cores = cores_for_share(compute_share)
+            cores = cores_for_share(compute_share, len(cpu_cores) if cpu_cores else None)
         session = connect(ray_address)
         import ray
 
@@ -130,6 +145,12 @@ class WorkerGroup:
                     raise ValueError("compute_share needs workers on this machine (embedded Ray); "
                                      "drop it when joining a cluster with ray_address")
                 group._caps = {d: ComputeShare.apply(i.pid, cores) for d, i in group.infos.items()}
+            if cpu_cores is not None:
+                if not group._local:
+                    raise ValueError("cpu_cores needs workers on this machine (embedded Ray); "
+                                     "drop it when joining a cluster with ray_address")
+                for i in group.infos.values():
+                    pin_process(i.pid, cpu_cores)
             addr, port = group._rendezvous(devices[0])
             handles = [CallHandle(d, "init_world", a.init_world.remote(addr, port, world_timeout_s))
                        for d, a in actors.items()]
@@ -358,7 +379,8 @@ def start_from_config(cluster: Any, devices: Sequence[int] | None = None) -> Wor
 
         kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= len(devices) else "cpu"
     share = cluster.cpu_compute_share if kind == "cpu" else None
-    return WorkerGroup.start(devices, kind, compute_share=share, ray_address=cluster.ray_address)
+    cores = cluster.cpu_device_core_ids if kind == "cpu" else None
+    return WorkerGroup.start(devices, kind, compute_share=share, ray_address=cluster.ray_address, cpu_cores=cores)
 
 
 def _check_devices(devices: Sequence[int]) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ left to the worker layer's timeout); every rank-local failure is.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -26,8 +27,8 @@ import torch.distributed as dist
 
 from tidal.engine.layout import Layout
 from tidal.engine.optim import BufferPool, ShardState, ZeroShape, rng_seed
-from tidal.engine.reshard import ReshardError, ReshardReport, plan_reshard
-from tidal.engine.reshard._execute import compile_program, execute
+from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport, plan_reshard
+from tidal.engine.reshard._execute import Program, compile_program, execute
 
 
 def _vote(ok: bool, device: torch.device, group=None) -> bool:
@@ -39,6 +40,16 @@ def _vote(ok: bool, device: torch.device, group=None) -> bool:
 def _phase(fault, name: str) -> None:
     if fault is not None:
         fault(name)
+
+
+@functools.lru_cache(maxsize=64)
+def program_for(old: Layout, new: Layout, specs: tuple, rank: int, param_bytes: int,
+                bucket_bytes: int) -> tuple[ReshardPlan, Program]:
+    """The plan and this rank's program for one layout pair, made once per process: both are pure functions of
+    their (immutable) arguments, and a dynamic run meets the same pairs step after step (measured on 0.125-core
+    CPU workers: planning + compiling DP 8 -> 2 is ~0.3 s a rank, the whole reshard's transfer ~0.1 s)."""
+    plan = plan_reshard(old, new, specs)
+    return plan, compile_program(plan, rank, param_bytes, bucket_bytes)
 
 
 def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs, *, rank: int,
@@ -62,9 +73,9 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
     t = t0
     try:
         _phase(fault, "plan")
-        plan = plan_reshard(old, new, specs)
-        prog = compile_program(plan, rank, torch.empty((), dtype=param_dtype).element_size(), bucket_bytes)
-        report.bytes_moved = plan.bytes_moved(torch.empty((), dtype=param_dtype).element_size())
+        param_bytes = torch.empty((), dtype=param_dtype).element_size()
+        plan, prog = program_for(old, new, tuple(specs), rank, param_bytes, bucket_bytes)
+        report.bytes_moved = plan.bytes_moved(param_bytes)
     except Exception as e:
         error = f"plan: {type(e).__name__}: {e}"
     t = lap("plan", t)

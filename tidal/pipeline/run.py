@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -177,10 +178,16 @@ class TrainingRun:
                                                 self.log_fn)
         self.heldout = task.heldout_prompts(cfg.data.eval_size, cfg.data.seed)
         self.kind = device_kind(cfg)
+        cores = cfg.cluster.cpu_device_core_ids
+        if self.kind == "cpu" and cores and cores[-1] >= (os.cpu_count() or 1):
+            raise ConfigError("cluster.cpu_device_cores", cfg.cluster.cpu_device_cores,
+                              f"names cores this machine lacks (it has 0-{(os.cpu_count() or 1) - 1})",
+                              "pick cores among them, or drop the key")
         self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
         self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
                                        compute_share=cfg.cluster.cpu_compute_share,
-                                       ray_address=cfg.cluster.ray_address)
+                                       ray_address=cfg.cluster.ray_address,
+                                       cpu_cores=cfg.cluster.cpu_device_core_ids if self.kind == "cpu" else None)
         try:
             self.pipe = Pipeline(cfg, self.group, run_spec(cfg, args, tok), weights, self.policy or
                                  get_policy(self.policy_name),
