@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
 from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout
-from tidal.engine.model import ModelArgs
+from tidal.engine.model import ModelArgs, param_specs
 from tidal.engine.optim import OptimConfig, live_states, rng_seed
 from tidal.engine.reshard import FaultInjected, ReshardError
 from tidal.engine.testing import free_port, run_ranks
@@ -260,3 +260,26 @@ def test_member_local_reshard():
     assert all(r["b_equal"] for r in res)
     assert all(r["layout"] == "tp=1,dp=2,devices=0-1" for r in res)
     assert res[0]["after"] is None and res[3]["after"] is None and res[1]["after"] and res[2]["after"]
+
+
+def test_program_cache_relabels_device_sets_of_one_shape_exactly():
+    """program_for plans a pair once per shape (monotone relabelling onto 0..k-1) and maps the peers back: the
+    result equals compiling the pair's own plan, for every rank, including unsorted device orders and TP."""
+    from tidal.engine.reshard import plan_reshard
+    from tidal.engine.reshard._commit import _canonical_program, program_for
+    from tidal.engine.reshard._execute import compile_program
+
+    specs = tuple(param_specs(ModelArgs(vocab_size=20)))
+    cases = [((1, 2, (0, 1)), (1, 4, (0, 1, 3, 5))), ((1, 4, (0, 1, 3, 5)), (1, 2, (0, 1))),
+             ((1, 2, (2, 6)), (2, 2, (0, 2, 5, 6))), ((2, 2, (0, 2, 5, 6)), (1, 3, (1, 5, 7))),
+             ((1, 3, (4, 1, 7)), (1, 5, (7, 0, 4, 1, 2)))]
+    for a, b in cases:
+        old, new = Layout(*a), Layout(*b)
+        plan = plan_reshard(old, new, specs)
+        for r in sorted(set(old.devices) | set(new.devices)):
+            got_plan, got = program_for(old, new, specs, r, 4, 32 << 20)
+            assert got == compile_program(plan, r, 4, 32 << 20), (a, b, r)
+            assert got_plan.bytes_moved(4) == plan.bytes_moved(4)
+    hits = _canonical_program.cache_info().hits
+    program_for(Layout(1, 2, (0, 1)), Layout(1, 4, (0, 1, 2, 4)), specs, 4, 4, 32 << 20)  # same shape as case 0
+    assert _canonical_program.cache_info().hits == hits + 1
