@@ -75,17 +75,22 @@ class Program:
     rounds: int
 
 
-def region(shape: ZeroShape, i: int, kind: str, box) -> Region:
+def _frame(shape: ZeroShape, i: int) -> tuple[list[int], tuple[int, ...]]:
+    """Where parameter `i`'s TP shard starts (global coordinates) and its local strides."""
     spec = shape.specs[i]
     origin = [b[0] for b in shard_box(spec, shape.tp, shape.t)]
     local = spec.tp_shape(shape.tp, shape.t)
-    strides = tuple(prod(local[k + 1:]) for k in range(len(local)))
-    flat = sum((box[k][0] - origin[k]) * strides[k] for k in range(len(local)))
+    return origin, tuple(prod(local[k + 1:]) for k in range(len(local)))
+
+
+def region(shape: ZeroShape, i: int, kind: str, box, frame=None) -> Region:
+    origin, strides = frame or _frame(shape, i)
+    flat = sum((box[k][0] - origin[k]) * strides[k] for k in range(len(strides)))
     size = tuple(hi - lo for lo, hi in box)
     if kind == "param":
         return Region(kind, shape.param_offsets[i] + flat, size, strides)
     lo, hi = shape.owned[i]
-    assert lo <= flat and flat + sum((n - 1) * s for n, s in zip(size, strides)) < hi, (spec.name, box, lo, hi)
+    assert lo <= flat and flat + sum((n - 1) * s for n, s in zip(size, strides)) < hi, (shape.specs[i].name, box, lo, hi)
     return Region(kind, shape.opt_offsets[i] + flat - lo, size, strides)
 
 
@@ -152,13 +157,24 @@ def compile_program(plan: ReshardPlan, rank: int, param_bytes: int, bucket_bytes
     specs = plan.specs
     pairs: dict[tuple[int, int], list] = defaultdict(list)
     local = []
+    memo: dict[tuple[int, int, int], tuple] = {}   # (side, rank, param) -> (shape, frame): made once, not per move
+
+    def at(side: int, lay, r: int, i: int) -> tuple:
+        key = (side, r, i)
+        if key not in memo:
+            shape = memo.get((side, r, -1)) or memo.setdefault((side, r, -1), (_shape(lay, r, specs), None))
+            memo[key] = (shape[0], _frame(shape[0], i))
+        return memo[key]
+
     for m in plan.moves:
         if rank not in (m.src, m.dst):
             continue
         kinds = ("param",) if m.what == "param" else OPT_KINDS
+        src_shape, src_frame = at(0, plan.old, m.src, m.spec)
+        dst_shape, dst_frame = at(1, plan.new, m.dst, m.spec)
         for kind in kinds:
-            src_r = region(_shape(plan.old, m.src, specs), m.spec, kind, m.box)
-            dst_r = region(_shape(plan.new, m.dst, specs), m.spec, kind, m.box)
+            src_r = region(src_shape, m.spec, kind, m.box, src_frame)
+            dst_r = region(dst_shape, m.spec, kind, m.box, dst_frame)
             if m.src == m.dst:
                 local.append((src_r, dst_r))
             else:
