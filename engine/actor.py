@@ -332,7 +332,7 @@ class ActorShard:
 
     # ---- resharding ----------------------------------------------------------------------------------
     def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None, *,
-                local: bool = False, old_layout: Layout | None = None) -> ReshardReport:
+                local: bool = False, old_layout: Layout | None = None, prepared=None) -> ReshardReport:
         """Move this actor to `new_layout` (collective over the world; see engine/reshard). Raises ReshardError
         after a rollback on every rank, leaving the old layout intact.
 
@@ -340,7 +340,8 @@ class ActorShard:
         group the move needs must exist already (`GroupCache.has` of `reshard_rank_sets`: they were made by an
         earlier world-wide reshard between the same layouts' rank sets), else LayoutError and nothing moves.
         `old_layout`: the actor's layout as the caller knows it; a rank that sat out local reshards (holding no
-        state) catches up with it first."""
+        state) catches up with it first. `prepared`: this rank's program made by the caller
+        (`engine.reshard._commit.prepare_programs`), used when its inputs match this rank's, else planned here."""
         check_tp(self.args, new_layout.tp)
         self.sync_layout(old_layout)
         if local:
@@ -356,7 +357,7 @@ class ActorShard:
         new_state, report = reshard_state(self.state, self.layout, new_layout, self.specs, rank=self.rank,
                                           device=self.device, param_dtype=self.dtype, pool=self.pool,
                                           seed=self.seed, bucket_bytes=self.bucket_bytes, fault=fault,
-                                          vote_group=union if local else None)
+                                          vote_group=union if local else None, prepared=prepared)
         if self._grad is not None:
             self.pool.give(self._grad)
         if self.state is not None:
@@ -367,6 +368,11 @@ class ActorShard:
         elif new_state is not None:
             self._bind()
         return report
+
+    def program_inputs(self) -> dict:
+        """What a caller needs to prepare this actor's reshard programs (`prepare_programs`)."""
+        return {"specs": self.specs, "param_bytes": torch.empty((), dtype=self.dtype).element_size(),
+                "bucket_bytes": self.bucket_bytes}
 
     def sync_layout(self, layout: Layout | None) -> None:
         """A rank outside the actor that sat out member-local reshards learns the current layout (it holds no

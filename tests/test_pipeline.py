@@ -104,6 +104,8 @@ def test_dynamic_run_equals_static_run(tmp_path):
     # step 1 meets step 0's layouts again: its reshards involve only the actor's devices (rollout keeps going)
     scopes = [e["scope"] for e in events if e["kind"] == "reshard" and e.get("step") == 1]
     assert scopes and set(scopes) == {"members"}, scopes
+    # every rank used the program the driver planned for it (the bitwise checks below cover its correctness)
+    assert all(e["prepared"] for e in events if e["kind"] == "reshard")
     assert sum(e["requests"] for e in events if e["kind"] == "migration") > 0  # in-flight requests moved (KV)
     assert set(static.final_weights) == set(dynamic.final_weights)
     for name, w in static.final_weights.items():

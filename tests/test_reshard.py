@@ -283,3 +283,17 @@ def test_program_cache_relabels_device_sets_of_one_shape_exactly():
     hits = _canonical_program.cache_info().hits
     program_for(Layout(1, 2, (0, 1)), Layout(1, 4, (0, 1, 2, 4)), specs, 4, 4, 32 << 20)  # same shape as case 0
     assert _canonical_program.cache_info().hits == hits + 1
+
+
+def test_prepared_program_is_used_only_for_its_own_inputs():
+    """A program planned by the caller carries its inputs; a rank uses it only when they equal its own."""
+    from tidal.engine.reshard._commit import prepare_programs
+
+    specs = tuple(param_specs(ModelArgs(vocab_size=20)))
+    old, new = Layout(1, 2, (0, 1)), Layout(1, 4, (0, 1, 2, 3))
+    prep = prepare_programs(old, new, specs, [0, 3], 4, 32 << 20)
+    assert prep[3].fits(old, new, 3, 4, 32 << 20, specs)
+    assert not prep[3].fits(old, new, 2, 4, 32 << 20, specs)                    # another rank's
+    assert not prep[3].fits(old, Layout(1, 4, (0, 1, 2, 4)), 3, 4, 32 << 20, specs)   # another move
+    assert not prep[3].fits(old, new, 3, 2, 32 << 20, specs)                    # bf16 actor
+    assert not prep[3].fits(old, new, 3, 4, 32 << 20, specs[:-1])               # another model

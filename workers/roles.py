@@ -136,7 +136,12 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     return out if shard.coord == (0, 0) else None
 
 
-def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: bool = False) -> dict:
+def actor_program_inputs(ctx) -> dict:
+    """Specs, parameter bytes and bucket size of this worker's actor: what the driver needs to prepare programs."""
+    return ctx.state["actor"].program_inputs()
+
+
+def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: bool = False, prepared=None) -> dict:
     """Move the actor from `current` to `layout`: on every worker (collective over the world), or with `local`
     only on the workers of either layout (every group it needs exists; see engine/groups.py)."""
     shard: ActorShard = ctx.state["actor"]
@@ -146,8 +151,9 @@ def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: boo
         shard.groups.get(layout)
         shard.groups.union(shard.layout, layout)
     groups_s = time.perf_counter() - t0
-    report = shard.reshard(layout, local=local)
+    report = shard.reshard(layout, local=local, prepared=prepared)
     return {"bytes_moved": report.bytes_moved, "seconds": report.seconds, "held_bytes": shard.held_bytes(),
+            "prepared": report.prepared,
             "groups_s": groups_s, "call_s": time.perf_counter() - t0,
             **{f"phase_{k}_s": v for k, v in getattr(report, "phase_seconds", {}).items()}}
 

@@ -95,6 +95,7 @@ class ReshardReport:
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    prepared: bool = False        # the program came with the call (planned by the caller), not planned here
 
     def metrics(self) -> dict[str, float]:
         out = {"reshard/ok": float(self.ok), "reshard/bytes": float(self.bytes_moved),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,35 @@ def program_for(old: Layout, new: Layout, specs: tuple, rank: int, param_bytes: 
                          prog.rounds)
 
 
+@dataclass(frozen=True)
+class PreparedProgram:
+    """One rank's program, made elsewhere (the driver, whose core is not capped) for exactly these inputs. The
+    rank checks the inputs against its own before using it, and plans itself on any mismatch."""
+
+    old: Layout
+    new: Layout
+    rank: int
+    param_bytes: int
+    bucket_bytes: int
+    specs: tuple
+    bytes_moved: int
+    program: Program
+
+    def fits(self, old: Layout, new: Layout, rank: int, param_bytes: int, bucket_bytes: int, specs: tuple) -> bool:
+        return (self.old, self.new, self.rank, self.param_bytes, self.bucket_bytes) == (
+            old, new, rank, param_bytes, bucket_bytes) and self.specs == specs
+
+
+def prepare_programs(old: Layout, new: Layout, specs: tuple, ranks, param_bytes: int,
+                     bucket_bytes: int) -> dict[int, PreparedProgram]:
+    """Every rank's program for one move (`program_for`, cached), to ship with the reshard call."""
+    out = {}
+    for r in ranks:
+        plan, prog = program_for(old, new, specs, r, param_bytes, bucket_bytes)
+        out[r] = PreparedProgram(old, new, r, param_bytes, bucket_bytes, specs, plan.bytes_moved(param_bytes), prog)
+    return out
+
+
 @functools.lru_cache(maxsize=128)
 def _canonical_program(old: Layout, new: Layout, specs: tuple, rank: int, param_bytes: int,
                        bucket_bytes: int) -> tuple[ReshardPlan, Program]:
@@ -73,7 +103,8 @@ def _canonical_program(old: Layout, new: Layout, specs: tuple, rank: int, param_
 
 def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs, *, rank: int,
                   device: torch.device, param_dtype: torch.dtype, pool: BufferPool, seed: int,
-                  bucket_bytes: int, fault=None, vote_group=None) -> tuple[ShardState | None, ReshardReport]:
+                  bucket_bytes: int, fault=None, vote_group=None,
+                  prepared: PreparedProgram | None = None) -> tuple[ShardState | None, ReshardReport]:
     """Move `old_state` (None if this rank is not in `old`) to the new layout; see module doc. `vote_group`:
     the group the votes travel on (None: the world; the group of the ranks in `old` or `new` when only those
     ranks take part, see engine/groups.py)."""
@@ -93,8 +124,11 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
     try:
         _phase(fault, "plan")
         param_bytes = torch.empty((), dtype=param_dtype).element_size()
-        plan, prog = program_for(old, new, tuple(specs), rank, param_bytes, bucket_bytes)
-        report.bytes_moved = plan.bytes_moved(param_bytes)
+        if prepared is not None and prepared.fits(old, new, rank, param_bytes, bucket_bytes, tuple(specs)):
+            prog, report.bytes_moved, report.prepared = prepared.program, prepared.bytes_moved, True
+        else:
+            plan, prog = program_for(old, new, tuple(specs), rank, param_bytes, bucket_bytes)
+            report.bytes_moved = plan.bytes_moved(param_bytes)
     except Exception as e:
         error = f"plan: {type(e).__name__}: {e}"
     t = lap("plan", t)
@@ -139,4 +173,4 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
     return new_state, report
 
 
-__all__ = ["reshard_state", "rng_seed"]
+__all__ = ["PreparedProgram", "prepare_programs", "reshard_state", "rng_seed"]

@@ -158,6 +158,7 @@ class Pipeline:
         self.data_pos = 0
         self._weights = weights
         self.reconciler = None  # set by start(); see tidal.scheduler.reconciler
+        self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
@@ -168,6 +169,8 @@ class Pipeline:
         g.gather(g.submit_all(f"{ROLES}:setup", spec=self.spec))
         ref = ray.put(self._weights)
         g.gather(g.submit_all(f"{ROLES}:actor_init", layout=self.initial_layout, weights=ref))
+        # what the reconciler needs to plan reshards here rather than on (capped) workers
+        self.program_inputs = g.call(self.initial_layout.devices[0], f"{ROLES}:actor_program_inputs")
         self.ledger.assign(self.initial_layout.devices, Owner.ACTOR, "placement")
         self.ledger.assign(c.rollout, Owner.ROLLOUT, "placement")
         self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
