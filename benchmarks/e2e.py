@@ -6,8 +6,10 @@ virtual devices with fixed compute shares, plus the simulator's figures for RLin
 Real part (one run per policy, sequentially, same config and seeds; `tidal.pipeline.run.TrainingRun`):
 
     placement   RLinf's: actor 0-1 (TP 1, DP 2), rollout 2-5 (4 instances), inference 6-7
-    compute     cluster.cpu_compute_share 0.125 -> each device is capped at 1/8 of this machine's cores
-                (2 cores / 8 = 0.25 core each): an idle device's capacity is lost, as on a GPU
+    compute     cluster.cpu_device_cores "1" (every core but core 0) and cpu_compute_share 0.125 of it: the 8
+                devices share one core's time by quota (0.125 core each), the driver and Ray run on core 0.
+                An idle device's capacity is lost, as on a GPU, and a busy device's speed does not depend on
+                its neighbours (on this VM two busy vCPUs do about one's work: benchmarks/share.py)
     workload    addition task from the random init (warm_start.iters 0): eos is sampled with probability
                 ~1/vocab per token, so response lengths are geometric (mean ~19 tokens) capped at
                 max_new_tokens: a natural long tail (a group ends with its longest sample)
@@ -205,20 +207,54 @@ def group_creation_s(events: list[dict], step: int) -> float:
                if e["kind"] == "reshard" and e.get("step") == step)
 
 
+SPEED_PROBE = """
+import os, sys, time, torch
+os.sched_setaffinity(0, {cores})
+torch.set_num_threads(1)
+from tidal.engine.model import ModelArgs, Transformer
+m = Transformer(ModelArgs(vocab_size=32, max_seq_len=64)).eval()
+ids = torch.randint(0, 32, (16, 24))
+with torch.no_grad():
+    for _ in range(3):
+        m(ids)
+    n, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < {seconds}:
+        m(ids)
+        n += 1
+print(n / (time.monotonic() - t0))
+"""
+
+
+def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
+    """Forwards/s of the e2e model on the devices' cores, uncapped, nothing else running there (between runs).
+
+    A drift indicator, not a correction: the dev VM's cores change speed by the minute (other tenants on the
+    host; measured 17-84 forwards/s around one run), so a ratio between runs made minutes apart is only as good as
+    the machine was steady. Recorded before and after each policy's run."""
+    import subprocess
+    cores = cores or set(range(os.cpu_count() or 1))
+    out = subprocess.run([sys.executable, "-c", SPEED_PROBE.format(cores=sorted(cores), seconds=seconds)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
                     f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
-    for col in ("policy", "step s (steps>=1)", "vs static", "steady step s*", "idle", "reshards", "migrations",
+    for col in ("policy", "step s (steps>=1)", "vs static", "core speed", "idle", "reshards", "migrations",
                 "failed actions"):
         t.add_column(col)
     st = res["runs"]["static"]["step_s"] if "static" in res["runs"] else None
     for k, v in res["runs"].items():
-        t.add_row(k, f"{v['step_s']:.2f}", f"{st / v['step_s']:.2f}x" if st else "-", f"{v['steady_step_s']:.2f}",
+        cs = v["core_speed"]
+        t.add_row(k, f"{v['step_s']:.2f}", f"{st / v['step_s']:.2f}x" if st else "-",
+                  f"{cs['before']:.0f}/{cs['after']:.0f}",
                   f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]))
     Console().print(t)
-    print("* steady: minus first-use process-group creation inside reshards (once per layout per run)")
+    print("core speed: forwards/s of the e2e model on the devices' cores, uncapped, just before / after the run "
+          "(the machine's drift; ratios between runs are only as good as it was steady)")
     for key, sim in res.get("simulator", {}).items():
         t = Table(title=f"simulator {key}: {sim['devices']} devices, {sim['prompts']} prompts x {sim['group_size']}")
         for col in ("policy", "mean step s", "vs static", "idle"):
@@ -282,7 +318,9 @@ def main(argv=None) -> int:
                       "warm_start_iters": 0, "seed": a.seed}}
     runs = {}
     for pol in a.policies.split(","):
+        before = core_speed(pinned)
         runs[pol] = run_one(pol, a, out)
+        runs[pol]["core_speed"] = {"before": before, "after": core_speed(pinned)}
         ev = runs[pol]["_events"]
         steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in runs[pol]["steps"][1:]]
         runs[pol]["steady_step_s"] = sum(steady) / max(1, len(steady))
