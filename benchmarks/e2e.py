@@ -208,20 +208,12 @@ def group_creation_s(events: list[dict], step: int) -> float:
 
 
 SPEED_PROBE = """
-import os, sys, time, torch
+import os
 os.sched_setaffinity(0, {cores})
-torch.set_num_threads(1)
-from tidal.engine.model import ModelArgs, Transformer
-m = Transformer(ModelArgs(vocab_size=32, max_seq_len=64)).eval()
-ids = torch.randint(0, 32, (16, 24))
-with torch.no_grad():
-    for _ in range(3):
-        m(ids)
-    n, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < {seconds}:
-        m(ids)
-        n += 1
-print(n / (time.monotonic() - t0))
+from tidal.workers.probes import forwards_per_second, probe_model
+model = probe_model()
+forwards_per_second(model, 0.2)
+print(forwards_per_second(model, {seconds}))
 """
 
 

@@ -331,7 +331,7 @@ class Reconciler:
         """Every rank's reshard program, made here (`engine.reshard._commit.prepare_programs`, cached per pair
         shape): the driver's core is not capped, a 0.125-core CPU worker planned a new pair for 0.3-2.7 s (CPU e2e
         run) while the move itself took ~0.15 s. Empty when the actor's inputs are unknown: the ranks plan."""
-        inputs = getattr(self.p, "program_inputs", None)
+        inputs = self.p.program_inputs
         if not inputs:
             return {}
         from tidal.engine.reshard._commit import prepare_programs

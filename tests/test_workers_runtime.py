@@ -225,14 +225,19 @@ def test_ray_workers_with_compute_share_are_capped(ray_session):
     share = 0.25 / (os.cpu_count() or 1)  # 0.25 core per device, whatever the machine
     group = WorkerGroup.start([0, 1], "cpu", compute_share=share)
     try:
-        control = _burn(2.0)
-        rates = group.call_all(P + "busy_cpu_rate", seconds=2.0, timeout=60)
-        control_rate = float(control.communicate(timeout=60)[0])
-        for d, rate in rates.items():
-            _assert_quarter_core(rate, control_rate, f"device {d}")
-        assert group.call_all(P + "allreduce_sum", value=1.0, timeout=30) == {0: 2.0, 1: 2.0}
+        _assert_group_capped_at_quarter_core(group)
     finally:
         group.shutdown()
+
+
+def _assert_group_capped_at_quarter_core(group) -> None:
+    """Devices 0 and 1 each burn ~0.25 core next to an uncapped control, and still form a working world."""
+    control = _burn(2.0)
+    rates = group.call_all(P + "busy_cpu_rate", seconds=2.0, timeout=60)
+    control_rate = float(control.communicate(timeout=60)[0])
+    for d, rate in rates.items():
+        _assert_quarter_core(rate, control_rate, f"device {d}")
+    assert group.call_all(P + "allreduce_sum", value=1.0, timeout=30) == {0: 2.0, 1: 2.0}
 
 
 @pytest.mark.timeout(180)
@@ -244,12 +249,7 @@ def test_ray_workers_pinned_to_cores_with_the_share_of_those_cores(ray_session):
     try:
         for d, threads in group.call_all(P + "thread_affinities", timeout=30).items():
             assert threads and all(t == [last] for t in threads), (d, threads)
-        control = _burn(2.0)
-        rates = group.call_all(P + "busy_cpu_rate", seconds=2.0, timeout=60)
-        control_rate = float(control.communicate(timeout=60)[0])
-        for d, rate in rates.items():
-            _assert_quarter_core(rate, control_rate, f"device {d}")
-        assert group.call_all(P + "allreduce_sum", value=1.0, timeout=30) == {0: 2.0, 1: 2.0}
+        _assert_group_capped_at_quarter_core(group)
     finally:
         group.shutdown()
 

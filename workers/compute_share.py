@@ -126,7 +126,8 @@ def pin_process(pid: int, cpus: set[int] | frozenset[int] | tuple[int, ...]) -> 
         raise ValueError("pin_process: cpus is empty; give at least one core id")
     bad = sorted(c for c in cpus if c >= (os.cpu_count() or 1) or c < 0)
     if bad:
-        raise ValueError(f"cores {bad} do not exist on this machine ({os.cpu_count()} cores: 0-{(os.cpu_count() or 1) - 1})")
+        n = os.cpu_count() or 1
+        raise ValueError(f"cores {bad} do not exist on this machine (cores 0-{n - 1}); pick cores among them")
     try:
         tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
     except FileNotFoundError as e:

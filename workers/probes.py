@@ -83,20 +83,18 @@ def seeded_tensor(seed: int, numel: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (numel,), generator=g).to(torch.float64)
 
 
-def forward_rate(ctx: WorkerContext, seconds: float, batch: int = 16, seq: int = 24) -> float:
-    """Forwards per second of a small decoder (the e2e benchmark's shape) over `seconds` of wall time.
-
-    The model is built once per worker (kept in ``ctx.state``); the loop is the work a CPU virtual device
-    does in rollout, scoring and training: many small ops, interpreter included. Used to check that a
-    capped device's speed does not depend on how busy its neighbours are (`benchmarks/share.py`).
-    """
+def probe_model():
+    """The e2e benchmark's decoder shape (hidden 128, 4 layers), seeded weights, eval mode."""
     from tidal.engine.model import ModelArgs, Transformer
 
-    torch.set_num_threads(1)  # per calling thread under OpenMP: set where the work runs, as roles.setup does
-    model = ctx.state.get("_probe_model")
-    if model is None:
-        torch.manual_seed(0)
-        model = ctx.state["_probe_model"] = Transformer(ModelArgs(vocab_size=32, max_seq_len=64)).eval()
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(vocab_size=32, max_seq_len=64)).eval()
+
+
+def forwards_per_second(model, seconds: float, batch: int = 16, seq: int = 24) -> float:
+    """Forwards of `model` on a [batch, seq] input per wall second, over `seconds`, on one intra-op thread
+    (set on the calling thread: under OpenMP the setting is per thread, as roles.setup does)."""
+    torch.set_num_threads(1)
     ids = torch.randint(0, 32, (batch, seq))
     n, t0 = 0, time.monotonic()
     with torch.no_grad():
@@ -106,9 +104,14 @@ def forward_rate(ctx: WorkerContext, seconds: float, batch: int = 16, seq: int =
     return n / (time.monotonic() - t0)
 
 
-def num_threads(ctx: WorkerContext) -> int:
-    """Intra-op threads torch would use on the thread that runs calls."""
-    return torch.get_num_threads()
+def forward_rate(ctx: WorkerContext, seconds: float, batch: int = 16, seq: int = 24) -> float:
+    """`forwards_per_second` of `probe_model` (built once per worker, kept in ``ctx.state``): the work a CPU
+    virtual device does in rollout, scoring and training, many small ops with the interpreter in between.
+    Used to check that a capped device's speed does not depend on how busy its neighbours are
+    (`benchmarks/share.py`)."""
+    if "_probe_model" not in ctx.state:
+        ctx.state["_probe_model"] = probe_model()
+    return forwards_per_second(ctx.state["_probe_model"], seconds, batch, seq)
 
 
 def thread_affinities(ctx: WorkerContext) -> list[list[int]]:
@@ -121,14 +124,3 @@ def thread_affinities(ctx: WorkerContext) -> list[list[int]]:
             continue
     return out
 
-
-def allreduce_seconds(ctx: WorkerContext, numel: int, reps: int = 5) -> float:
-    """Median seconds of an fp32 all-reduce of `numel` elements over the world (gradient sync's cost)."""
-    t = torch.ones(numel, device=ctx.device)
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=ctx.group)
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=ctx.group)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]

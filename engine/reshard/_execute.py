@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
 from math import prod
 
 import torch
@@ -90,7 +89,8 @@ def region(shape: ZeroShape, i: int, kind: str, box, frame=None) -> Region:
     if kind == "param":
         return Region(kind, shape.param_offsets[i] + flat, size, strides)
     lo, hi = shape.owned[i]
-    assert lo <= flat and flat + sum((n - 1) * s for n, s in zip(size, strides)) < hi, (shape.specs[i].name, box, lo, hi)
+    last = flat + sum((n - 1) * s for n, s in zip(size, strides))
+    assert lo <= flat and last < hi, (shape.specs[i].name, box, lo, hi)
     return Region(kind, shape.opt_offsets[i] + flat - lo, size, strides)
 
 
@@ -152,19 +152,21 @@ def _messages(items: list[tuple[str, Region, Region]], bucket: dict[str, int], s
     return tuple(out)
 
 
-@lru_cache(maxsize=64)
 def compile_program(plan: ReshardPlan, rank: int, param_bytes: int, bucket_bytes: int) -> Program:
     specs = plan.specs
     pairs: dict[tuple[int, int], list] = defaultdict(list)
     local = []
-    memo: dict[tuple[int, int, int], tuple] = {}   # (side, rank, param) -> (shape, frame): made once, not per move
+    # each (layout side, rank)'s shard geometry and each (side, rank, param)'s frame, made once, not per move
+    shapes: dict[tuple[int, int], ZeroShape] = {}
+    frames: dict[tuple[int, int, int], tuple] = {}
 
     def at(side: int, lay, r: int, i: int) -> tuple:
-        key = (side, r, i)
-        if key not in memo:
-            shape = memo.get((side, r, -1)) or memo.setdefault((side, r, -1), (_shape(lay, r, specs), None))
-            memo[key] = (shape[0], _frame(shape[0], i))
-        return memo[key]
+        if (side, r) not in shapes:
+            shapes[side, r] = _shape(lay, r, specs)
+        shape = shapes[side, r]
+        if (side, r, i) not in frames:
+            frames[side, r, i] = _frame(shape, i)
+        return shape, frames[side, r, i]
 
     for m in plan.moves:
         if rank not in (m.src, m.dst):
