@@ -43,6 +43,7 @@ from pathlib import Path
 from tidal.placement import parse_device_ids
 
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 8 of them
 FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 
 
@@ -59,7 +60,7 @@ def build(policy: str, a: argparse.Namespace, out: Path):
         "scheduler": {"policy": policy if policy != "static" else "tidal"},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": a.intermediate, "max_seq_len": seq},
-        "actor": {"micro_batch_size": 8, "lr": 1e-4, "warmup_iters": 0},
+        "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4, "warmup_iters": 0},
         "rollout": {"max_new_tokens": a.max_new_tokens, "max_running_requests": a.max_running},
         "algorithm": {"group_size": a.group_size, "n_minibatches": 4},
         "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
@@ -68,54 +69,84 @@ def build(policy: str, a: argparse.Namespace, out: Path):
     return build_config(raw, [])
 
 
-def run_one(policy: str, a: argparse.Namespace, out: Path) -> dict:
-    from tidal.pipeline.run import TrainingRun
-    cfg = build(policy, a, out)
-    run = TrainingRun(cfg, out / cfg.run.name)
-    t0 = time.monotonic()
-    try:
-        run.open()
-        t_open = time.monotonic() - t0
-        steps = []
-        for k in range(cfg.run.num_steps):
-            m = run.step()
-            res = run._res
-            ev = res.events
-            steps.append({
-                "step": k, "seconds": res.seconds, "idle_fraction": m["step/idle_fraction"],
-                "phase_seconds": res.phase_seconds,
-                "reshards": sum(e["kind"] == "reshard" for e in ev),
-                "migrations": sum(e["kind"] == "migration" for e in ev),
-                "actions": sum(e["kind"] == "action" for e in ev),
-                "failed_actions": sum(e["kind"] == "action" and not e["ok"] for e in ev),
-                "reward_mean": m.get("grpo/reward_mean", 0.0),
-                "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
-            })
-            print(f"  [{policy}] step {k}: {res.seconds:.2f}s idle {m['step/idle_fraction']:.2f} "
-                  f"reshards {steps[-1]['reshards']} migrations {steps[-1]['migrations']} "
-                  f"failed {steps[-1]['failed_actions']}", flush=True)
+class PolicyRun:
+    """One policy's `TrainingRun`, opened once and stepped on demand, so the policies' steps can interleave."""
+
+    def __init__(self, policy: str, a: argparse.Namespace, out: Path):
+        from tidal.pipeline.run import TrainingRun
+        self.policy, self.a = policy, a
+        self.cfg = build(policy, a, out)
+        self.run = TrainingRun(self.cfg, out / self.cfg.run.name)
+        self.steps: list[dict] = []
+        t0 = time.monotonic()
+        self.run.open()
+        self.open_s = time.monotonic() - t0
+
+    def step(self) -> dict:
+        run = self.run
+        m = run.step()
+        res = run._res
+        ev = res.events
+        s = {"step": len(self.steps), "seconds": res.seconds, "idle_fraction": m["step/idle_fraction"],
+             "phase_seconds": res.phase_seconds,
+             "reshards": sum(e["kind"] == "reshard" for e in ev),
+             "migrations": sum(e["kind"] == "migration" for e in ev),
+             "actions": sum(e["kind"] == "action" for e in ev),
+             "failed_actions": sum(e["kind"] == "action" and not e["ok"] for e in ev),
+             "reward_mean": m.get("grpo/reward_mean", 0.0),
+             "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0))}
+        self.steps.append(s)
+        print(f"  [{self.policy}] step {s['step']}: {res.seconds:.2f}s idle {s['idle_fraction']:.2f} "
+              f"reshards {s['reshards']} migrations {s['migrations']} failed {s['failed_actions']}", flush=True)
+        return s
+
+    def finish(self) -> dict:
+        """Write the run's records, measure the cost-model samples (static only), and return its result."""
+        run, cfg, steps = self.run, self.cfg, self.steps
         summary = run.finish()
         events = list(run.pipe.cluster.events)
         timeline = run.pipe.timeline
         calib = {}
-        if a.calibrate and policy == "static":  # on an idle rollout device of the same capped group
+        if self.a.calibrate and self.policy == "static":  # on an idle rollout device of the same capped group
             fn = "tidal.scheduler.costs_cpu:"
             calib["decode"] = run.group.call(2, fn + "measure_decode", batches=[1, 8, 16, 32, 64])
             calib["prefill_per_token_s"] = run.group.call(2, fn + "measure_prefill")
-            print(f"  [{policy}] decode (batch, s/step): {calib['decode']}; prefill "
+            print(f"  [static] decode (batch, s/step): {calib['decode']}; prefill "
                   f"{calib['prefill_per_token_s'] * 1e3:.2f} ms/token", flush=True)
             calib["actor_iters"] = actor_iters(run, cfg)
-            print(f"  [{policy}] actor iter (dp, driver s, worker s): {calib['actor_iters']}", flush=True)
+            print(f"  [static] actor iter (dp, driver s, worker s): {calib['actor_iters']}", flush=True)
+        measured = steps[1:] or steps
+        mean = sum(s["seconds"] for s in measured) / len(measured)
+        idle = sum(s["idle_fraction"] * s["seconds"] for s in measured) / sum(s["seconds"] for s in measured)
+        return {"policy": self.policy, "step_s": mean, "idle_fraction": idle, "open_s": self.open_s,
+                "reshards": sum(s["reshards"] for s in measured),
+                "migrations": sum(s["migrations"] for s in measured),
+                "failed_actions": sum(s["failed_actions"] for s in measured), "steps": steps,
+                "final_weights_sha": summary.final_weights_sha, "output_dir": summary.output_dir,
+                "calibration": calib, "_events": events, "_timeline": timeline}
+
+    def close(self) -> None:
+        self.run.close()
+
+
+def interleave(policies: list[str], a: argparse.Namespace, out: Path, pinned: set[int]) -> tuple[dict, list]:
+    """Open every policy's run, then play step k of each in turn, rotating who goes first each round, so
+    the machine's drift over minutes lands on every policy alike (paired steps). Returns the results and
+    one core-speed probe per round (drift indicator)."""
+    runs: list[PolicyRun] = []
+    speeds = []
+    try:
+        for pol in policies:
+            runs.append(PolicyRun(pol, a, out))
+        for k in range(a.steps):
+            speeds.append({"step": k, "before": core_speed(pinned)})
+            for r in runs[k % len(runs):] + runs[:k % len(runs)]:
+                r.step()
+        speeds.append({"step": a.steps, "before": core_speed(pinned)})
+        return {r.policy: r.finish() for r in runs}, speeds
     finally:
-        run.close()
-    measured = steps[1:] or steps
-    mean = sum(s["seconds"] for s in measured) / len(measured)
-    idle = sum(s["idle_fraction"] * s["seconds"] for s in measured) / sum(s["seconds"] for s in measured)
-    return {"policy": policy, "step_s": mean, "idle_fraction": idle, "open_s": t_open,
-            "reshards": sum(s["reshards"] for s in measured), "migrations": sum(s["migrations"] for s in measured),
-            "failed_actions": sum(s["failed_actions"] for s in measured), "steps": steps,
-            "final_weights_sha": summary.final_weights_sha, "output_dir": summary.output_dir,
-            "calibration": calib, "_events": events, "_timeline": timeline}
+        for r in reversed(runs):  # the first group started the embedded Ray: it goes last
+            r.close()
 
 
 def actor_iters(run, cfg, reps: int = 2) -> list[tuple[int, float, float]]:
@@ -175,7 +206,7 @@ def sim_figures(steps_8: int, steps_1024: int) -> dict:
     return out
 
 
-def fit(runs: dict, cfg_tokens: float) -> dict:
+def fit(runs: dict, cfg_tokens: float, micro_batches: int) -> dict:
     """The CPU cost model fitted from this benchmark's measurements (see scheduler/costs_cpu.py)."""
     from dataclasses import asdict
 
@@ -190,7 +221,8 @@ def fit(runs: dict, cfg_tokens: float) -> dict:
         for k, v in event_costs(r["_events"]).items():
             moves.setdefault(k, []).extend(v)
         iters += [] if cal.get("actor_iters") else iter_samples(r["_timeline"])
-    fitted = calibrate(cpu_e2e(), cal["decode"], cal["prefill_per_token_s"], iters, cfg_tokens, moves)
+    fitted = calibrate(cpu_e2e(), cal["decode"], cal["prefill_per_token_s"], iters, cfg_tokens, moves,
+                       micro_batches)
     pick = lambda c: {"decode": asdict(c.decode), "actor": {k: v for k, v in asdict(c.actor).items()
                                                              if k in ("train_per_token_s", "iter_fixed_s")},
                       "reshard_fixed_s": c.reshard.fixed_s, "kv_fixed_s": c.kv_fixed_s, "lend_s": c.lend_s}
@@ -230,23 +262,35 @@ def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def paired(base: list[dict], new: list[dict]) -> dict:
+    """Per-step ratios base / new over the measured steps (>= 1; step k of both ran back to back), median and
+    range: the figure the drift does not reach as long as it is slower than one round of steps."""
+    r = sorted(b["seconds"] / n["seconds"] for b, n in zip(base[1:], new[1:]))
+    if not r:
+        return {}
+    mid = len(r) // 2
+    med = r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
+    return {"median": med, "min": r[0], "max": r[-1], "ratios": r}
+
+
 def table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
                     f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
-    for col in ("policy", "step s (steps>=1)", "vs static", "core speed", "idle", "reshards", "migrations",
-                "failed actions"):
+    for col in ("policy", "step s (steps>=1)", "vs static", "paired vs static (median, range)", "idle",
+                "reshards", "migrations", "failed actions"):
         t.add_column(col)
-    st = res["runs"]["static"]["step_s"] if "static" in res["runs"] else None
-    for k, v in res["runs"].items():
-        cs = v["core_speed"]
-        t.add_row(k, f"{v['step_s']:.2f}", f"{st / v['step_s']:.2f}x" if st else "-",
-                  f"{cs['before']:.0f}/{cs['after']:.0f}",
+    runs = res["runs"]
+    st = runs["static"] if "static" in runs else None
+    for k, v in runs.items():
+        pr = paired(st["steps"], v["steps"]) if st else {}
+        t.add_row(k, f"{v['step_s']:.2f}", f"{st['step_s'] / v['step_s']:.2f}x" if st else "-",
+                  f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})" if pr else "-",
                   f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]))
     Console().print(t)
-    print("core speed: forwards/s of the e2e model on the devices' cores, uncapped, just before / after the run "
-          "(the machine's drift; ratios between runs are only as good as it was steady)")
+    print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
+          "machine's drift): " + ", ".join(f"{c['before']:.0f}" for c in res.get("core_speed", [])))
     for key, sim in res.get("simulator", {}).items():
         t = Table(title=f"simulator {key}: {sim['devices']} devices, {sim['prompts']} prompts x {sim['group_size']}")
         for col in ("policy", "mean step s", "vs static", "idle"):
@@ -308,15 +352,12 @@ def main(argv=None) -> int:
                       "max_running_requests": a.max_running,
                       "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate},
                       "warm_start_iters": 0, "seed": a.seed}}
-    runs = {}
-    for pol in a.policies.split(","):
-        before = core_speed(pinned)
-        runs[pol] = run_one(pol, a, out)
-        runs[pol]["core_speed"] = {"before": before, "after": core_speed(pinned)}
-        ev = runs[pol]["_events"]
-        steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in runs[pol]["steps"][1:]]
-        runs[pol]["steady_step_s"] = sum(steady) / max(1, len(steady))
-        runs[pol]["group_creation_s"] = sum(group_creation_s(ev, s["step"]) for s in runs[pol]["steps"][1:])
+    runs, res["core_speed"] = interleave(a.policies.split(","), a, out, pinned)
+    for pol, r in runs.items():
+        ev = r["_events"]
+        steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in r["steps"][1:]]
+        r["steady_step_s"] = sum(steady) / max(1, len(steady))
+        r["group_creation_s"] = sum(group_creation_s(ev, s["step"]) for s in r["steps"][1:])
     res["runs"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in runs.items()}
     for pol in ("static", "rlinf", "tidal"):
         if pol in runs:
@@ -327,9 +368,14 @@ def main(argv=None) -> int:
     if "tidal" in runs and "rlinf" in runs:
         res["speedup_vs_rlinf"] = runs["rlinf"]["step_s"] / runs["tidal"]["step_s"]
         res["steady_speedup_vs_rlinf"] = runs["rlinf"]["steady_step_s"] / runs["tidal"]["steady_step_s"]
+    for base in ("static", "rlinf"):
+        if "tidal" in runs and base in runs:
+            res[f"paired_speedup_vs_{base}"] = paired(runs[base]["steps"], runs["tidal"]["steps"])
     seq_tokens = 9 + (sum(s["response_len_mean"] for s in runs.get("static", {}).get("steps", [])[1:]) /
                       max(1, len(runs.get("static", {}).get("steps", [])[1:])) or a.max_new_tokens / 2)
-    res["cost_fit"] = fit(runs, a.prompts * a.group_size / 4 * seq_tokens) if "static" in runs else {}
+    per_iter = a.prompts * a.group_size // 4
+    res["cost_fit"] = (fit(runs, per_iter * seq_tokens, -(-per_iter // MICRO_BATCH)) if "static" in runs
+                       else {})
     if not a.no_sim:
         res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1)
     res["machine"]["load_avg_end"] = os.getloadavg()

@@ -15,8 +15,11 @@ Model forms (t: seconds)::
     decode step, b sequences running:     t = step_s + per_seq_s * b
     prefill (and migration re-prefill):    t = prefill_per_token_s * tokens          (one instance)
     inference (log-prob forward):          t = per_token_s * tokens / (devices * tp_eff)
-    actor iter on tp x dp:                 t = iter_fixed_s + train_per_token_s * tokens / (tp * tp_eff * dp)
+    actor iter on tp x dp:                 t = iter_fixed_s + train_per_token_s * tokens * share / (tp * tp_eff)
                                               + 2 (dp-1)/dp * grad_bytes/tp / link_bw        (ring all-reduce)
+        share: the busiest DP rank's part of the iter, 1/dp; with m micro-batches per iter (known from the
+        config) ceil(m / dp) / m, since a rank trains whole micro-batches (8 micro-batches: dp 3 trains 3/8
+        on its busiest rank, not 1/3; dp 5, 6, 7 gain nothing over dp 4)
     reshard a -> b:                        t = fixed_s + max bytes received by one device / bandwidth
     weight sync at step end:               t = sync_fixed_s + param_bytes / sync_bw
 
@@ -26,6 +29,7 @@ Model forms (t: seconds)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -68,11 +72,20 @@ class ActorCost:
     link_bw: float             #: bytes/s of the all-reduce links
     tp_eff: float = 1.0        #: efficiency of TP > 1
 
-    def iter_time(self, tokens: float, tp: int, dp: int) -> float:
+    def iter_time(self, tokens: float, tp: int, dp: int, micro_batches: int = 0) -> float:
+        """Seconds of one iter of `tokens` on tp x dp; `micro_batches` per iter (0: unknown, work splits evenly)."""
         eff = self.tp_eff if tp > 1 else 1.0
-        compute = self.train_per_token_s * tokens / (tp * eff * dp)
+        compute = self.train_per_token_s * tokens * rank_share(dp, micro_batches) / (tp * eff)
         allreduce = 2 * (dp - 1) / dp * (self.grad_bytes / tp) / self.link_bw
         return self.iter_fixed_s + compute + allreduce
+
+
+def rank_share(dp, micro_batches: int = 0):
+    """Fraction of an iter's work on its busiest DP rank (scalar or array dp): whole micro-batches per rank."""
+    if micro_batches > 0:
+        return float(math.ceil(micro_batches / dp)) / micro_batches if np.isscalar(dp) else \
+            np.ceil(micro_batches / np.asarray(dp)) / micro_batches
+    return 1.0 / dp if np.isscalar(dp) else 1.0 / np.asarray(dp)
 
 
 @dataclass(frozen=True)
@@ -267,12 +280,12 @@ def learn_scoring(samples: Sequence[tuple[int, float, float]], prior: InferenceC
 
 
 def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: ActorCost, lo: float = 0.5,
-                       hi: float = 4.0, min_samples: int = 3) -> float | None:
+                       hi: float = 4.0, min_samples: int = 3, micro_batches: int = 0) -> float | None:
     """Measured over modelled actor iter time: `samples` are (tp, dp, tokens, wall seconds) of last step's iters.
     One factor, not a refit of fixed and per-token cost: iters measured while rollout runs are slowed by the
     machine, and a refit from them (tried) read the slowdown as fixed cost and ruled out growing. The median
     ratio, clipped to [lo, hi]; None with too few samples."""
-    return _median_ratio([t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp)) > 0],
+    return _median_ratio([t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp, micro_batches)) > 0],
                          lo, hi, min_samples)
 
 
@@ -303,13 +316,14 @@ def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | N
     return replace(prior, fixed_s=float(np.median(xs)))
 
 
-def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost) -> ActorCost:
-    """`ActorCost` from measured (dp, iter seconds) at a fixed `tokens` per iter; the all-reduce term of
-    `base` is subtracted first, so only the fixed and per-token terms are fitted."""
+def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost,
+              micro_batches: int = 0) -> ActorCost:
+    """`ActorCost` from measured (dp, iter seconds) at a fixed `tokens` per iter (`micro_batches` of them, 0:
+    unknown); the all-reduce term of `base` is subtracted first, so only the fixed and per-token terms are fitted."""
     xs = []
     for dp, secs in samples:
         ar = 2 * (dp - 1) / dp * (base.grad_bytes / tp) / base.link_bw
-        xs.append((1.0 / dp, secs - ar))
+        xs.append((rank_share(dp, micro_batches), secs - ar))
     fixed, slope = fit_linear(xs, "actor samples")
     eff = base.tp_eff if tp > 1 else 1.0
     return replace(base, iter_fixed_s=max(fixed, 0.0), train_per_token_s=max(slope, 0.0) * tp * eff / tokens)

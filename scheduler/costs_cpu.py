@@ -1,8 +1,8 @@
 """The CPU cost model of the end-to-end benchmark, fitted from measured runs, and the measurements that fit it.
 
 `cpu_tiny()` (costs.py) holds orders of magnitude. `cpu_e2e()` holds what was measured on the e2e workload
-(benchmarks/e2e.py: 8 CPU virtual devices capped at 0.25 core each, hidden 128 x 4 layers, ~0.8M params,
-max_seq_len 64, 64 running requests per instance); docs/e2e.md gives the fit and its samples.
+(benchmarks/e2e.py: 8 CPU virtual devices pinned to one core at 0.125 core each, hidden 128 x 4 layers,
+~0.8M params, max_seq_len 64, 16 running requests per instance); docs/e2e.md gives the fit and its samples.
 
 Measurements (every one on a capped device worker, so the caps and the machine's load are those of the run):
 
@@ -35,30 +35,31 @@ from tidal.scheduler.costs import (ActorCost, CostModel, DecodeCost, InferenceCo
 
 
 def cpu_e2e() -> CostModel:
-    """Measured on the e2e workload (docs/e2e.md, 2026 run on the shared 2-core dev machine, load ~10-20):
+    """Measured on the e2e workload as benchmarks/e2e.py runs it (8 devices pinned to one core at 0.125 core each,
+    the driver on the other; docs/e2e.md), 2026-11-30 on the shared 2-core dev VM, whose core speed drifts by
+    up to 5x within minutes (the online learning rescales these every step):
 
-    - decode: fit over b in {1, 8, 16, 32, 64} on one capped worker: 40 ms + 0.17 ms x b per step (rows
-      are padded to 64, so it is nearly flat in b); prefill ~1.1 ms per prompt token;
-    - inference: ~0.1 s per group of 8 x 64 padded tokens on a capped device;
-    - actor: one iter's 64 sequences trained at dp 2/4/6/8 on the capped workers after the static run:
-      1.1 / 0.75 / 0.55 / 0.45 s -> 0.23 s + 1.73 s / dp; per token at the policy's count (64 x (9 + ~19.5)
-      tokens; the actor really pads every sequence to max_seq_len) 0.95 ms;
-    - reshard ~0.25 s with the layout's process groups cached (worker time 0.07-0.25 s + calls); the first
-      use of a layout also creates its process groups: 5-8 s on capped workers, not modelled (once per layout);
-    - KV migration 0.03-0.2 s per move (three sequential calls; ~1 s when the machine is loaded), lend / start
-      0.06-0.12 s.
+    - decode: 0.10-0.21 s per step over b in {1, 8, 16, 32, 64}, no trend in b (rows are padded to 64): 0.15 s
+      flat; prefill ~1.6 ms per prompt token;
+    - inference: 0.13-0.26 s per group of 8 (padded to 64 tokens), as the driver sees a scoring call;
+    - actor: one iter's 64 sequences (8 micro-batches of 8) at dp 2/4/6/8: 2.9 / 1.75 / 1.6 / 1.0 s inside the
+      worker, ~0.15 s more as the driver sees it. The time follows whole micro-batches per rank (dp 6 is no
+      faster than dp 4): 0.5 s + 2.78 ms per token of the busiest rank's share ceil(8 / dp) / 8 of the policy's
+      token count (64 x (9 + ~19.5));
+    - reshard ~0.3 s (programs planned on the driver, process groups made ahead); KV migration 0.1-0.3 s per
+      wave of moves; lend / start ~0.1 s.
     """
     p = 0.8e6
     return CostModel(
         name="cpu-e2e",
-        decode=DecodeCost(step_s=0.040, per_seq_s=1.7e-4, prefill_per_token_s=1.1e-3),
-        inference=InferenceCost(per_token_s=2.0e-4, tp_eff=0.7, per_group_s=0.01),
-        actor=ActorCost(train_per_token_s=9.5e-4, iter_fixed_s=0.23, grad_bytes=4 * p, link_bw=1e9, tp_eff=0.7),
+        decode=DecodeCost(step_s=0.15, per_seq_s=1e-4, prefill_per_token_s=1.6e-3),
+        inference=InferenceCost(per_token_s=6e-4, tp_eff=0.7, per_group_s=0.02),
+        actor=ActorCost(train_per_token_s=2.78e-3, iter_fixed_s=0.5, grad_bytes=4 * p, link_bw=1e9, tp_eff=0.7),
         reshard=ReshardCost(param_bytes=4 * p, optim_bytes=12 * p, bw=1e9, inter_node_bw=1e9,
-                            devices_per_node=8, fixed_s=0.25),
-        migration_fixed_s=0.1, rollout_release_s=0.02, inference_release_s=0.02,
+                            devices_per_node=8, fixed_s=0.3),
+        migration_fixed_s=0.15, rollout_release_s=0.02, inference_release_s=0.02,
         lend_s=0.1, return_s=0.05, sync_fixed_s=0.1, sync_bw=1e9,
-        kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.1,
+        kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.15,
     )
 
 
@@ -146,11 +147,13 @@ def event_costs(events: Sequence[dict]) -> dict[str, list[float]]:
 
 
 def calibrate(base: CostModel, decode: Sequence[tuple[int, float]], prefill_per_token_s: float,
-              iters: Sequence[tuple[int, float]], iter_tokens: float, moves: dict[str, list[float]]) -> CostModel:
-    """`base` with the fitted decode and actor terms and the median measured move costs (where measured)."""
+              iters: Sequence[tuple[int, float]], iter_tokens: float, moves: dict[str, list[float]],
+              micro_batches: int = 0) -> CostModel:
+    """`base` with the fitted decode and actor terms and the median measured move costs (where measured);
+    `micro_batches` per actor iter (0: unknown) shapes the actor fit like the policy's model."""
     c = replace(base, name=base.name + "-fitted", decode=fit_decode(decode, prefill_per_token_s))
     if len({dp for dp, _ in iters}) >= 2:
-        c = replace(c, actor=fit_actor(iters, iter_tokens, 1, base.actor))
+        c = replace(c, actor=fit_actor(iters, iter_tokens, 1, base.actor, micro_batches))
     med = {k: float(np.median(v)) for k, v in moves.items() if v}
     if "reshard" in med:
         c = replace(c, reshard=replace(c.reshard, fixed_s=med["reshard"]))

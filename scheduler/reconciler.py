@@ -457,7 +457,8 @@ class Reconciler:
         self._predictions = []
         if factor is None:
             factor = p.sched_state.rollout_time_factor
-        actor_factor = learn_actor_factor(st.iter_samples, costs.actor)
+        actor_factor = learn_actor_factor(st.iter_samples, costs.actor,
+                                          micro_batches=p.sched_state.params.micro_batches)
         if actor_factor is None:
             actor_factor = p.sched_state.actor_time_factor
         res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)

@@ -351,7 +351,7 @@ class _Sim:
         gt = self.group_tokens
         seq_tokens = sum(gt[g] for g in self.scored[a.iters_done * p.groups_per_iter:
                                                     (a.iters_done + 1) * p.groups_per_iter])
-        dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp)
+        dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp, p.micro_batches)
         self.iter_tokens.append(float(seq_tokens))
         a.running, a.last_iter_s = True, dur
         self.busy["actor"] += dur * a.layout.size

@@ -2,6 +2,8 @@
 the scoring cost per group and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`;
 and how far the rollout-time model is off (`SchedState.rollout_time_factor`)."""
 
+import dataclasses
+
 import pytest
 
 from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
@@ -34,7 +36,7 @@ def test_reshard_fixed_cost_net_of_the_modelled_transfer():
 
 
 def test_scoring_cost_per_group_is_the_median_residual_and_keeps_the_slope():
-    prior = cpu_e2e().inference
+    prior = dataclasses.replace(cpu_e2e().inference, per_token_s=2e-4)   # the residual below stays positive
     tok = 8 * (12 + 20)   # a group: 8 samples of 12 prompt + 20 response tokens
     samples = [(2, 2 * tok, 0.30)] * 4 + [(1, tok, 0.15), (2, 2 * tok, 4.0)]   # one call stalled: ignored
     got = learn_scoring(samples, prior)

@@ -1,9 +1,13 @@
 """The CPU cost model's fit from measured runs: samples made from known parameters give those parameters back."""
 
+import math
+
+import numpy as np
 import pytest
 
 from tidal.errors import TidalError
 from tidal.pipeline.timeline import Timeline
+from tidal.scheduler.costs import rank_share
 from tidal.scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
 
 
@@ -44,3 +48,22 @@ def test_samples_from_a_runs_timeline_and_events():
               {"kind": "action", "action": "LendToRollout", "ok": False, "seconds": 9.0},
               {"kind": "action", "action": "ReleaseRollout", "ok": True, "seconds": 0.01}]
     assert event_costs(events) == {"reshard": [0.2], "migration": [0.05], "lend": [0.1], "release": [0.01]}
+
+
+def test_actor_iter_follows_whole_micro_batches_per_rank():
+    """8 micro-batches per iter: the busiest rank trains ceil(8 / dp) of them, so dp 3 trains 3/8 of the iter
+    and dp 5, 6, 7 gain nothing over dp 4. The fit recovers the terms from samples made that way."""
+    base = cpu_e2e()
+    tokens = 1800.0
+    iters = [(dp, 0.5 + 2.4 * math.ceil(8 / dp) / 8) for dp in (2, 3, 4, 6, 8)]
+    c = calibrate(base, [(1, 0.1), (64, 0.1)], 1e-3, iters, tokens, {}, micro_batches=8)
+    assert c.actor.iter_fixed_s == pytest.approx(0.5, abs=0.01)   # less the modelled all-reduce (~6 ms)
+    for dp in (2, 3, 8):
+        assert c.actor.iter_time(tokens, 1, dp, 8) == pytest.approx(0.5 + 2.4 * math.ceil(8 / dp) / 8, rel=1e-2)
+    a = c.actor
+    assert a.iter_time(tokens, 1, 6, 8) == pytest.approx(a.iter_time(tokens, 1, 4, 8), rel=1e-2)
+    assert a.iter_time(tokens, 1, 16, 8) == pytest.approx(a.iter_time(tokens, 1, 8, 8), rel=1e-2)
+    # unknown micro-batching: the work splits evenly
+    assert a.iter_time(tokens, 1, 3) < a.iter_time(tokens, 1, 3, 8)
+    assert rank_share(3) == pytest.approx(1 / 3) and rank_share(3, 8) == 3 / 8
+    assert rank_share(np.array([2, 3, 8]), 8).tolist() == [0.5, 0.375, 0.125]

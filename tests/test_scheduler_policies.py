@@ -11,7 +11,7 @@ from tidal.devices import Owner
 from tidal.scheduler import policy_rlinf, policy_tidal
 from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
                                      ReleaseRollout, ReshardActor, ReturnFromRollout, Wait)
-from tidal.scheduler.costs import fit_decode, fit_linear, gpu_h200_1p5b
+from tidal.scheduler.costs import DecodeCost, fit_decode, fit_linear, gpu_h200_1p5b
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutColumns, RolloutInstanceSignal, RolloutView, Signals)
@@ -141,8 +141,9 @@ def test_valid_sizes():
 
 
 def test_tidal_releases_least_loaded_not_lowest_id():
+    """Instance 5 is drained and 4 nearly: they go (their 2 groups to 2 and 3), not the lowest ids 2 and 3."""
     ro = [inst(2, 500, 30, est=500 * 3000.0), inst(3, 400, 25, est=400 * 2500.0),
-          inst(4, 300, 20, est=300 * 2000.0), inst(5, 0, 0)]
+          inst(4, 20, 2, est=20 * 2000.0), inst(5, 0, 0)]
     acts = policy_tidal.decide(state(), sig(ro, iters=1), 100.0)
     rel = [a for a in acts if isinstance(a, ReleaseRollout)]
     assert rel and rel[0].instance_ids[0] == 5, acts
@@ -236,8 +237,8 @@ TIDAL_CASES = [
      [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),
       ("LendInference", {"devices": (6, 7), "instance_ids": (6, 7)}),
       ("Wait", {"recheck_s": 1.0})]),
-    ("inference lent, next mini-batch ~49s away, backlog ~2s: keep lending, recheck half-way (~24s)",
-     {}, _inf_lent(5, EARLY), [("Wait", {"recheck_s": pytest.approx(23.6756, abs=1e-3)})]),
+    ("inference lent, next mini-batch ~56s away, backlog ~2s: keep lending, recheck half-way (~27s)",
+     {}, _inf_lent(5, EARLY), [("Wait", {"recheck_s": pytest.approx(27.2485, abs=1e-3)})]),
     ("inference lent, 110 groups waiting: it returns, its groups go to the non-lent instances by KV copy",
      {}, _inf_lent(110, LATE),
      [M(6, 2, 10), M(6, 3, 10), M(6, 4, 10), M(6, 5, 10), M(7, 2, 10), M(7, 3, 10), M(7, 4, 10), M(7, 5, 10),
@@ -346,3 +347,15 @@ def test_tidal_keeps_one_instance_when_what_is_left_fits_its_slots():
     assert got == [M(5, 2, 1), M(3, 2, 1), M(4, 2, 1),
                    ("ReleaseRollout", {"instance_ids": (5, 3, 4), "devices": (5, 3, 4), "migrate_to": (2,)}),
                    ("ReshardActor", {"from_layout": layout, "to_layout": ActorLayout(1, 5, (0, 1, 3, 4, 5))})]
+
+
+def test_rollout_time_counts_the_last_wave():
+    """An instance with full slots turns out tokens / slots steps, then drains its last wave (up to the longest
+    sequence); a tail-bound one takes its longest sequence. 128 slots, 1 ms per step here."""
+    st = SchedState(dataclasses.replace(P8, max_running_requests=128),
+                    dataclasses.replace(gpu_h200_1p5b(), decode=DecodeCost(step_s=1e-3, per_seq_s=0.0,
+                                                                           prefill_per_token_s=0.0)))
+    assert st.decode_seconds(128 * 1000.0, 300.0) == pytest.approx((1000 + 300) * 1e-3)   # throughput-bound
+    assert st.decode_seconds(128 * 100.0, 300.0) == pytest.approx(300 * 1e-3)             # the tail bounds it
+    assert st.decode_seconds(128 * 200.0, 300.0) == pytest.approx(400 * 1e-3)             # half a wave left
+    assert P8.micro_batches == 0 and dataclasses.replace(P8, micro_batch_size=64).micro_batches == 32

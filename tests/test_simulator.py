@@ -113,12 +113,12 @@ def _action_kinds(res):
 
 
 def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
-    spec = small(prompts=128)
+    spec = small(prompts=384)   # rollout long enough that lending pays at the start and mid-step (seeds 0 and 1)
     res = simulate(spec, "tidal", steps=3, seed=0)
     kinds = _action_kinds(res)
     for k in ("LendInference", "ReturnToInference", "LendToRollout mid-step", "ReturnFromRollout"):
         assert kinds.get(k), (k, kinds)
-    assert all(s.groups_trained == 128 for s in res.steps)
+    assert all(s.groups_trained == 384 for s in res.steps)
     assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("Migrate"))
 
 
