@@ -3,7 +3,9 @@ virtual devices with fixed compute shares, plus the simulator's figures for RLin
 
     python benchmarks/e2e.py --quick --json benchmarks/results/e2e_cpu.json
 
-Real part (one run per policy, sequentially, same config and seeds; `tidal.pipeline.run.TrainingRun`):
+Real part (one `tidal.pipeline.run.TrainingRun` per policy, same config and seeds, all opened first; then step k
+of each runs back to back, rotating who goes first every round, so the machine's drift over minutes lands on
+every policy alike. `paired_speedup_vs_static` is the median of the per-step ratios, with their range):
 
     placement   RLinf's: actor 0-1 (TP 1, DP 2), rollout 2-5 (4 instances), inference 6-7
     compute     cluster.cpu_device_cores "1" (every core but core 0) and cpu_compute_share 0.125 of it: the 8
@@ -94,7 +96,10 @@ class PolicyRun:
              "actions": sum(e["kind"] == "action" for e in ev),
              "failed_actions": sum(e["kind"] == "action" and not e["ok"] for e in ev),
              "reward_mean": m.get("grpo/reward_mean", 0.0),
-             "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0))}
+             "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
+             # the devices' own speed in this step: median seconds per engine pump inside the rollout instances
+             "pump_s": m.get("rollout/pump_s_median", 0.0)}
+        s["pumps"] = s["seconds"] / s["pump_s"] if s["pump_s"] else 0.0   # step time in pumps: drift removed
         self.steps.append(s)
         print(f"  [{self.policy}] step {s['step']}: {res.seconds:.2f}s idle {s['idle_fraction']:.2f} "
               f"reshards {s['reshards']} migrations {s['migrations']} failed {s['failed_actions']}", flush=True)
@@ -253,8 +258,8 @@ def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
     """Forwards/s of the e2e model on the devices' cores, uncapped, nothing else running there (between runs).
 
     A drift indicator, not a correction: the dev VM's cores change speed by the minute (other tenants on the
-    host; measured 17-84 forwards/s around one run), so a ratio between runs made minutes apart is only as good as
-    the machine was steady. Recorded before and after each policy's run."""
+    host; measured 17-84 forwards/s around one run), which is why the policies' steps interleave. Recorded at
+    the start of every round."""
     import subprocess
     cores = cores or set(range(os.cpu_count() or 1))
     out = subprocess.run([sys.executable, "-c", SPEED_PROBE.format(cores=sorted(cores), seconds=seconds)],
@@ -262,10 +267,12 @@ def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def paired(base: list[dict], new: list[dict]) -> dict:
-    """Per-step ratios base / new over the measured steps (>= 1; step k of both ran back to back), median and
-    range: the figure the drift does not reach as long as it is slower than one round of steps."""
-    r = sorted(b["seconds"] / n["seconds"] for b, n in zip(base[1:], new[1:]))
+def paired(base: list[dict], new: list[dict], key: str = "seconds") -> dict:
+    """Per-step ratios base / new of `key` over the measured steps (>= 1; step k of both ran back to back),
+    median and range. On "seconds" the drift slower than one round cancels; on "pumps" (step time over the
+    step's own median engine-pump time) the drift within a round does too, as long as it slows every device
+    alike (they share one core)."""
+    r = sorted(b[key] / n[key] for b, n in zip(base[1:], new[1:]) if b.get(key) and n.get(key))
     if not r:
         return {}
     mid = len(r) // 2
@@ -278,15 +285,17 @@ def table(res: dict) -> None:
     from rich.table import Table
     t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
                     f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
-    for col in ("policy", "step s (steps>=1)", "vs static", "paired vs static (median, range)", "idle",
-                "reshards", "migrations", "failed actions"):
+    for col in ("policy", "step s (steps>=1)", "vs static", "paired vs static (median, range)",
+                "in pumps (median, range)", "idle", "reshards", "migrations", "failed actions"):
         t.add_column(col)
     runs = res["runs"]
     st = runs["static"] if "static" in runs else None
     for k, v in runs.items():
         pr = paired(st["steps"], v["steps"]) if st else {}
+        pp = paired(st["steps"], v["steps"], "pumps") if st else {}
         t.add_row(k, f"{v['step_s']:.2f}", f"{st['step_s'] / v['step_s']:.2f}x" if st else "-",
                   f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})" if pr else "-",
+                  f"{pp['median']:.2f}x ({pp['min']:.2f}-{pp['max']:.2f})" if pp else "-",
                   f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]))
     Console().print(t)
     print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
@@ -371,6 +380,7 @@ def main(argv=None) -> int:
     for base in ("static", "rlinf"):
         if "tidal" in runs and base in runs:
             res[f"paired_speedup_vs_{base}"] = paired(runs[base]["steps"], runs["tidal"]["steps"])
+            res[f"paired_pump_speedup_vs_{base}"] = paired(runs[base]["steps"], runs["tidal"]["steps"], "pumps")
     seq_tokens = 9 + (sum(s["response_len_mean"] for s in runs.get("static", {}).get("steps", [])[1:]) /
                       max(1, len(runs.get("static", {}).get("steps", [])[1:])) or a.max_new_tokens / 2)
     per_iter = a.prompts * a.group_size // 4

@@ -22,6 +22,7 @@ change a single token.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class StepState:
     actor_metrics: list[dict] = field(default_factory=list)
     # (mean batch, wall seconds per decode step) of every rollout call that generated: the decode cost, measured
     decode_samples: list[tuple[float, float]] = field(default_factory=list)
+    # seconds per engine pump (admit + one decode step) inside the instance, per rollout call: the devices' own
+    # speed, whatever the driver and the policy do (the machine's drift, for comparing runs)
+    pump_samples: list[float] = field(default_factory=list)
     # (groups, tokens, wall seconds) of every scoring call: the scoring cost, measured
     score_samples: list[tuple[int, float, float]] = field(default_factory=list)
     # (tp, dp, tokens, wall seconds) of every actor iter: its cost per layout, measured
@@ -225,6 +229,8 @@ class Pipeline:
         seconds = self.clock() - t_start
         metrics["step/seconds"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
+        if st.pump_samples:
+            metrics["rollout/pump_s_median"] = statistics.median(st.pump_samples)
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
         return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
@@ -350,6 +356,8 @@ class Pipeline:
             if sig.get("call_tokens", 0) > 0:   # seconds per decode step as the driver sees it: call overhead,
                 b = sig["mean_batch"]                # admissions and the machine's contention included
                 st.decode_samples.append((b, (now - f.t0) * b / sig["call_tokens"]))
+            if sig.get("pumps", 0) > 0:
+                st.pump_samples.append(sig["busy_s"] / sig["pumps"])
             c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.generated += len(records)

@@ -1,0 +1,26 @@
+"""What the reconciler believes about rollout instances after it migrates work between them (no cluster)."""
+
+from types import SimpleNamespace
+
+from tidal.scheduler.reconciler import _move_reported
+
+
+def _pkg(tokens_per_request, open_groups, queued=0):
+    return {"states": [SimpleNamespace(tokens=[1] * n) for n in tokens_per_request],
+            "open": {k: None for k in range(open_groups)}, "queued": [None] * queued}
+
+
+def test_a_move_carries_its_sequences_and_their_progress():
+    """Instance 2 gives one open group (3 sequences left, 10 + 4 + 0 tokens generated) and one queued group to
+    instance 3. The reports move exactly that much: nothing else on the target reads as unstarted."""
+    signals = {2: {"running": 5, "waiting": 2, "progress": 40, "groups_in_progress": 3, "token_rate": 9.0},
+               3: {"running": 1, "waiting": 0, "progress": 30, "groups_in_progress": 1, "token_rate": 7.0}}
+    _move_reported(signals, 2, 3, _pkg([10, 4, 0], open_groups=1, queued=1))
+    assert signals[2] == {"running": 4, "waiting": 0, "progress": 26, "groups_in_progress": 2, "token_rate": 9.0}
+    assert signals[3] == {"running": 4, "waiting": 0, "progress": 44, "groups_in_progress": 2, "token_rate": 7.0}
+
+
+def test_without_a_report_for_either_side_both_fall_back_to_given_groups():
+    signals = {2: {"running": 5, "waiting": 0, "progress": 40, "groups_in_progress": 3}}
+    _move_reported(signals, 2, 3, _pkg([10], open_groups=1))
+    assert signals == {}
