@@ -50,6 +50,12 @@ def _prefix(done: dict, n: int) -> int:
     return k
 
 
+#: failed actions in one step after which the policy is not consulted again until the step ends: a policy that
+#: keeps asking for a move the cluster cannot make (found once: a migration's bookkeeping broke mid-way and the
+#: same ReturnFromRollout failed 3,869 times) must not spin the driver; the step completes on its placement
+MAX_FAILURES_PER_STEP = 5
+
+
 def _move_reported(signals: dict[int, dict], src: int, dst: int, pkg: dict) -> None:
     """Carry a migration's work from `src`'s last report to `dst`'s: its open groups and their sequences in the
     engine (running or waiting, with the tokens they generated). Queued groups need nothing: the reports count
@@ -63,7 +69,7 @@ def _move_reported(signals: dict[int, dict], src: int, dst: int, pkg: dict) -> N
         signals.pop(dst, None)
         return
     seqs = len(pkg["states"])
-    tokens = sum(len(x.tokens) for x in pkg["states"])
+    tokens = sum(len(x.token_ids) for x in pkg["states"])
     started_a = a.get("running", 0) + a.get("waiting", 0)
     signals[src] = {**a, "running": max(0, started_a - seqs), "waiting": 0,
                     "progress": max(0, a.get("progress", 0) - tokens),
@@ -89,6 +95,7 @@ class Reconciler:
         self._layout_notes: list = []
         self._predictions: list[tuple[float, float, float, int]] = []   # rollout left, noted: see learn
         self._t_start = 0.0
+        self._failures: dict[int, int] = {}   # failed actions per step: the breaker below
 
     def known_rank_sets(self, sets) -> None:
         """Rank sets whose groups every worker has made (outside a reshard, e.g. at start)."""
@@ -165,6 +172,9 @@ class Reconciler:
             self._layout_notes = []
             self.learn()
             return True
+        step = self.p.step_state.step
+        if self._failures.get(step, 0) >= MAX_FAILURES_PER_STEP:
+            return True   # breaker open: the step finishes on its current placement (the driver returns lent devices)
         sig = self.signals(trigger)
         self._note_rollout_prediction(sig, now)
         t0 = time.perf_counter()
@@ -208,6 +218,10 @@ class Reconciler:
             why = (f"{type(err).__name__} on device {err.device_id}: {cause}" if cause else
                    f"{type(err).__name__}: {err}")[:500]
             log.warning("action %s failed: %s", type(a).__name__, why)
+            n = self._failures[sig.step] = self._failures.get(sig.step, 0) + 1
+            if n == MAX_FAILURES_PER_STEP:
+                c.record("scheduler_paused", step=sig.step, failures=n,
+                         reason=f"{n} failed actions this step: the policy is not consulted until the step ends")
         c.record("action", step=sig.step, iter=sig.actor.iters_done, action=type(a).__name__,
                  reason=a.reason, ok=ok, error=why, seconds=self.p.clock() - t0, **extra)
         return ok

@@ -112,3 +112,25 @@ def test_dynamic_run_equals_static_run(tmp_path):
         assert torch.equal(w, dynamic.final_weights[name]), name
     assert s_sum.reward_per_step == d_sum.reward_per_step
     assert s_sum.final_weights_sha == d_sum.final_weights_sha
+
+
+def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
+    """Every consult asks for a move the cluster cannot make (device 9 does not exist): each attempt fails and is
+    rolled back, and after `MAX_FAILURES_PER_STEP` in a step the policy is not asked again until the step ends.
+    The run completes on its placement and learns exactly what the static run learns."""
+    from tidal.scheduler.reconciler import MAX_FAILURES_PER_STEP
+
+    def stubborn(state, sig, now):
+        lay = sig.actor.layout
+        return [ReshardActor("impossible", lay, ActorLayout(1, 3, (0, 1, 9)))] if sig.trigger != "start" else []
+
+    static, s_sum, _, _ = _run(tmp_path, "static", [])
+    run, summary, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true"], stubborn)
+    events = run.pipe.cluster.events
+    for step in range(2):
+        failed = [e for e in events if e["kind"] == "action" and e.get("step") == step]
+        assert failed and not any(e["ok"] for e in failed)
+        assert len(failed) == MAX_FAILURES_PER_STEP, len(failed)
+        assert [e["step"] for e in events if e["kind"] == "scheduler_paused"].count(step) == 1
+    assert versions == [1, 2]
+    assert summary.final_weights_sha == s_sum.final_weights_sha

@@ -1,12 +1,16 @@
 """What the reconciler believes about rollout instances after it migrates work between them (no cluster)."""
 
-from types import SimpleNamespace
+import torch
 
+from tidal.engine.generation.requests import Request, RequestState
 from tidal.scheduler.reconciler import _move_reported
 
 
 def _pkg(tokens_per_request, open_groups, queued=0):
-    return {"states": [SimpleNamespace(tokens=[1] * n) for n in tokens_per_request],
+    """An export package as `rollout_export` makes it: engine states of the moving requests, open groups, queued."""
+    states = [RequestState(Request(f"m/g0/i{k}", (1, 2, 3)), [5] * n, [0.0] * n, torch.zeros(8, dtype=torch.uint8),
+                           0 if n else None) for k, n in enumerate(tokens_per_request)]
+    return {"states": states,
             "open": {k: None for k in range(open_groups)}, "queued": [None] * queued}
 
 
