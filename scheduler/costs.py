@@ -285,8 +285,8 @@ def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: 
     One factor, not a refit of fixed and per-token cost: iters measured while rollout runs are slowed by the
     machine, and a refit from them (tried) read the slowdown as fixed cost and ruled out growing. The median
     ratio, clipped to [lo, hi]; None with too few samples."""
-    return _median_ratio([t / m for tp, dp, tok, t in samples if t > 0 and (m := prior.iter_time(tok, tp, dp, micro_batches)) > 0],
-                         lo, hi, min_samples)
+    return _median_ratio([t / m for tp, dp, tok, t in samples
+                          if t > 0 and (m := prior.iter_time(tok, tp, dp, micro_batches)) > 0], lo, hi, min_samples)
 
 
 def learn_rollout_factor(predictions: Sequence[tuple[float, float]], rollout_end: float,
