@@ -191,21 +191,33 @@ def machine() -> dict:
             "load_avg_start": os.getloadavg()}
 
 
-def sim_figures(steps_8: int, steps_1024: int) -> dict:
-    """Simulated static / rlinf / tidal on RLinf's example (8 devices) and at 1,024 devices (2 prompts each)."""
+def sim_figures(steps_8: int, steps_1024: int, cfg=None) -> dict:
+    """Simulated static / rlinf / tidal on RLinf's example (8 devices) and at 1,024 devices (2 prompts each); with
+    `cfg`, also on this benchmark's own workload with the CPU cost model (`cpu_e2e()`, fitted to this setup):
+    what the policy code would reach if the workers behaved as modelled (3 seeds, 3 steps each)."""
+    from dataclasses import replace
+
+    from tidal.scheduler.costs_cpu import cpu_e2e
     from tidal.scheduler.simulator import simulate
-    from tidal.scheduler.workload import rlinf_example
+    from tidal.scheduler.workload import LengthDist, SimSpec, rlinf_example
     out = {}
-    for key, devices, ppd, steps in (("rlinf_example_8", 8, 64, steps_8), ("devices_1024", 1024, 2, steps_1024)):
-        spec = rlinf_example(devices, prompts_per_device=ppd)
+    cases = [("rlinf_example_8", 8, rlinf_example(8, prompts_per_device=64), steps_8, (0,)),
+             ("devices_1024", 1024, rlinf_example(1024, prompts_per_device=2), steps_1024, (0,))]
+    if cfg is not None:   # geometric lengths of mean ~19.5 (median ~13), uncorrelated within a group: lognormal fit
+        spec = replace(SimSpec.from_config(cfg), costs=cpu_e2e(), prompt_tokens=9,
+                       lengths=LengthDist(median=13.0, sigma=0.9, group_sigma=0.0))
+        cases.append(("cpu_e2e_workload", 8, spec, 3, (0, 1, 2)))
+    for key, devices, spec, steps, seeds in cases:
         res = {}
         for pol in ("static", "rlinf", "tidal"):
-            r = simulate(spec, pol, None, steps, seed=0, keep_events=False)
-            res[pol] = {"mean_step_s": r.mean_step_s, "idle_fraction": r.idle_fraction,
-                        "reshards": sum(x.reshards for x in r.steps), "migrations": sum(x.migrations for x in r.steps),
-                        "sim_wall_s": r.sim_wall_s}
+            rs = [simulate(spec, pol, None, steps, seed=sd, keep_events=False) for sd in seeds]
+            res[pol] = {"mean_step_s": sum(r.mean_step_s for r in rs) / len(rs),
+                        "idle_fraction": sum(r.idle_fraction for r in rs) / len(rs),
+                        "reshards": sum(x.reshards for r in rs for x in r.steps),
+                        "migrations": sum(x.migrations for r in rs for x in r.steps),
+                        "sim_wall_s": sum(r.sim_wall_s for r in rs)}
         out[key] = {"devices": devices, "prompts": spec.params.rollout_batch_size, "group_size": spec.params.group_size,
-                    "n_minibatches": spec.params.n_minibatches, "steps": steps, "policies": res,
+                    "n_minibatches": spec.params.n_minibatches, "steps": steps, "seeds": list(seeds), "policies": res,
                     "tidal_speedup_vs_static": res["static"]["mean_step_s"] / res["tidal"]["mean_step_s"],
                     "tidal_speedup_vs_rlinf": res["rlinf"]["mean_step_s"] / res["tidal"]["mean_step_s"]}
     return out
@@ -387,7 +399,7 @@ def main(argv=None) -> int:
     res["cost_fit"] = (fit(runs, per_iter * seq_tokens, -(-per_iter // MICRO_BATCH)) if "static" in runs
                        else {})
     if not a.no_sim:
-        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1)
+        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1, build("tidal", a, out))
     res["machine"]["load_avg_end"] = os.getloadavg()
     res["wall_s"] = time.monotonic() - t0
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
