@@ -38,6 +38,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -285,11 +286,7 @@ def paired(base: list[dict], new: list[dict], key: str = "seconds") -> dict:
     step's own median engine-pump time) the drift within a round does too, as long as it slows every device
     alike (they share one core)."""
     r = sorted(b[key] / n[key] for b, n in zip(base[1:], new[1:]) if b.get(key) and n.get(key))
-    if not r:
-        return {}
-    mid = len(r) // 2
-    med = r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
-    return {"median": med, "min": r[0], "max": r[-1], "ratios": r}
+    return {"median": statistics.median(r), "min": r[0], "max": r[-1], "ratios": r} if r else {}
 
 
 def table(res: dict) -> None:

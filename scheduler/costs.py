@@ -80,12 +80,10 @@ class ActorCost:
         return self.iter_fixed_s + compute + allreduce
 
 
-def rank_share(dp, micro_batches: int = 0):
-    """Fraction of an iter's work on its busiest DP rank (scalar or array dp): whole micro-batches per rank."""
-    if micro_batches > 0:
-        return float(math.ceil(micro_batches / dp)) / micro_batches if np.isscalar(dp) else \
-            np.ceil(micro_batches / np.asarray(dp)) / micro_batches
-    return 1.0 / dp if np.isscalar(dp) else 1.0 / np.asarray(dp)
+def rank_share(dp: int, micro_batches: int = 0) -> float:
+    """Fraction of an iter's work on its busiest DP rank: whole micro-batches per rank (0 micro-batches: unknown,
+    the work splits evenly)."""
+    return math.ceil(micro_batches / dp) / micro_batches if micro_batches > 0 else 1.0 / dp
 
 
 @dataclass(frozen=True)
