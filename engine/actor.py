@@ -30,7 +30,7 @@ only rebinds a model built on the meta device to new storage.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
 import torch
@@ -88,10 +88,15 @@ class IterReport:
     clipped: bool
     num_microbatches: int      # run by this rank
     seconds: float
+    # where the seconds went on this rank: forward/backward of its micro-batches, the gradient sum over DP
+    # (waits for the slowest rank included), clip + AdamW on its shard, and the all-gather of the new weights
+    phases: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        return {"actor/loss": self.loss, "actor/grad_norm": self.grad_norm, "actor/lr": self.lr,
-                "actor/iter_s": self.seconds}
+        out = {"actor/loss": self.loss, "actor/grad_norm": self.grad_norm, "actor/lr": self.lr,
+               "actor/iter_s": self.seconds}
+        out.update({f"actor/iter_{k}_s": v for k, v in self.phases.items()})
+        return out
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,7 @@ class ActorShard:
                 acc32.add_(grad.float())
                 grad.zero_()
         full = acc32 if acc32 is not None else grad
+        t_compute = time.perf_counter()
         if lay.dp == 1:
             owned = full.float()
         elif ordered:
@@ -231,13 +237,16 @@ class ActorShard:
         else:
             dist.all_reduce(full, group=g.dp)
             owned = self._pack(full.float(), st.shape)
+        t_sync = time.perf_counter()
         sumsq = self._sumsq(owned)
         coef = clip_coefficient(sumsq, self.hp)
         if coef is not None:
             owned.mul_(coef)
         lr = lr_at(self.hp, st.step)
         adamw_update(st, owned, lr, self.hp)
+        t_update = time.perf_counter()
         self._publish(g)
+        t_publish = time.perf_counter()
         # between iters the generator is a pure function of (seed, step, t, d): resharding (which keeps it for
         # the same coordinates and seeds it from the same rule otherwise) never changes the random stream
         st.rng.manual_seed(rng_seed(self.seed, st.step, *self.coord))
@@ -248,8 +257,10 @@ class ActorShard:
             dist.all_reduce(loss_t, group=g.dp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return IterReport(float(loss_t.item()), sumsq ** 0.5, lr, coef is not None, len(losses),
-                          time.perf_counter() - start)
+        end = time.perf_counter()
+        phases = {"compute": t_compute - start, "sync": t_sync - t_compute, "update": t_update - t_sync,
+                  "publish": t_publish - t_update}
+        return IterReport(float(loss_t.item()), sumsq ** 0.5, lr, coef is not None, len(losses), end - start, phases)
 
     def _pack(self, flat: torch.Tensor, shape: ZeroShape) -> torch.Tensor:
         """The owned ranges of `shape` out of a TP-local flat tensor, in optimizer order."""

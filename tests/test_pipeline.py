@@ -88,6 +88,14 @@ def test_dynamic_run_equals_static_run(tmp_path):
     assert s_scored == d_scored == [list(range(16))] * 2
     assert s_versions == d_versions == [1, 2]
     events = dynamic.pipe.cluster.events
+    for run in (static, dynamic):   # each iter is an event: layout, seconds and the slowest rank's phases
+        iters = [e for e in run.pipe.cluster.events if e["kind"] == "iter"]
+        assert [(e["step"], e["iter"]) for e in iters] == [(s, k) for s in range(2) for k in range(4)], iters
+        for e in iters:
+            assert set(e["phases_s"]) == {"compute", "sync", "update", "publish"}, e
+            assert e["phases_s"]["compute"] > 0 and min(e["phases_s"].values()) >= 0, e
+            assert 0 < e["phases_s"]["compute"] <= e["seconds"], e
+    assert {e["dp"] for e in events if e["kind"] == "iter"} - {2}   # the dynamic run also trained at other sizes
     for step in range(2):
         kinds = [e["kind"] for e in events if e.get("step") == step]
         assert kinds.count("reshard") >= 3 and kinds.count("migration") >= 2, kinds

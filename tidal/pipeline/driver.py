@@ -80,6 +80,7 @@ class StepState:
     last_iter_s: float = 0.0
     held: bool = False
     actor_metrics: list[dict] = field(default_factory=list)
+    iter_ranks: list[dict] = field(default_factory=list)   # the running iter's per-rank reports
     # (mean batch, wall seconds per decode step) of every rollout call that generated: the decode cost, measured
     decode_samples: list[tuple[float, float]] = field(default_factory=list)
     # seconds per engine pump (admit + one decode step) inside the instance, per rollout call: the devices' own
@@ -376,12 +377,20 @@ class Pipeline:
             c.timeline.add_busy([f.device], "actor", f"iter {f.payload}", f.t0, now)
             if res is not None:
                 st.actor_metrics.append(res)
+                st.iter_ranks.append(res)
             if not any(x.kind == "actor" for x in c.inflight.values()):
                 st.iter_running = False
                 st.iters_done += 1
                 st.last_iter_s = now - f.t0
                 lay = c.actor_layout
                 st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
+                # where the iter went, slowest rank per phase (compute / sync / update / publish: engine/actor.py)
+                phases = {k[len("actor/iter_"):-2]: max(r[k] for r in st.iter_ranks if k in r)
+                          for k in {k for r in st.iter_ranks for k in r if k.startswith("actor/iter_") and
+                                    k.endswith("_s") and k != "actor/iter_s"}}
+                c.record("iter", step=st.step, iter=f.payload, tp=lay.tp, dp=lay.dp, seconds=st.last_iter_s,
+                         tokens=st.iter_tokens, phases_s=dict(sorted(phases.items())))
+                st.iter_ranks = []
         elif f.kind == "eval":
             self.last_eval = (f.payload, res)
 
