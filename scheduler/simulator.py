@@ -170,11 +170,15 @@ class _Sim:
         self.inf_devices = p.inference_devices
         self.inf_free = [(self.now, d) for d in range(0, len(p.inference_devices), p.inference_tp)]
         self.inf_lent: tuple[int, ...] = ()       # inference devices lent to rollout
-        self.inf_backlog: list[int] = []          # generated groups waiting for a scoring server
+        self.inf_wait: list[int] = []             # heap of generated group ids waiting for a scoring server
+        self.inf_wake = -1.0                      # time of the pending "score_free" event, if any
         self.actor = _Actor(p.initial_layout)
         self.n_generated = 0
         self.gen_seen = np.zeros(p.rollout_batch_size, dtype=bool)
+        self.gen_prefix = 0                       # groups 0..k-1 all generated (what the actor can use)
         self.scored: list[int] = []
+        self.scored_mask = np.zeros(p.rollout_batch_size, dtype=bool)
+        self.scored_prefix = 0                    # groups 0..k-1 all scored: iter j trains ids [j*G/n, (j+1)*G/n)
         self.trained = 0
         self.counts = {"migrations": 0, "groups_migrated": 0, "reshards": 0, "decisions": 0}
         self.drain_pending = 0
@@ -182,7 +186,7 @@ class _Sim:
         self.in_call = False
         self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens), self.iter_shares,
                                 self.ready_curve)
-        self.gen_times: list[float] = []
+        self.gen_at = np.zeros(p.rollout_batch_size)
         self.iter_tokens: list[float] = []
         self.log("step_start", f"step {step}")
 
@@ -192,16 +196,16 @@ class _Sim:
 
         self.call("start")
         ids = sorted(self.inst)
-        per, extra = divmod(p.rollout_batch_size, len(ids))
-        bounds = np.cumsum([0] + [per + (1 if k < extra else 0) for k in range(len(ids))])
-        flat = lengths.reshape(-1).astype(np.float64)
+        # groups dealt round robin, lowest ids first, as the driver deals them (tidal/pipeline/driver.py
+        # `_feed_rollout`): every instance's first wave holds the lowest ids, the actor's first mini-batches
+        lengths_f = lengths.astype(np.float64)
         works, t0s = [], []
         for k, iid in enumerate(ids):
-            g0, g1 = int(bounds[k]), int(bounds[k + 1])
+            mine = np.arange(k, p.rollout_batch_size, len(ids), dtype=np.int64)
             inst = self.inst[iid]
-            inst.assign(list(range(g0, g1)), (g1 - g0) * p.group_size)
-            gid = np.repeat(np.arange(g0, g1, dtype=np.int64), p.group_size)
-            works.append(Work(gid, flat[g0 * p.group_size:g1 * p.group_size], np.zeros(gid.size)))
+            inst.assign(mine.tolist(), mine.size * p.group_size)
+            gid = np.repeat(mine, p.group_size)
+            works.append(Work(gid, lengths_f[mine].reshape(-1), np.zeros(gid.size)))
             prefill = c.decode.prefill_per_token_s * self.spec.prompt_tokens * min(gid.size, p.max_running_requests)
             t0s.append(max(self.now, inst.ready_at) + prefill)
         self.packed = None
@@ -226,14 +230,20 @@ class _Sim:
             if t > self.now:
                 self.now = t
             if kind == "scored":
-                self.scored.append(payload[0])
-                n = len(self.scored)
-                a = self.actor
-                if n == rbs:
+                g = payload[0]
+                self._dispatch_scoring()   # its server is free: the lowest id waiting goes next
+                self.scored.append(g)
+                self.scored_mask[g] = True
+                before = self.scored_prefix
+                while self.scored_prefix < rbs and self.scored_mask[self.scored_prefix]:
+                    self.scored_prefix += 1
+                n, a = self.scored_prefix, self.actor
+                need = (a.iters_done + 1) * gpi
+                if len(self.scored) == rbs:
                     self.call("inference")
-                elif a.lent and n == (a.iters_done + 1) * gpi:
+                elif a.lent and before < need <= n:
                     self.call("data_ready")
-                if n >= (a.iters_done + 1) * gpi:
+                if n >= need:
                     self.try_start()
             elif kind == "group":
                 self.on_group(*payload)
@@ -246,6 +256,9 @@ class _Sim:
                 if self.actor.iters_done == nmb:
                     break
                 self.try_start()
+            elif kind == "score_free":
+                self.inf_wake = -1.0
+                self._dispatch_scoring()
             elif kind == "tick":
                 self.ticks.discard(t)
                 self.call("tick")
@@ -260,7 +273,8 @@ class _Sim:
         self.length_model = LengthModel.fit(lengths.reshape(-1), self.spec.max_new_tokens)
         it = np.asarray(self.iter_tokens)
         self.iter_shares = tuple((it / it.sum()).tolist())
-        g = np.asarray(self.gen_times) - t_start
+        # when the id-order prefix reached k groups (what the actor waits for), as the real producer learns it
+        g = np.maximum.accumulate(self.gen_at) - t_start
         span = float(g.max()) if g.size and g.max() > 0 else 1.0
         self.ready_curve = tuple((np.quantile(g, np.linspace(0, 1, 17)) / span).tolist())
         dt = end - t_start
@@ -320,22 +334,35 @@ class _Sim:
             assert not seen[g], f"group {g} generated twice"
             seen[g] = True
         self.n_generated += len(groups)
-        self.gen_times.extend([self.now] * len(groups))
-        if not self.inf_free or self.inf_backlog:   # every scoring server is lent: groups wait
-            self.inf_backlog.extend(groups)
-            return
+        self.gen_at[groups] = self.now
+        while self.gen_prefix < self.p.rollout_batch_size and seen[self.gen_prefix]:
+            self.gen_prefix += 1
         self._score(groups)
 
     def _score(self, groups: list[int]) -> None:
+        for g in groups:
+            heapq.heappush(self.inf_wait, g)
+        self._dispatch_scoring()
+
+    def _dispatch_scoring(self) -> None:
+        """Free scoring servers take the lowest group ids waiting, as the driver's `_feed_inference` does (the
+        actor's next mini-batch is a prefix of ids); while every server is busy or lent, groups wait."""
         c, p = self.c, self.p
         tp = p.inference_tp
-        for g in groups:
-            free_at, k = heapq.heappop(self.inf_free)
-            start = self.now if self.now > free_at else free_at
+        free, wait = self.inf_free, self.inf_wait
+        while wait and free:
+            free_at, k = free[0]
+            if free_at > self.now + 1e-12:
+                if self.inf_wake != free_at:
+                    self.inf_wake = free_at
+                    self.push(free_at, "score_free")
+                return
+            heapq.heappop(free)
+            g = heapq.heappop(wait)
             dur = c.inference.group_time(self.group_tokens[g], tp)
-            heapq.heappush(self.inf_free, (start + dur, k))
+            heapq.heappush(free, (self.now + dur, k))
             self.busy["inference"] += dur * tp
-            self.push(start + dur, "scored", g)
+            self.push(self.now + dur, "scored", g)
 
     def try_start(self) -> None:
         a, p = self.actor, self.p
@@ -346,11 +373,10 @@ class _Sim:
                 a.ready_pushed = a.ready_at
                 self.push(a.ready_at, "ready")
             return
-        if len(self.scored) < (a.iters_done + 1) * p.groups_per_iter:
+        if self.scored_prefix < (a.iters_done + 1) * p.groups_per_iter:
             return
         gt = self.group_tokens
-        seq_tokens = sum(gt[g] for g in self.scored[a.iters_done * p.groups_per_iter:
-                                                    (a.iters_done + 1) * p.groups_per_iter])
+        seq_tokens = sum(gt[a.iters_done * p.groups_per_iter:(a.iters_done + 1) * p.groups_per_iter])
         dur = self.c.actor.iter_time(float(seq_tokens), a.layout.tp, a.layout.dp, p.micro_batches)
         self.iter_tokens.append(float(seq_tokens))
         a.running, a.last_iter_s = True, dur
@@ -386,13 +412,14 @@ class _Sim:
         else:
             rollout, cols, tail_all = (), None, 0.0
         p, a = self.p, self.actor
+        # prefixes, not counts, as the real producer reports them (scheduler/reconciler.py `signals`)
         n_scored = len(self.scored)
-        inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, n_scored, n_scored == p.rollout_batch_size,
-                              self.inf_lent)
+        inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, self.scored_prefix,
+                              n_scored == p.rollout_batch_size, self.inf_lent)
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
         return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
-                       self.n_generated, self.dispatched, trigger, cols, tail_all)
+                       self.gen_prefix, self.dispatched, trigger, cols, tail_all)
 
     def call(self, trigger: str) -> None:
         if self.policy_name == "static":
@@ -568,8 +595,7 @@ class _Sim:
                 k = p.inference_devices.index(d)
                 if k % p.inference_tp == 0:
                     heapq.heappush(self.inf_free, (now + c.return_s, k))
-            backlog, self.inf_backlog = self.inf_backlog, []
-            self._score(backlog)
+            self._dispatch_scoring()
         elif isinstance(act, Wait):
             pass
         else:  # pragma: no cover - a new action type must be taught to the simulator

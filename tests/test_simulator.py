@@ -113,12 +113,16 @@ def _action_kinds(res):
 
 
 def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
-    spec = small(prompts=384)   # rollout long enough that lending pays at the start and mid-step (seeds 0 and 1)
+    # 32 slots per instance: 8 waves of 32 prompts x 16, throughput-bound enough that lending pays at the start and,
+    # while the actor waits for its next mini-batch (an id prefix, so a later wave), mid-step too
+    spec = rlinf_example(8, max_running_requests=32)
+    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=128),
+                               max_new_tokens=4096)
     res = simulate(spec, "tidal", steps=3, seed=0)
     kinds = _action_kinds(res)
     for k in ("LendInference", "ReturnToInference", "LendToRollout mid-step", "ReturnFromRollout"):
         assert kinds.get(k), (k, kinds)
-    assert all(s.groups_trained == 384 for s in res.steps)
+    assert all(s.groups_trained == 128 for s in res.steps)
     assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("Migrate"))
 
 
@@ -195,3 +199,48 @@ def test_packed_snapshot_matches_per_instance_queries():
             assert snap["groups_unfinished"][k] == sum(1 for g in e.gwall if g > t + 0.0)
             if len(left):
                 assert snap["progress"][k] == pytest.approx(float(left.prog.sum()), abs=1e-6)
+
+
+class _FixedLengths:
+    """Response lengths chosen per group (every sample of group g gets lengths[g])."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def sample(self, rng, groups, group_size, max_new):
+        import numpy as np
+        return np.repeat(np.asarray(self.lengths, dtype=np.int64)[:groups, None], group_size, axis=1)
+
+
+def _iter_starts(res, step=0):
+    return [e.time for e in res.events if e.step == step and e.kind == "iter_start"]
+
+
+def test_simulated_iters_train_id_prefixes_as_the_driver_does():
+    """The driver trains iter k on groups [k*G/n, (k+1)*G/n) in id order and deals them round robin (its first
+    wave holds the lowest ids). A straggler in group 0 therefore holds iter 0 back however many other groups are
+    scored; with a straggler in the last group, iter 0 starts as soon as its own groups are through (until the
+    fifth session the simulator counted any G/n scored groups and dealt consecutive ids per instance)."""
+    spec = small(prompts=32)
+    step_s = spec.costs.decode.step_s
+    late = dataclasses.replace(spec, lengths=_FixedLengths([2000] + [50] * 31))
+    early = dataclasses.replace(spec, lengths=_FixedLengths([50] * 31 + [2000]))
+    t_late = _iter_starts(simulate(late, "static", steps=1, seed=0))
+    t_early = _iter_starts(simulate(early, "static", steps=1, seed=0))
+    assert len(t_late) == len(t_early) == 4
+    assert t_late[0] >= 2000 * step_s              # iter 0 waited for group 0's 2,000 tokens
+    assert t_early[0] < 200 * step_s               # its own 8 groups: one wave of 50 tokens, then scoring
+    assert t_early[3] >= 2000 * step_s             # the last iter holds group 31
+
+
+def test_simulated_signals_report_prefixes():
+    """What the policy sees as generated / scored is the id prefix (scheduler/reconciler.py reports the same)."""
+    from tidal.scheduler.simulator import _Sim
+    spec = small(prompts=32)
+    sim = _Sim(spec, "static", 0, keep_events=False)
+    sim.run_step(0)
+    sig = sim.signals("tick")
+    assert sig.groups_generated == 32 and sig.inference.groups_finished == 32
+    sim.scored_prefix, sim.gen_prefix = 3, 5
+    sig = sim.signals("tick")
+    assert sig.groups_generated == 5 and sig.inference.groups_finished == 3
