@@ -171,7 +171,6 @@ class _Sim:
         self.inf_free = [(self.now, d) for d in range(0, len(p.inference_devices), p.inference_tp)]
         self.inf_lent: tuple[int, ...] = ()       # inference devices lent to rollout
         self.inf_wait: list[int] = []             # heap of generated group ids waiting for a scoring server
-        self.inf_wake = -1.0                      # time of the pending "score_free" event, if any
         self.actor = _Actor(p.initial_layout)
         self.n_generated = 0
         self.gen_seen = np.zeros(p.rollout_batch_size, dtype=bool)
@@ -257,7 +256,6 @@ class _Sim:
                     break
                 self.try_start()
             elif kind == "score_free":
-                self.inf_wake = -1.0
                 self._dispatch_scoring()
             elif kind == "tick":
                 self.ticks.discard(t)
@@ -352,10 +350,7 @@ class _Sim:
         free, wait = self.inf_free, self.inf_wait
         while wait and free:
             free_at, k = free[0]
-            if free_at > self.now + 1e-12:
-                if self.inf_wake != free_at:
-                    self.inf_wake = free_at
-                    self.push(free_at, "score_free")
+            if free_at > self.now + 1e-12:   # busy (its "scored" event comes then) or back from a loan ("score_free")
                 return
             heapq.heappop(free)
             g = heapq.heappop(wait)
@@ -595,7 +590,7 @@ class _Sim:
                 k = p.inference_devices.index(d)
                 if k % p.inference_tp == 0:
                     heapq.heappush(self.inf_free, (now + c.return_s, k))
-            self._dispatch_scoring()
+            self.push(now + c.return_s, "score_free")
         elif isinstance(act, Wait):
             pass
         else:  # pragma: no cover - a new action type must be taught to the simulator
