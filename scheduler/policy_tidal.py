@@ -28,8 +28,10 @@ Migration moves the KV cache when the engine can (`PolicyParams.kv_migration`: K
 Step start: the actor has nothing to train until its first mini-batch is scored; it lends its devices to
 rollout when the predicted rollout time they save exceeds lend + return + migration (cost model, not a
 fixed threshold), and takes them back when that mini-batch is scored. It does not release further instances at
-that moment (`GROW_ON_RETURN`, off): the next boundary, one iter later, decides with what rollout did meanwhile
-(simulated on the CPU e2e workload: 17.6 -> 16.6 s/step; RLinf's example at 64 devices 166.7 -> 160.1 s).
+that moment (`GROW_ON_RETURN`, off): the next boundary, one iter later, decides with what rollout did meanwhile.
+Off was chosen on the simulator's old any-order readiness (CPU e2e workload 17.6 -> 16.6 s/step); on the
+corrected simulator on is better (RLinf's example 184.6 -> 169.9 s; docs/e2e.md, sixth session): to be settled
+by a real interleaved run.
 Between boundaries (an instance drained, the actor trains) it rebalances: the most loaded instance hands groups to the least loaded when the predicted cut of
 its remaining time exceeds the migration cost (RLinf never moves work between survivors).
 
