@@ -80,6 +80,10 @@ class SharedQueue:
         return (i, self.items[i]) if i < len(self.items) else None
 
 
+#: where an iter's seconds go on one rank (`IterReport.phases`, metrics `actor/iter_<phase>_s`)
+ITER_PHASES = ("compute", "sync", "update", "publish")
+
+
 @dataclass(frozen=True)
 class IterReport:
     loss: float                # sum over the iter's micro-batches of loss_fn values (token-mean loss)
@@ -258,8 +262,8 @@ class ActorShard:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
-        phases = {"compute": t_compute - start, "sync": t_sync - t_compute, "update": t_update - t_sync,
-                  "publish": t_publish - t_update}
+        marks = (start, t_compute, t_sync, t_update, t_publish)
+        phases = {p: b - a for p, a, b in zip(ITER_PHASES, marks, marks[1:])}
         return IterReport(float(loss_t.item()), sumsq ** 0.5, lr, coef is not None, len(losses), end - start, phases)
 
     def _pack(self, flat: torch.Tensor, shape: ZeroShape) -> torch.Tensor:

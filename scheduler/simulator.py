@@ -175,7 +175,7 @@ class _Sim:
         self.n_generated = 0
         self.gen_seen = np.zeros(p.rollout_batch_size, dtype=bool)
         self.gen_prefix = 0                       # groups 0..k-1 all generated (what the actor can use)
-        self.scored: list[int] = []
+        self.n_scored = 0
         self.scored_mask = np.zeros(p.rollout_batch_size, dtype=bool)
         self.scored_prefix = 0                    # groups 0..k-1 all scored: iter j trains ids [j*G/n, (j+1)*G/n)
         self.trained = 0
@@ -224,21 +224,21 @@ class _Sim:
         while True:
             if not heap:
                 raise AssertionError(f"step {step} stalled at t={self.now:.3f}: actor iters {self.actor.iters_done}, "
-                                     f"held={self.actor.held} lent={self.actor.lent}, scored {len(self.scored)}")
+                                     f"held={self.actor.held} lent={self.actor.lent}, scored {self.n_scored}")
             t, _, kind, payload = heapq.heappop(heap)
             if t > self.now:
                 self.now = t
             if kind == "scored":
                 g = payload[0]
                 self._dispatch_scoring()   # its server is free: the lowest id waiting goes next
-                self.scored.append(g)
+                self.n_scored += 1
                 self.scored_mask[g] = True
                 before = self.scored_prefix
                 while self.scored_prefix < rbs and self.scored_mask[self.scored_prefix]:
                     self.scored_prefix += 1
                 n, a = self.scored_prefix, self.actor
                 need = (a.iters_done + 1) * gpi
-                if len(self.scored) == rbs:
+                if self.n_scored == rbs:
                     self.call("inference")
                 elif a.lent and before < need <= n:
                     self.call("data_ready")
@@ -277,7 +277,7 @@ class _Sim:
         self.ready_curve = tuple((np.quantile(g, np.linspace(0, 1, 17)) / span).tolist())
         dt = end - t_start
         useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
-        return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, len(self.scored),
+        return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, self.n_scored,
                          self.trained, self.counts["migrations"], self.counts["groups_migrated"],
                          self.counts["reshards"], self.counts["decisions"])
 
@@ -408,7 +408,7 @@ class _Sim:
             rollout, cols, tail_all = (), None, 0.0
         p, a = self.p, self.actor
         # prefixes, not counts, as the real producer reports them (scheduler/reconciler.py `signals`)
-        n_scored = len(self.scored)
+        n_scored = self.n_scored
         inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, self.scored_prefix,
                               n_scored == p.rollout_batch_size, self.inf_lent)
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
@@ -511,7 +511,7 @@ class _Sim:
                 self.actor.lent = False
                 self.actor.ready_at = max(self.actor.ready_at, now + delay)
         elif isinstance(act, ReleaseInference):
-            assert len(self.scored) == self.p.rollout_batch_size, "inference released before it finished"
+            assert self.n_scored == self.p.rollout_batch_size, "inference released before it finished"
             self.ledger.release(act.devices, act.reason)
             for d in act.devices:
                 moving[d] = now + c.inference_release_s

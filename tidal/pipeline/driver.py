@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tidal.devices import DeviceLedger, Owner
+from tidal.engine.actor import ITER_PHASES
 from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
@@ -385,11 +386,10 @@ class Pipeline:
                 lay = c.actor_layout
                 st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
                 # where the iter went, slowest rank per phase (compute / sync / update / publish: engine/actor.py)
-                phases = {k[len("actor/iter_"):-2]: max(r[k] for r in st.iter_ranks if k in r)
-                          for k in {k for r in st.iter_ranks for k in r if k.startswith("actor/iter_") and
-                                    k.endswith("_s") and k != "actor/iter_s"}}
+                phases = {p: max(r[f"actor/iter_{p}_s"] for r in st.iter_ranks if f"actor/iter_{p}_s" in r)
+                          for p in ITER_PHASES if any(f"actor/iter_{p}_s" in r for r in st.iter_ranks)}
                 c.record("iter", step=st.step, iter=f.payload, tp=lay.tp, dp=lay.dp, seconds=st.last_iter_s,
-                         tokens=st.iter_tokens, phases_s=dict(sorted(phases.items())))
+                         tokens=st.iter_tokens, phases_s=phases)
                 st.iter_ranks = []
         elif f.kind == "eval":
             self.last_eval = (f.payload, res)
