@@ -50,17 +50,34 @@ MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 
 FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 
 
-def build(policy: str, a: argparse.Namespace, out: Path):
+def parse_variant(label: str) -> tuple[str, dict[str, str]]:
+    """`tidal+grow_on_return=true+margin_s=0` -> ("tidal", {"grow_on_return": "true", "margin_s": "0"}): a
+    policy with `scheduler.*` keys overridden, run side by side with the plain ones (config validation checks
+    the keys and values)."""
+    policy, *sets = label.split("+")
+    over = {}
+    for kv in sets:
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise SystemExit(f"--policies: {kv!r} in {label!r} is not KEY=VALUE (a scheduler.* key), "
+                             "e.g. tidal+grow_on_return=true")
+        over[k] = v
+    return policy, over
+
+
+def build(label: str, a: argparse.Namespace, out: Path):
     from tidal.config import build_config
+    policy, over = parse_variant(label)
     seq = 16 + a.max_new_tokens  # 9-token prompts + the response cap, rounded up
+    name = "e2e-" + label.replace("+", "_").replace("=", "-")
     raw = {
-        "run": {"name": f"e2e-{policy}", "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
+        "run": {"name": name, "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
                 "eval_every": 10_000},
         "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
                     "cpu_device_cores": a.device_cores,
                     "component_placement": {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
                     "auto_scheduler": policy != "static"},
-        "scheduler": {"policy": policy if policy != "static" else "tidal"},
+        "scheduler": {"policy": policy if policy != "static" else "tidal", **over},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": a.intermediate, "max_seq_len": seq},
         "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4, "warmup_iters": 0},
@@ -323,7 +340,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="3 steps per policy (< 10 min on 2 cores)")
-    ap.add_argument("--policies", default="static,rlinf,tidal")
+    ap.add_argument("--policies", default="static,rlinf,tidal",
+                    help="comma-separated; a variant overrides scheduler.* keys: tidal+grow_on_return=true")
     ap.add_argument("--out", default="runs/e2e", help="run folders (events.json, timeline.png) go here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--share", type=float, default=0.125,
@@ -383,6 +401,13 @@ def main(argv=None) -> int:
     if "tidal" in runs and "static" in runs:
         res["speedup_vs_static"] = runs["static"]["step_s"] / runs["tidal"]["step_s"]
         res["steady_speedup_vs_static"] = runs["static"]["steady_step_s"] / runs["tidal"]["steady_step_s"]
+    for label in runs:
+        if "+" in label and "static" in runs:   # variants: the same figures as tidal's, under their label
+            v = runs[label]
+            res.setdefault("variants", {})[label] = {
+                "step_s": v["step_s"], "speedup_vs_static": runs["static"]["step_s"] / v["step_s"],
+                "paired_speedup_vs_static": paired(runs["static"]["steps"], v["steps"]),
+                "paired_pump_speedup_vs_static": paired(runs["static"]["steps"], v["steps"], "pumps")}
     if "tidal" in runs and "rlinf" in runs:
         res["speedup_vs_rlinf"] = runs["rlinf"]["step_s"] / runs["tidal"]["step_s"]
         res["steady_speedup_vs_rlinf"] = runs["rlinf"]["steady_step_s"] / runs["tidal"]["steady_step_s"]

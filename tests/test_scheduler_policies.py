@@ -8,6 +8,7 @@ import pytest
 
 from tidal.config import ClusterConfig, build_config
 from tidal.devices import Owner
+from tidal.errors import ConfigError
 from tidal.scheduler import policy_rlinf, policy_tidal
 from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
                                      ReleaseRollout, ReshardActor, ReturnFromRollout, Wait)
@@ -119,6 +120,17 @@ def test_rlinf_pre_process_polls_then_hands_back():
         MigrateRequests(why, 1, 5, 2), ReturnFromRollout(why, (0, 1), (0, 1), (2, 3, 4, 5))]
 
 
+def test_tidal_knobs_come_from_the_scheduler_config():
+    base = {"cluster": {"auto_scheduler": True}}
+    p = PolicyParams.from_config(build_config(base, []))
+    assert (p.margin_s, p.grow_on_return) == (0.25, True)   # defaults: config and PolicyParams agree
+    assert (PolicyParams.margin_s, PolicyParams.grow_on_return) == (p.margin_s, p.grow_on_return)
+    p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false"]))
+    assert (p.margin_s, p.grow_on_return) == (0.0, False)
+    with pytest.raises(ConfigError, match="scheduler.margin_s"):
+        build_config(base, ["scheduler.margin_s=-1"])
+
+
 def test_flags_omitted_have_one_source():
     """RLinf's trap (scheduler defaults True, workers False) cannot exist: the policy reads the config."""
     cfg = build_config({"cluster": {"auto_scheduler": True}})
@@ -221,6 +233,8 @@ EARLY = [tinst(i, 1900, 120, 1900 * 1500.0, 7000.0) for i in range(8)]
 LATE = [tinst(i, 600, 40, 600 * 900.0, 5000.0, lent=i in (0, 1)) for i in range(8)]
 RETURNING = ([tinst(0, 300, 30, 300 * 1500.0, 6000.0, True), tinst(1, 300, 30, 300 * 1500.0, 6000.0, True)]
              + [tinst(i, 450, 60, 450 * 2500.0, 6000.0) for i in (2, 3, 4, 5)])
+RETURNING_LATE = ([tinst(0, 20, 4, 20 * 900.0, 3000.0, True), tinst(1, 20, 4, 20 * 900.0, 3000.0, True)]
+                  + [tinst(i, 30, 4, 30 * 900.0, 3000.0) for i in (2, 3, 4, 5)])
 BUSY = [tinst(i, 500, 30, 500 * 6000.0, 7000.0) for i in (2, 3, 4, 5)]
 SKEWED = [tinst(2, 400, 40, 400 * 4000.0, 7000.0), tinst(3, 0, 0, 0.0, 0.0), tinst(4, 100, 10, 100 * 1000.0, 2000.0),
           tinst(5, 300, 30, 300 * 3000.0, 6000.0)]
@@ -247,10 +261,25 @@ TIDAL_CASES = [
      {}, sig(RETURNING, iters=0, trigger="data_ready", generated=140, scored=128, lent_out=True),
      [M(0, 2, 8), M(0, 3, 8), M(0, 4, 8), M(0, 5, 6), M(1, 2, 8), M(1, 3, 8), M(1, 4, 8), M(1, 5, 6),
       ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
+    ("first mini-batch scored late (480 of 512 groups generated): the lent devices return, 2 instances go and "
+     "the actor grows to 4 at once; what they hold goes straight to the survivors",
+     {}, sig(RETURNING_LATE, iters=0, trigger="data_ready", generated=480, scored=128, lent_out=True),
+     [M(0, 4, 1), M(0, 5, 1), M(0, 4, 1), M(0, 5, 1), M(1, 4, 1), M(1, 5, 1), M(1, 4, 1), M(1, 5, 1),
+      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (4, 5)}),
+      M(2, 4, 1), M(2, 5, 1), M(2, 4, 1), M(2, 5, 1), M(3, 4, 1), M(3, 5, 1), M(3, 4, 1), M(3, 5, 1),
+      ("ReleaseRollout", {"instance_ids": (2, 3), "devices": (2, 3), "migrate_to": (4, 5)}),
+      ("ReshardActor", {"from_layout": L2, "to_layout": ActorLayout(2, 2, (0, 1, 2, 3))})]),
+    ("same with scheduler.grow_on_return off: only the return; the next boundary decides the rest",
+     {"grow_on_return": False},
+     sig(RETURNING_LATE, iters=0, trigger="data_ready", generated=480, scored=128, lent_out=True),
+     [M(0, 2, 1), M(0, 3, 1), M(0, 4, 1), M(0, 5, 1), M(1, 2, 1), M(1, 3, 1), M(1, 4, 1), M(1, 5, 1),
+      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
     ("mid-step lending: the actor waits for mini-batch 1, rollout is throughput-bound: lend, balance by tokens",
      {}, sig(BUSY, iters=1, scored=200),
      [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),
       M(2, 0, 10), M(3, 0, 10), M(4, 1, 10), M(5, 1, 10)]),
+    ("same, with a churn margin (scheduler.margin_s) larger than any predicted gain: nothing moves",
+     {"margin_s": 1e4}, sig(BUSY, iters=1, scored=200), []),
     ("same, but the engine cannot move KV caches: re-prefill makes lending not pay",
      {"kv_migration": False}, sig(BUSY, iters=1, scored=200), []),
     ("rollout-bound and the actor has data: nothing pays", {}, sig(BUSY, iters=1, scored=300), []),

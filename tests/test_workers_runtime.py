@@ -211,6 +211,29 @@ def test_busy_loop_under_quarter_core_gets_about_a_quarter(backend):
     _assert_quarter_core(rate, float(control.communicate(timeout=60)[0]), backend)
 
 
+def _fake_proc(root, pid: int, schedstats: list[str], utime: int, stime: int) -> None:
+    task = root / str(pid) / "task"
+    for k, line in enumerate(schedstats):
+        (task / str(pid + k)).mkdir(parents=True)
+        (task / str(pid + k) / "schedstat").write_text(line + "\n")
+    fields = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 30   # state is field 3, utime 14, stime 15
+    (root / str(pid) / "stat").write_text(f"{pid} (python) " + " ".join(fields) + "\n")
+
+
+def test_cpu_time_reads_schedstat_and_falls_back_to_stat_where_it_reads_zero(tmp_path, monkeypatch):
+    from tidal.workers import compute_share
+    monkeypatch.setattr(compute_share, "_PROC", tmp_path)
+    tck = os.sysconf("SC_CLK_TCK")
+    _fake_proc(tmp_path, 100, ["1500000000 0 1", "500000000 0 1"], utime=7 * tck, stime=1 * tck)
+    assert compute_share.cpu_time_s(100) == 2.0             # nanoseconds of every live thread
+    # gVisor (the GPU machine's sandbox) has the files but counts nothing in them: a duty cycle reading 0
+    # would never stop its target, so the coarser /proc/PID/stat counters are used instead
+    _fake_proc(tmp_path, 200, ["0 0 1", "0 0 1"], utime=7 * tck, stime=1 * tck)
+    assert compute_share.cpu_time_s(200) == 8.0
+    with pytest.raises(ProcessLookupError):
+        compute_share.cpu_time_s(300)
+
+
 def test_compute_share_input_errors():
     with pytest.raises(ValueError, match="must be > 0"):
         ComputeShare.apply(os.getpid(), 0)

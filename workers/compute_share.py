@@ -57,6 +57,7 @@ Backend = Literal["auto", "cgroup2", "cgroup1", "duty"]
 
 DEFAULT_PERIOD_S = 0.05
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC = Path("/proc")
 _CGROUP_PREFIX = "tidal-dev-"
 
 
@@ -71,12 +72,12 @@ def cores_for_share(share: float, num_cores: int | None = None) -> float:
 def cpu_time_s(pid: int) -> float:
     """Total CPU time (user + system, all threads) of a live process, in seconds.
 
-    Uses per-thread ``schedstat`` (nanoseconds) when the kernel has it: ``/proc/PID/stat`` counts in clock
-    ticks (10 ms), as coarse as a quota of 0.25 core in a 50 ms period. Exited threads are folded into
+    Uses per-thread ``schedstat`` (nanoseconds) when the kernel has it and it counts: ``/proc/PID/stat``
+    counts in clock ticks (10 ms), as coarse as a quota of 0.25 core in a 50 ms period. Exited threads are folded into
     the process's ``stat`` counters only, so the two are not mixed: schedstat of live threads + nothing.
     Raises ProcessLookupError when the process is gone.
     """
-    task_dir = Path(f"/proc/{pid}/task")
+    task_dir = _PROC / str(pid) / "task"
     try:
         threads = list(task_dir.iterdir())
     except FileNotFoundError as e:
@@ -88,14 +89,16 @@ def cpu_time_s(pid: int) -> float:
             seen += 1
         except (FileNotFoundError, ProcessLookupError):
             continue  # thread exited between listing and reading, or no schedstat in this kernel
-    if not seen:
+    if not seen or not total_ns:
+        # No schedstat, or one that reads 0 for live threads (gVisor, the GPU machine's sandbox): the
+        # kernel does not account there, and a duty cycle reading 0 would never stop its target.
         return _stat_cpu_time_s(pid)
     return total_ns / 1e9
 
 
 def _stat_cpu_time_s(pid: int) -> float:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError as e:
         raise ProcessLookupError(pid) from e
     # fields[0] is state (stat field 3): utime/stime are stat fields 14/15.

@@ -1,0 +1,48 @@
+"""benchmarks/e2e.py policy variants: `tidal+KEY=VALUE` runs tidal with scheduler.* keys overridden."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tidal.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def args(**kw):
+    base = dict(steps=3, seed=0, share=0.125, device_cores="1", max_running=16, prompts=32, group_size=8,
+                max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_variant_overrides_scheduler_keys(e2e, tmp_path):
+    assert e2e.parse_variant("tidal") == ("tidal", {})
+    assert e2e.parse_variant("tidal+grow_on_return=false+margin_s=0") == (
+        "tidal", {"grow_on_return": "false", "margin_s": "0"})
+    cfg = e2e.build("tidal+grow_on_return=false+margin_s=0", args(), tmp_path)
+    assert (cfg.scheduler.policy, cfg.scheduler.grow_on_return, cfg.scheduler.margin_s) == ("tidal", False, 0.0)
+    assert cfg.run.name == "e2e-tidal_grow_on_return-false_margin_s-0"
+    plain = e2e.build("tidal", args(), tmp_path)
+    assert (plain.scheduler.grow_on_return, plain.scheduler.margin_s, plain.cluster.auto_scheduler) == (
+        True, 0.25, True)
+    assert not e2e.build("static", args(), tmp_path).cluster.auto_scheduler
+
+
+def test_bad_variants_name_the_fix(e2e, tmp_path):
+    with pytest.raises(SystemExit, match="not KEY=VALUE"):
+        e2e.parse_variant("tidal+grow_on_return")
+    with pytest.raises(ConfigError, match="scheduler.margin_s"):
+        e2e.build("tidal+margin_s=-1", args(), tmp_path)
+    with pytest.raises(ConfigError, match="scheduler.no_such_key"):
+        e2e.build("tidal+no_such_key=1", args(), tmp_path)
