@@ -44,7 +44,7 @@ class PolicyParams:
     kv_migration: bool = True            #: rollout engine can move a sequence's KV cache (native engine; vLLM
                                          #: cannot: tidal then migrates by re-prefill, like RLinf)
     micro_batch_size: int = 0            #: sequences per actor micro-batch (0: unknown, an iter splits evenly)
-    margin_s: float = 0.25               #: tidal: a move must beat doing nothing by this much on top of its cost
+    margin_s: float = 0.1                #: tidal: a move must beat doing nothing by this much on top of its cost
     grow_on_return: bool = True          #: tidal: may release instances when lent devices return (step start)
 
     @classmethod

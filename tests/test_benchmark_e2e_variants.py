@@ -35,7 +35,7 @@ def test_variant_overrides_scheduler_keys(e2e, tmp_path):
     assert cfg.run.name == "e2e-tidal_grow_on_return-false_margin_s-0"
     plain = e2e.build("tidal", args(), tmp_path)
     assert (plain.scheduler.grow_on_return, plain.scheduler.margin_s, plain.cluster.auto_scheduler) == (
-        True, 0.25, True)
+        True, 0.1, True)
     assert not e2e.build("static", args(), tmp_path).cluster.auto_scheduler
 
 

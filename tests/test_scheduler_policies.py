@@ -123,7 +123,7 @@ def test_rlinf_pre_process_polls_then_hands_back():
 def test_tidal_knobs_come_from_the_scheduler_config():
     base = {"cluster": {"auto_scheduler": True}}
     p = PolicyParams.from_config(build_config(base, []))
-    assert (p.margin_s, p.grow_on_return) == (0.25, True)   # defaults: config and PolicyParams agree
+    assert (p.margin_s, p.grow_on_return) == (0.1, True)    # defaults: config and PolicyParams agree
     assert (PolicyParams.margin_s, PolicyParams.grow_on_return) == (p.margin_s, p.grow_on_return)
     p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false"]))
     assert (p.margin_s, p.grow_on_return) == (0.0, False)

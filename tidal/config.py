@@ -146,7 +146,7 @@ class SchedulerConfig(Section):
     pre_process_threshold: float = Field(
         0.5, gt=0, le=1, description="rlinf pre-process: hand back when running <= threshold x total tasks.")
     margin_s: float = Field(
-        0.25, ge=0, description="tidal: a move must beat doing nothing by this many predicted seconds on top of "
+        0.1, ge=0, description="tidal: a move must beat doing nothing by this many predicted seconds on top of "
                                 "its own modelled cost (churn guard).")
     grow_on_return: bool = Field(
         True, description="tidal: when devices lent at step start return, it may also release rollout "
