@@ -74,6 +74,7 @@ def build(label: str, a: argparse.Namespace, out: Path):
         "run": {"name": name, "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
                 "eval_every": 10_000},
         "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
+                    "cpu_share_period_ms": a.share_period_ms,
                     "cpu_device_cores": a.device_cores,
                     "component_placement": {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
                     "auto_scheduler": policy != "static"},
@@ -346,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--share", type=float, default=0.125,
                     help="cluster.cpu_compute_share per device (a fraction of the device cores)")
+    ap.add_argument("--share-period-ms", type=float, default=50.0,
+                    help="cluster.cpu_share_period_ms: the CFS period of the cap (docs/e2e.md, seventh session)")
     ap.add_argument("--device-cores", default="auto",
                     help='cluster.cpu_device_cores: the cores the 8 devices are pinned to; the driver and Ray run '
                          'on the others. auto: every core but core 0 (on 2 cores: "1"); "all": no pinning. '
@@ -379,6 +382,7 @@ def main(argv=None) -> int:
     res = {"name": "e2e", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(),
            "config": {"cpu_compute_share": a.share, "cores_per_device": cores,
+                      "cpu_share_period_ms": a.share_period_ms,
                       "cpu_device_cores": a.device_cores or "all",
                       "note": f"devices on cores {a.device_cores or 'all'} of {n_cpu}, each capped at {cores:.3f} "
                               "core (cgroup CPU quota); driver and Ray on the other cores",

@@ -246,8 +246,9 @@ def test_compute_share_input_errors():
 @pytest.mark.timeout(180)
 def test_ray_workers_with_compute_share_are_capped(ray_session):
     share = 0.25 / (os.cpu_count() or 1)  # 0.25 core per device, whatever the machine
-    group = WorkerGroup.start([0, 1], "cpu", compute_share=share)
+    group = WorkerGroup.start([0, 1], "cpu", compute_share=share, share_period_s=0.02)
     try:
+        assert {d: c.period_s for d, c in group._caps.items()} == {0: 0.02, 1: 0.02}   # not the 50 ms default
         _assert_group_capped_at_quarter_core(group)
     finally:
         group.shutdown()

@@ -39,6 +39,11 @@ class ClusterConfig(Section):
         None, gt=0, le=1,
         description="Fixed share of the machine's cores per CPU virtual device (duty-cycled), e.g. 0.125 for 8 "
                     "devices: idle capacity is then lost as on a GPU. None: no cap.")
+    cpu_share_period_ms: float = Field(
+        50.0, ge=5, le=1000,
+        description="Period over which cpu_compute_share is enforced (CFS cpu.max period). A call needing a "
+                    "little more CPU than one period's quota waits for the next period, so a short period "
+                    "quantizes device speed less; below ~10 ms CFS overshoots the quota (docs/e2e.md).")
     cpu_device_cores: str | int | None = Field(
         None, description='Cores the CPU virtual devices run on (e.g. "1" or "2-7"); cpu_compute_share is then a '
                           "fraction of these cores. Keeps devices on cores of one speed and the driver off them "

@@ -42,7 +42,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
 
-from tidal.workers.compute_share import ComputeShare, cores_for_share, pin_process, process_alive
+from tidal.workers.compute_share import (DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process,
+                                         process_alive)
 from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerInfo
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.ray_env import RaySession, connect, disconnect
@@ -90,12 +91,13 @@ class WorkerGroup:
     @classmethod
     def start(cls, devices: Sequence[int], device_kind: DeviceKind = "cpu", compute_share: float | None = None,
               ray_address: str | None = None, *, cpu_cores: Sequence[int] | None = None,
-              world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+              share_period_s: float = DEFAULT_PERIOD_S, world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
               poll_s: float = 0.5, log_every_s: float = 10.0) -> "WorkerGroup":
         """Start one worker per device id and join them in one world. Connects to (or starts) Ray.
 
         CPU virtual devices: `cpu_cores` pins every worker to those cores, and `compute_share` is then a
-        fraction of them (else of the whole machine).
+        fraction of them (else of the whole machine), enforced per `share_period_s` (the CFS period: a call
+        that needs a little more CPU than one period's quota waits for the next period).
         """
         devices = _check_devices(devices)
         if device_kind not in ("cpu", "cuda"):
@@ -144,7 +146,8 @@ class WorkerGroup:
                 if not group._local:
                     raise ValueError("compute_share needs workers on this machine (embedded Ray); "
                                      "drop it when joining a cluster with ray_address")
-                group._caps = {d: ComputeShare.apply(i.pid, cores) for d, i in group.infos.items()}
+                group._caps = {d: ComputeShare.apply(i.pid, cores, period_s=share_period_s)
+                               for d, i in group.infos.items()}
             if cpu_cores is not None:
                 if not group._local:
                     raise ValueError("cpu_cores needs workers on this machine (embedded Ray); "

@@ -186,6 +186,7 @@ class TrainingRun:
         self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
         self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
                                        compute_share=cfg.cluster.cpu_compute_share,
+                                       share_period_s=cfg.cluster.cpu_share_period_ms / 1e3,
                                        ray_address=cfg.cluster.ray_address,
                                        cpu_cores=cfg.cluster.cpu_device_core_ids if self.kind == "cpu" else None)
         try:
