@@ -22,8 +22,7 @@ def e2e():
 
 def args(**kw):
     base = dict(steps=3, seed=0, share=0.125, share_period_ms=50.0, device_cores="1", max_running=16,
-                prompts=32, group_size=8,
-                max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+                prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
     return argparse.Namespace(**{**base, **kw})
 
 

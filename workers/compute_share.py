@@ -72,9 +72,10 @@ def cores_for_share(share: float, num_cores: int | None = None) -> float:
 def cpu_time_s(pid: int) -> float:
     """Total CPU time (user + system, all threads) of a live process, in seconds.
 
-    Uses per-thread ``schedstat`` (nanoseconds) when the kernel has it and it counts: ``/proc/PID/stat``
-    counts in clock ticks (10 ms), as coarse as a quota of 0.25 core in a 50 ms period. Exited threads are folded into
-    the process's ``stat`` counters only, so the two are not mixed: schedstat of live threads + nothing.
+    Uses per-thread ``schedstat`` (nanoseconds) when the kernel has it and it counts; else `stat_cpu_time_s`,
+    which counts in clock ticks (10 ms), as coarse as a quota of 0.25 core in a 50 ms period. Exited threads are
+    folded into the process's ``stat`` counters only, so the two are not mixed: schedstat of live threads +
+    nothing.
     Raises ProcessLookupError when the process is gone.
     """
     task_dir = _PROC / str(pid) / "task"
@@ -92,11 +93,13 @@ def cpu_time_s(pid: int) -> float:
     if not seen or not total_ns:
         # No schedstat, or one that reads 0 for live threads (gVisor, the GPU machine's sandbox): the
         # kernel does not account there, and a duty cycle reading 0 would never stop its target.
-        return _stat_cpu_time_s(pid)
+        return stat_cpu_time_s(pid)
     return total_ns / 1e9
 
 
-def _stat_cpu_time_s(pid: int) -> float:
+def stat_cpu_time_s(pid: int) -> float:
+    """CPU time (user + system) of a live process from ``/proc/PID/stat``, in clock ticks' resolution: kept by
+    every kernel and by gVisor. Raises ProcessLookupError when the process is gone."""
     try:
         fields = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError as e:

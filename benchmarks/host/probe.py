@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidal.workers.compute_share import ComputeShare, _stat_cpu_time_s, cpu_time_s
+from tidal.workers.compute_share import ComputeShare, stat_cpu_time_s, cpu_time_s
 
 
 def achieved(cores: float, seconds: float, backend: str) -> dict:
@@ -25,9 +25,9 @@ def achieved(cores: float, seconds: float, backend: str) -> dict:
     try:
         time.sleep(0.2)
         cap = ComputeShare.apply(child.pid, cores=cores, backend=backend)
-        c0, t0, s0 = _stat_cpu_time_s(child.pid), time.monotonic(), cpu_time_s(child.pid)
+        c0, t0, s0 = stat_cpu_time_s(child.pid), time.monotonic(), cpu_time_s(child.pid)
         time.sleep(seconds)
-        c1, t1, s1 = _stat_cpu_time_s(child.pid), time.monotonic(), cpu_time_s(child.pid)
+        c1, t1, s1 = stat_cpu_time_s(child.pid), time.monotonic(), cpu_time_s(child.pid)
         cap.release()
         return {"target_cores": cores, "backend": cap.backend, "achieved_cores": (c1 - c0) / (t1 - t0),
                 "cpu_time_s_rate": (s1 - s0) / (t1 - t0)}
