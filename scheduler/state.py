@@ -44,7 +44,8 @@ class PolicyParams:
     kv_migration: bool = True            #: rollout engine can move a sequence's KV cache (native engine; vLLM
                                          #: cannot: tidal then migrates by re-prefill, like RLinf)
     micro_batch_size: int = 0            #: sequences per actor micro-batch (0: unknown, an iter splits evenly)
-    margin_s: float = 0.1                #: tidal: a move must beat doing nothing by this much on top of its cost
+    margin_s: float = 0.0                #: tidal: a move must beat doing nothing by this much on top of its cost
+    margin_frac: float = 0.01            #: tidal: ... plus this fraction of the predicted time it improves on
     grow_on_return: bool = True          #: tidal: may release instances when lent devices return (step start)
 
     @classmethod
@@ -60,7 +61,8 @@ class PolicyParams:
             use_wait_before_last_iter_policy=cfg.cluster.use_wait_before_last_iter_policy,
             pre_process_threshold=cfg.scheduler.pre_process_threshold,
             kv_migration=cfg.rollout.backend == "native", micro_batch_size=cfg.actor.micro_batch_size,
-            margin_s=cfg.scheduler.margin_s, grow_on_return=cfg.scheduler.grow_on_return)
+            margin_s=cfg.scheduler.margin_s, margin_frac=cfg.scheduler.margin_frac,
+            grow_on_return=cfg.scheduler.grow_on_return)
 
     @property
     def groups_per_iter(self) -> int:

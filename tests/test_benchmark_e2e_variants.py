@@ -28,14 +28,14 @@ def args(**kw):
 
 def test_variant_overrides_scheduler_keys(e2e, tmp_path):
     assert e2e.parse_variant("tidal") == ("tidal", {})
-    assert e2e.parse_variant("tidal+grow_on_return=false+margin_s=0") == (
-        "tidal", {"grow_on_return": "false", "margin_s": "0"})
-    cfg = e2e.build("tidal+grow_on_return=false+margin_s=0", args(), tmp_path)
-    assert (cfg.scheduler.policy, cfg.scheduler.grow_on_return, cfg.scheduler.margin_s) == ("tidal", False, 0.0)
-    assert cfg.run.name == "e2e-tidal_grow_on_return-false_margin_s-0"
+    assert e2e.parse_variant("tidal+grow_on_return=false+margin_s=0.25") == (
+        "tidal", {"grow_on_return": "false", "margin_s": "0.25"})
+    cfg = e2e.build("tidal+grow_on_return=false+margin_s=0.25", args(), tmp_path)
+    assert (cfg.scheduler.policy, cfg.scheduler.grow_on_return, cfg.scheduler.margin_s) == ("tidal", False, 0.25)
+    assert cfg.run.name == "e2e-tidal_grow_on_return-false_margin_s-0.25"
     plain = e2e.build("tidal", args(), tmp_path)
-    assert (plain.scheduler.grow_on_return, plain.scheduler.margin_s, plain.cluster.auto_scheduler) == (
-        True, 0.1, True)
+    assert (plain.scheduler.grow_on_return, plain.scheduler.margin_s, plain.scheduler.margin_frac,
+            plain.cluster.auto_scheduler) == (True, 0.0, 0.01, True)
     assert not e2e.build("static", args(), tmp_path).cluster.auto_scheduler
 
 

@@ -123,12 +123,15 @@ def test_rlinf_pre_process_polls_then_hands_back():
 def test_tidal_knobs_come_from_the_scheduler_config():
     base = {"cluster": {"auto_scheduler": True}}
     p = PolicyParams.from_config(build_config(base, []))
-    assert (p.margin_s, p.grow_on_return) == (0.1, True)    # defaults: config and PolicyParams agree
-    assert (PolicyParams.margin_s, PolicyParams.grow_on_return) == (p.margin_s, p.grow_on_return)
+    assert (p.margin_s, p.margin_frac, p.grow_on_return) == (0.0, 0.01, True)   # defaults: config and PolicyParams agree
+    assert (PolicyParams.margin_s, PolicyParams.margin_frac, PolicyParams.grow_on_return) == (
+        p.margin_s, p.margin_frac, p.grow_on_return)
     p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false"]))
     assert (p.margin_s, p.grow_on_return) == (0.0, False)
     with pytest.raises(ConfigError, match="scheduler.margin_s"):
         build_config(base, ["scheduler.margin_s=-1"])
+    with pytest.raises(ConfigError, match="scheduler.margin_frac"):
+        build_config(base, ["scheduler.margin_frac=1.5"])
 
 
 def test_flags_omitted_have_one_source():
@@ -280,6 +283,8 @@ TIDAL_CASES = [
       M(2, 0, 10), M(3, 0, 10), M(4, 1, 10), M(5, 1, 10)]),
     ("same, with a churn margin (scheduler.margin_s) larger than any predicted gain: nothing moves",
      {"margin_s": 1e4}, sig(BUSY, iters=1, scored=200), []),
+    ("same, with a relative margin (scheduler.margin_frac) near the whole predicted step: nothing moves",
+     {"margin_s": 0.0, "margin_frac": 0.99}, sig(BUSY, iters=1, scored=200), []),
     ("same, but the engine cannot move KV caches: re-prefill makes lending not pay",
      {"kv_migration": False}, sig(BUSY, iters=1, scored=200), []),
     ("rollout-bound and the actor has data: nothing pays", {}, sig(BUSY, iters=1, scored=300), []),

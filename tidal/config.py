@@ -151,8 +151,11 @@ class SchedulerConfig(Section):
     pre_process_threshold: float = Field(
         0.5, gt=0, le=1, description="rlinf pre-process: hand back when running <= threshold x total tasks.")
     margin_s: float = Field(
-        0.1, ge=0, description="tidal: a move must beat doing nothing by this many predicted seconds on top of "
+        0.0, ge=0, description="tidal: a move must beat doing nothing by this many predicted seconds on top of "
                                 "its own modelled cost (churn guard).")
+    margin_frac: float = Field(
+        0.01, ge=0, lt=1, description="tidal: ... plus this fraction of the predicted seconds the move improves "
+                                     "on (the model's error grows with what it predicts).")
     grow_on_return: bool = Field(
         True, description="tidal: when devices lent at step start return, it may also release rollout "
                           "instances and grow the actor at once (false: the next iter boundary decides).")
