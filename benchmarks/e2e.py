@@ -242,30 +242,62 @@ def sim_figures(steps_8: int, steps_1024: int, cfg=None) -> dict:
     return out
 
 
-def fit(runs: dict, cfg_tokens: float, micro_batches: int) -> dict:
-    """The CPU cost model fitted from this benchmark's measurements (see scheduler/costs_cpu.py)."""
+def score_group_s(static_steps: list[dict], groups: int) -> float:
+    """Seconds inference spends per scored group in the static run (its devices score nothing else): the
+    inference phase's device-seconds of steps >= 1 over the groups scored."""
+    steps = static_steps[1:] or static_steps
+    busy = [s.get("phase_seconds", {}).get("inference", 0.0) for s in steps]
+    return sum(busy) / (len(busy) * groups) if busy and groups else 0.0
+
+
+def fit(runs: dict, cfg_tokens: float, micro_batches: int, groups: int = 0, group_tokens: float = 0.0):
+    """The CPU cost model fitted from this benchmark's measurements (see scheduler/costs_cpu.py): (the record
+    for the JSON, the fitted `CostModel` or None when the static run was not calibrated)."""
     from dataclasses import asdict
 
     from tidal.scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
     static = runs.get("static", {})
     cal = static.get("calibration") or {}
     if not cal.get("decode"):
-        return {}
+        return {}, None
     iters = [(dp, s) for dp, s, _ in cal.get("actor_iters", [])]
     moves: dict[str, list[float]] = {}
     for r in runs.values():
         for k, v in event_costs(r["_events"]).items():
             moves.setdefault(k, []).extend(v)
         iters += [] if cal.get("actor_iters") else iter_samples(r["_timeline"])
+    score_s = score_group_s(static.get("steps", []), groups)
     fitted = calibrate(cpu_e2e(), cal["decode"], cal["prefill_per_token_s"], iters, cfg_tokens, moves,
-                       micro_batches)
+                       micro_batches, score_s, group_tokens)
     pick = lambda c: {"decode": asdict(c.decode), "actor": {k: v for k, v in asdict(c.actor).items()
                                                              if k in ("train_per_token_s", "iter_fixed_s")},
+                      "inference": asdict(c.inference),
                       "reshard_fixed_s": c.reshard.fixed_s, "kv_fixed_s": c.kv_fixed_s, "lend_s": c.lend_s}
-    return {"samples": {"decode": cal["decode"], "prefill_per_token_s": cal["prefill_per_token_s"],
-                        "actor_iters_dp_s": iters, "iter_tokens": cfg_tokens,
-                        "moves": {k: sorted(v) for k, v in moves.items()}},
-            "fitted": pick(fitted), "preset_cpu_e2e": pick(cpu_e2e())}
+    return ({"samples": {"decode": cal["decode"], "prefill_per_token_s": cal["prefill_per_token_s"],
+                         "actor_iters_dp_s": iters, "iter_tokens": cfg_tokens, "score_group_s": score_s,
+                         "group_tokens": group_tokens, "moves": {k: sorted(v) for k, v in moves.items()}},
+             "fitted": pick(fitted), "preset_cpu_e2e": pick(cpu_e2e())}, fitted)
+
+
+def predicted(costs, labels: list[str], a: argparse.Namespace, out: Path, measured: dict[str, float],
+              seeds: tuple[int, ...] = (0, 1, 2), steps: int = 3) -> dict:
+    """The simulator on this run's workload with the costs fitted from this run, per policy (variants too),
+    next to the measured step time: how far the policy's own model of the machine is from what happened.
+    Lengths: the geometric response lengths (mean ~19.5, capped at max_new_tokens) as a lognormal of the
+    same median, uncorrelated within a group."""
+    from dataclasses import replace
+
+    from tidal.scheduler.simulator import simulate
+    from tidal.scheduler.workload import LengthDist, SimSpec
+    res = {}
+    for label in labels:
+        policy, _ = parse_variant(label)
+        spec = replace(SimSpec.from_config(build(label, a, out)), costs=costs, prompt_tokens=9,
+                       lengths=LengthDist(median=13.0, sigma=0.9, group_sigma=0.0))
+        sim = [simulate(spec, policy, None, steps, seed=sd, keep_events=False).mean_step_s for sd in seeds]
+        res[label] = {"simulated_step_s": sum(sim) / len(sim), "measured_step_s": measured[label],
+                      "measured_over_simulated": measured[label] / (sum(sim) / len(sim))}
+    return res
 
 
 def group_creation_s(events: list[dict], step: int) -> float:
@@ -327,6 +359,15 @@ def table(res: dict) -> None:
     Console().print(t)
     print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
           "machine's drift): " + ", ".join(f"{c['before']:.0f}" for c in res.get("core_speed", [])))
+    pred = res.get("fitted_prediction")
+    if pred:
+        t = Table(title="measured vs simulated with the costs fitted in this run (scheduler/costs_cpu.py)")
+        for col in ("policy", "measured s/step", "simulated s/step", "measured / simulated"):
+            t.add_column(col)
+        for label, v in pred.items():
+            t.add_row(label, f"{v['measured_step_s']:.2f}", f"{v['simulated_step_s']:.2f}",
+                      f"{v['measured_over_simulated']:.2f}")
+        Console().print(t)
     for key, sim in res.get("simulator", {}).items():
         t = Table(title=f"simulator {key}: {sim['devices']} devices, {sim['prompts']} prompts x {sim['group_size']}")
         for col in ("policy", "mean step s", "vs static", "idle"):
@@ -422,8 +463,10 @@ def main(argv=None) -> int:
     seq_tokens = 9 + (sum(s["response_len_mean"] for s in runs.get("static", {}).get("steps", [])[1:]) /
                       max(1, len(runs.get("static", {}).get("steps", [])[1:])) or a.max_new_tokens / 2)
     per_iter = a.prompts * a.group_size // 4
-    res["cost_fit"] = (fit(runs, per_iter * seq_tokens, -(-per_iter // MICRO_BATCH)) if "static" in runs
-                       else {})
+    res["cost_fit"], fitted = (fit(runs, per_iter * seq_tokens, -(-per_iter // MICRO_BATCH), a.prompts,
+                                   a.group_size * seq_tokens) if "static" in runs else ({}, None))
+    if fitted is not None:
+        res["fitted_prediction"] = predicted(fitted, list(runs), a, out, {k: v["step_s"] for k, v in runs.items()})
     if not a.no_sim:
         res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1, build("tidal", a, out))
     res["machine"]["load_avg_end"] = os.getloadavg()

@@ -148,10 +148,14 @@ def event_costs(events: Sequence[dict]) -> dict[str, list[float]]:
 
 def calibrate(base: CostModel, decode: Sequence[tuple[int, float]], prefill_per_token_s: float,
               iters: Sequence[tuple[int, float]], iter_tokens: float, moves: dict[str, list[float]],
-              micro_batches: int = 0) -> CostModel:
+              micro_batches: int = 0, score_group_s: float = 0.0, group_tokens: float = 0.0) -> CostModel:
     """`base` with the fitted decode and actor terms and the median measured move costs (where measured);
-    `micro_batches` per actor iter (0: unknown) shapes the actor fit like the policy's model."""
+    `micro_batches` per actor iter (0: unknown) shapes the actor fit like the policy's model. `score_group_s`
+    (seconds inference spends on one group of `group_tokens` tokens, 0: not measured) sets the inference cost,
+    all of it per token (the policy scores groups of one size)."""
     c = replace(base, name=base.name + "-fitted", decode=fit_decode(decode, prefill_per_token_s))
+    if score_group_s > 0 and group_tokens > 0:
+        c = replace(c, inference=replace(c.inference, per_token_s=score_group_s / group_tokens, per_group_s=0.0))
     if len({dp for dp, _ in iters}) >= 2:
         c = replace(c, actor=fit_actor(iters, iter_tokens, 1, base.actor, micro_batches))
     med = {k: float(np.median(v)) for k, v in moves.items() if v}

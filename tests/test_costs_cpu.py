@@ -25,6 +25,10 @@ def test_calibrate_recovers_decode_actor_and_move_costs():
         assert c.actor.iter_time(tokens, 1, dp) == pytest.approx(0.2 + 1.5 / dp, rel=1e-3)
     assert c.reshard.fixed_s == 0.3 and c.kv_fixed_s == 0.07 and c.lend_s == 0.1
     assert c.name == "cpu-e2e-fitted"
+    assert c.inference == base.inference    # no scoring measured: the preset's
+    c = calibrate(base, decode, 1e-3, iters, tokens, moves, score_group_s=0.06, group_tokens=240.0)
+    assert c.inference.group_time(240.0, 1) == pytest.approx(0.06)
+    assert c.inference.group_time(480.0, 1) == pytest.approx(0.12) and c.inference.per_group_s == 0.0
 
 
 def test_calibrate_keeps_preset_terms_it_cannot_fit():

@@ -110,6 +110,21 @@ def test_health_answers_while_a_call_is_running(group4):
 
 
 # ------------------------------------------------------------------------------------ dead workers
+@pytest.mark.timeout(120)
+def test_interrupt_ends_a_polling_call_early_and_only_on_the_named_devices(group4):
+    hs = group4.submit_all(P + "wait_for_interrupt", device_ids=(0, 5), name="slice", seconds=3.0)
+    time.sleep(0.3)
+    group4.interrupt([0], "slice")
+    first, second = group4.gather(hs, timeout=30)
+    assert first["interrupted"] and first["after_s"] < 2.5
+    assert not second["interrupted"] and second["after_s"] >= 3.0
+    # an interrupt that finds no call polling it waits for the next one, once
+    group4.interrupt([7], "slice")
+    time.sleep(0.3)
+    assert group4.call(7, P + "wait_for_interrupt", name="slice", seconds=3.0, timeout=30)["interrupted"]
+    assert not group4.call(7, P + "wait_for_interrupt", name="slice", seconds=0.2, timeout=30)["interrupted"]
+
+
 @pytest.mark.timeout(180)
 def test_killed_worker_is_reported_by_device_id_within_bounded_time(ray_session):
     group = WorkerGroup.start([4, 1], "cpu")

@@ -11,8 +11,8 @@ start, so importing this module costs torch and nothing else. It runs functions 
         return t.item()
 
 Calls run one at a time, in arrival order, on the actor's default thread (Ray's max_concurrency=1 for the
-default group). `health` runs in a separate "control" group so it answers while a long call is running,
-which is what lets the driver tell a busy worker from a dead or wedged one.
+default group). `health` and `interrupt` run in a separate "control" group so they answer while a long call is
+running: the driver tells a busy worker from a dead or wedged one, and can ask a time slice to end early.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ class WorkerContext:
     """The world's process group (gloo on CPU; gloo for CPU tensors + NCCL for CUDA tensors on GPU)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Per-worker objects kept between calls: a model shard, an optimizer, a generation engine."""
+    interrupts: set[str] = field(default_factory=set)
+    """Names the driver asked to stop early (`WorkerGroup.interrupt`, on the control thread). A long call that
+    can end early polls `take_interrupt(name)` between units of work."""
+
+    def take_interrupt(self, name: str) -> bool:
+        """True once per `interrupt(name)` that arrived (and clears it). Safe against the control thread: set
+        add/discard are atomic under the GIL."""
+        if name in self.interrupts:
+            self.interrupts.discard(name)
+            return True
+        return False
 
     def rank_of(self, device_id: int) -> int:
         try:
@@ -177,6 +188,11 @@ class DeviceWorker:
             done = self._calls_done
         return HealthReport(self._device_id, os.getpid(), done, busy[0] if busy else None,
                             time.monotonic() - busy[1] if busy else 0.0)
+
+    def interrupt(self, name: str) -> None:
+        """Control thread: ask the running (or next) call that polls `name` to end early."""
+        if self._ctx is not None:
+            self._ctx.interrupts.add(name)
 
     def leave_world(self) -> None:
         if dist.is_initialized():

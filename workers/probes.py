@@ -55,6 +55,16 @@ def sleep(ctx: WorkerContext, seconds: float) -> int:
     return ctx.device_id
 
 
+def wait_for_interrupt(ctx: WorkerContext, name: str, seconds: float) -> dict[str, Any]:
+    """Poll `ctx.take_interrupt(name)` every millisecond for up to `seconds`: how a time slice ends early."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if ctx.take_interrupt(name):
+            return {"interrupted": True, "after_s": time.monotonic() - t0}
+        time.sleep(0.001)
+    return {"interrupted": False, "after_s": time.monotonic() - t0}
+
+
 def busy_cpu_rate(ctx: WorkerContext, seconds: float) -> float:
     """Spin for `seconds` of wall time; return the CPU seconds used per wall second (this process)."""
     c0, t0 = time.process_time(), time.monotonic()

@@ -215,9 +215,14 @@ def _to_record(g, task, tok, step: int) -> RolloutGroup:
                         g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples))
 
 
+#: `WorkerGroup.interrupt` name that ends a `rollout_run` time slice after the engine pump in progress
+ROLLOUT_INTERRUPT = "rollout_slice"
+
+
 def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[RolloutGroup], dict]:
     """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
-    done), and return the finished groups with rewards plus this instance's signals."""
+    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver), and return the finished groups with rewards
+    plus this instance's signals."""
     r = ctx.state["rollout"]
     spec: RunSpec = ctx.state["run"]
     r["queue"].extend(groups)
@@ -228,6 +233,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
+        if ctx.take_interrupt(ROLLOUT_INTERRUPT):   # the driver is about to move work off or onto this instance
+            break
         inst.pump()
         pumps += 1
         batch += r["engine"].num_running()

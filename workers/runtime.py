@@ -249,6 +249,13 @@ class WorkerGroup:
         handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
         return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
 
+    def interrupt(self, device_ids: Iterable[int], name: str) -> None:
+        """Ask the calls running (or next to run) on `device_ids` that poll `name` to end early; returns at once
+        (the control thread answers while the call runs). A call that does not poll it is not affected."""
+        for d in device_ids:
+            self._usable(d)
+            self._actors[d].interrupt.options(concurrency_group=CONTROL_GROUP).remote(name)
+
     # ---------------------------------------------------------------------------------------- liveness
     def health(self, timeout: float = 5.0) -> dict[int, WorkerStatus]:
         """Ask every worker (on its control thread, so a busy one still answers)."""

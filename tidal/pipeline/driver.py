@@ -34,6 +34,7 @@ from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metric
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline
+from tidal.workers.roles import ROLLOUT_INTERRUPT
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import CallHandle, WorkerGroup
 
@@ -128,7 +129,13 @@ class Cluster:
         return out
 
     def drain(self, handle: Callable[[_Flight, Any], None], devices: set[int] | None = None) -> None:
-        """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`."""
+        """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`. Rollout time
+        slices among them are interrupted first: they end after the engine pump in progress instead of running
+        out their slice (up to `slice_s`, 0.1 s, per migration wave on the critical path otherwise)."""
+        slices = sorted({f.device for f in self.inflight.values()
+                         if f.kind == "rollout" and (devices is None or f.device in devices)})
+        if slices:
+            self.group.interrupt(slices, ROLLOUT_INTERRUPT)
         while any(devices is None or f.device in devices for f in self.inflight.values()):
             for f, res in self.wait_any(1.0):
                 handle(f, res)

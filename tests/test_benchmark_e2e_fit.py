@@ -1,0 +1,51 @@
+"""benchmarks/e2e.py's fitted prediction: the scoring cost from the static run, and the simulator run on the
+benchmark's own workload with the fitted costs for every policy label (variants too)."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidal.scheduler.costs_cpu import calibrate, cpu_e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_bench_fit", ROOT / "benchmarks" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def args(e2e) -> argparse.Namespace:
+    return argparse.Namespace(**{**e2e.FULL, "seed": 0, "share": 0.125, "share_period_ms": 50.0,
+                                 "device_cores": None, "max_running": 16})
+
+
+def test_score_group_seconds_come_from_the_static_runs_inference_phase(e2e):
+    steps = [{"phase_seconds": {"inference": 9.0}}, {"phase_seconds": {"inference": 2.0}},
+             {"phase_seconds": {"inference": 4.0}}]
+    assert e2e.score_group_s(steps, 32) == pytest.approx(3.0 / 32)   # step 0 (warm-up) left out
+    assert e2e.score_group_s([], 32) == 0.0 and e2e.score_group_s(steps, 0) == 0.0
+
+
+def test_prediction_simulates_every_label_with_the_fitted_costs(e2e, tmp_path):
+    decode = [(b, 0.015) for b in (1, 8, 16, 32, 64)]
+    iters = [(dp, 0.26 + 1.0 / dp) for dp in (2, 4, 6, 8)]
+    costs = calibrate(cpu_e2e(), decode, 2e-4, iters, 1867.0, {"reshard": [0.05], "migration": [0.03]}, 8,
+                      0.06, 228.0)
+    labels = ["static", "rlinf", "tidal", "tidal+margin_s=1000"]
+    measured = {k: 4.0 for k in labels}
+    out = e2e.predicted(costs, labels, args(e2e), tmp_path, measured, seeds=(0,), steps=2)
+    assert list(out) == labels
+    for v in out.values():
+        assert v["simulated_step_s"] > 0
+        assert v["measured_over_simulated"] == pytest.approx(4.0 / v["simulated_step_s"])
+    # the policies differ in the simulator as they do on the machine; a margin no move can beat keeps tidal static
+    assert out["tidal"]["simulated_step_s"] < out["static"]["simulated_step_s"]
+    assert out["tidal+margin_s=1000"]["simulated_step_s"] == pytest.approx(out["static"]["simulated_step_s"])
