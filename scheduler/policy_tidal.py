@@ -462,21 +462,27 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
             if end + guard < best[0]:
                 best = (end, -new, size)
     end, j, size = best
+    back = []
     if returning:
         why = "the actor's first mini-batch is scored: lent devices go back"
-        acts += _spread(state, why, cols, lent_idx, order[j:], srem)
-        acts.append(ReturnFromRollout(why, tuple(cols.id[lent_idx].tolist()),
-                                      sig.devices_of_many(lent_idx.tolist()),
-                                      migrate_to=_dsts(acts)))
+        back = _spread(state, why, cols, lent_idx, order[j:], srem)
+        ret = ReturnFromRollout(why, tuple(cols.id[lent_idx].tolist()), sig.devices_of_many(lent_idx.tolist()),
+                                migrate_to=_dsts(back))
     if j > 0:
         gone, survivors = order[:j], order[j:]
         why = (f"release the {j} least-loaded instances (predicted step end {end:.1f}s from now vs "
                f"{base:.1f}s); actor to {size} devices")
         moves = _spread(state, why, cols, gone, survivors, srem)
-        acts += moves
         released = sig.devices_of_many(gone.tolist())
-        acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves)))
+        rel = ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves))
         free = sorted(free + list(released))
+        if back and moves:   # one batch for both: the lent and the released instances empty in the same waves
+            acts.append(MigrateBatch(f"{back[0].reason}; {why}", back[0].moves + moves[0].moves, kv=back[0].kv))
+            acts += [ret, rel]
+        else:
+            acts += back + ([ret] if returning else []) + moves + [rel]
+    elif returning:
+        acts += back + [ret]
     if size > layout.size:
         mine = set(layout.devices)
         pool = [d for d in free if d not in mine]

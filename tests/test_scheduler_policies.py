@@ -265,11 +265,11 @@ TIDAL_CASES = [
      [M(0, 2, 8), M(0, 3, 8), M(0, 4, 8), M(0, 5, 6), M(1, 2, 8), M(1, 3, 8), M(1, 4, 8), M(1, 5, 6),
       ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
     ("first mini-batch scored late (480 of 512 groups generated): the lent devices return, 2 instances go and "
-     "the actor grows to 4 at once; what they hold goes straight to the survivors",
+     "the actor grows to 4 at once; what both hold goes straight to the survivors in one batch (one drain)",
      {}, sig(RETURNING_LATE, iters=0, trigger="data_ready", generated=480, scored=128, lent_out=True),
      [M(0, 4, 1), M(0, 5, 1), M(0, 4, 1), M(0, 5, 1), M(1, 4, 1), M(1, 5, 1), M(1, 4, 1), M(1, 5, 1),
-      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (4, 5)}),
       M(2, 4, 1), M(2, 5, 1), M(2, 4, 1), M(2, 5, 1), M(3, 4, 1), M(3, 5, 1), M(3, 4, 1), M(3, 5, 1),
+      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (4, 5)}),
       ("ReleaseRollout", {"instance_ids": (2, 3), "devices": (2, 3), "migrate_to": (4, 5)}),
       ("ReshardActor", {"from_layout": L2, "to_layout": ActorLayout(2, 2, (0, 1, 2, 3))})]),
     ("same with scheduler.grow_on_return off: only the return; the next boundary decides the rest",
