@@ -314,6 +314,43 @@ def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | N
     return replace(prior, fixed_s=float(np.median(xs)))
 
 
+#: action names whose measured seconds price a move of the cost model (`learn_moves`)
+_MIGRATIONS = ("MigrateBatch", "MigrateRequests")
+_LENDS = ("LendToRollout", "LendInference")
+_RETURNS = ("ReturnFromRollout", "ReturnToInference")
+
+
+def learn_moves(events: Sequence[dict], prior: "CostModel", kv: bool) -> "CostModel | None":
+    """The fixed costs of the policy's moves as last step's `action` events measured them, all in (the drain of
+    the time slices in flight, the calls, and on a shared or capped machine the wait for the workers):
+
+    - a migration batch (median of its actions, less the modelled KV bytes) -> `kv_fixed_s` when the engine moves
+      KV caches (`kv`), else `migration_fixed_s` (re-prefill happens later, on the target, and is modelled apart);
+    - a lend -> `lend_s`; a return -> `return_s`.
+
+    The presets are orders of magnitude for one machine; a move's real price depends on the machine and its load
+    (0.04-0.07 s per migration batch on the GPU machine's host cores, 0.1-0.3 s on the dev VM at 0.125 core).
+    Terms with no successful action last step keep their value; None when none was measured."""
+    acts = [e for e in events if e.get("kind") == "action" and e.get("ok", True) and e.get("seconds") is not None]
+
+    def med(names: tuple[str, ...], bytes_key: str | None = None) -> float | None:
+        xs = [max(0.0, e["seconds"] - (e.get(bytes_key, 0) / prior.kv_bw if bytes_key else 0.0))
+              for e in acts if e.get("action") in names]
+        return float(np.median(xs)) if xs else None
+
+    mig, lend, ret = med(_MIGRATIONS, "kv_bytes" if kv else None), med(_LENDS), med(_RETURNS)
+    if mig is None and lend is None and ret is None:
+        return None
+    out = prior
+    if mig is not None:
+        out = replace(out, kv_fixed_s=mig) if kv else replace(out, migration_fixed_s=mig)
+    if lend is not None:
+        out = replace(out, lend_s=lend)
+    if ret is not None:
+        out = replace(out, return_s=ret)
+    return out
+
+
 def fit_actor(samples: Sequence[tuple[int, float]], tokens: float, tp: int, base: ActorCost,
               micro_batches: int = 0) -> ActorCost:
     """`ActorCost` from measured (dp, iter seconds) at a fixed `tokens` per iter (`micro_batches` of them, 0:

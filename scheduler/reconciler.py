@@ -29,7 +29,7 @@ from tidal.engine.layout import Layout
 from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
-from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
+from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_moves, learn_reshard, learn_rollout_factor,
                                    learn_scoring)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
@@ -496,10 +496,16 @@ class Reconciler:
                                           micro_batches=p.sched_state.params.micro_batches)
         if actor_factor is None:
             actor_factor = p.sched_state.actor_time_factor
-        res = learn_reshard([e for e in p.cluster.events if e.get("step") == st.step], costs.reshard)
+        step_events = [e for e in p.cluster.events if e.get("step") == st.step]
+        res = learn_reshard(step_events, costs.reshard)
         if res is not None:   # and what its reshards really cost, all in
             costs = replace(costs, reshard=res)
+        moves = learn_moves(step_events, costs, p.sched_state.params.kv_migration)
+        if moves is not None:  # and its migrations, lends and returns
+            costs = moves
         p.cluster.record("learn", step=st.step, decode_step_s=costs.decode.step_s, reshard_fixed_s=costs.reshard.fixed_s,
+                         kv_fixed_s=costs.kv_fixed_s, migration_fixed_s=costs.migration_fixed_s,
+                         lend_s=costs.lend_s, return_s=costs.return_s,
                          score_group_s=costs.inference.per_group_s, score_samples=len(st.score_samples),
                          iter_samples=[list(x) for x in st.iter_samples], rollout_time_factor=factor,
                          actor_time_factor=actor_factor,

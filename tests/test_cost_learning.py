@@ -1,13 +1,14 @@
 """What the reconciler learns between steps from its own measurements (scheduler/costs.py): the decode step time,
-the scoring cost per group and the reshard fixed cost, each replacing the preset's value in `SchedState.costs`;
+the scoring cost per group, the reshard fixed cost and the move costs (migration batch, lend, return), each
+replacing the preset's value in `SchedState.costs`;
 and how far the rollout-time model is off (`SchedState.rollout_time_factor`)."""
 
 import dataclasses
 
 import pytest
 
-from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_reshard, learn_rollout_factor,
-                                   learn_scoring)
+from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_moves, learn_reshard,
+                                   learn_rollout_factor, learn_scoring)
 from tidal.scheduler.costs_cpu import cpu_e2e
 
 
@@ -33,6 +34,26 @@ def test_reshard_fixed_cost_net_of_the_modelled_transfer():
     got = learn_reshard(ev, prior)
     assert got.fixed_s == pytest.approx(0.7)   # median of 1.1, 0.4, 0.7
     assert got.bw == prior.bw and learn_reshard(ev[3:], prior) is None
+
+
+def test_move_costs_are_the_median_measured_actions_net_of_the_kv_bytes():
+    prior = cpu_e2e()
+    act = lambda name, s, **kw: {"kind": "action", "action": name, "seconds": s, "ok": True, **kw}
+    ev = [act("MigrateBatch", 0.05, kv_bytes=0), act("MigrateBatch", 0.09, kv_bytes=2e7),   # 0.02 s of bytes
+          act("MigrateBatch", 3.0, kv_bytes=0, ok=False),   # a failed action prices nothing
+          act("MigrateRequests", 0.08, kv_bytes=0), act("LendToRollout", 0.02), act("ReturnFromRollout", 0.01),
+          act("ReshardActor", 0.4), {"kind": "reshard", "seconds": 0.4}]
+    got = learn_moves(ev, prior, kv=True)
+    assert got.kv_fixed_s == pytest.approx(0.07)     # median of 0.05, 0.07, 0.08
+    assert (got.lend_s, got.return_s) == (0.02, 0.01)
+    assert got.migration_fixed_s == prior.migration_fixed_s and got.reshard == prior.reshard
+    # an engine without KV moves re-prefills: the batch prices the abort + resubmit round trip instead
+    got = learn_moves(ev, prior, kv=False)
+    assert got.migration_fixed_s == pytest.approx(0.08) and got.kv_fixed_s == prior.kv_fixed_s
+    # only what was measured changes; nothing measured: None
+    only_lend = learn_moves([act("LendInference", 0.3)], prior, kv=True)
+    assert (only_lend.lend_s, only_lend.kv_fixed_s, only_lend.return_s) == (0.3, prior.kv_fixed_s, prior.return_s)
+    assert learn_moves([act("ReshardActor", 0.4)], prior, kv=True) is None
 
 
 def test_scoring_cost_per_group_is_the_median_residual_and_keeps_the_slope():
