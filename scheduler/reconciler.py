@@ -34,6 +34,7 @@ from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_moves
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
                                      RolloutInstanceSignal, Signals)
+from tidal.workers.roles import export_receipt
 
 if TYPE_CHECKING:  # pragma: no cover
     from tidal.pipeline.driver import Pipeline
@@ -289,18 +290,30 @@ class Reconciler:
         c, g, st = self.p.cluster, self.p.group, self.p.step_state
         self._idle({d for s, t, _ in wave for d in (s, t)})
         t0 = self.p.clock()
-        exports = [g.submit(s, f"{ROLES}:rollout_export", count=n) for s, _, n in wave]
-        pkgs = g.gather(exports)
-        imports = [g.submit(t, f"{ROLES}:rollout_import", package=h.ref) for (_, t, _), h in zip(wave, exports)]
-        failed: list[tuple[int, Exception]] = []
-        for k, h in enumerate(imports):
+        # one call per device and phase: each source exports its moves' counts in wave order, each target imports
+        # its packages in wave order, each source settles its exports (commit, or cancel where the import failed)
+        by_src: dict[int, list[int]] = {}
+        by_dst: dict[int, list[int]] = {}
+        for k, (s, t, _) in enumerate(wave):
+            by_src.setdefault(s, []).append(k)
+            by_dst.setdefault(t, []).append(k)
+        pkgs: list[dict] = [{}] * len(wave)
+        hs = [g.submit(s, f"{ROLES}:rollout_export_many", counts=[wave[k][2] for k in ks]) for s, ks in by_src.items()]
+        for ks, got in zip(by_src.values(), g.gather(hs)):
+            for k, pkg in zip(ks, got):
+                pkgs[k] = pkg
+        hs = [g.submit(t, f"{ROLES}:rollout_import_many", packages=[pkgs[k] for k in ks]) for t, ks in by_dst.items()]
+        failed: list[tuple[int, str]] = []
+        for ks, h in zip(by_dst.values(), hs):
             try:
-                g.gather([h])
-            except Exception as err:   # this move stays on its source; the others go on
-                failed.append((k, err))
+                got = g.gather([h])[0]
+            except Exception as err:   # the target's whole call failed: its moves stay on their sources
+                failed += [(k, f"{type(err).__name__}: {err}") for k in ks]
+                continue
+            failed += [(k, r["error"]) for k, r in zip(ks, got) if not r["ok"]]
         bad = {k for k, _ in failed}
-        g.gather([g.submit(s, f"{ROLES}:rollout_cancel_export" if k in bad else f"{ROLES}:rollout_commit_export",
-                           package=h.ref) for k, ((s, _, _), h) in enumerate(zip(wave, exports))])
+        g.gather([g.submit(s, f"{ROLES}:rollout_settle_exports", receipts=[export_receipt(pkgs[k]) for k in ks],
+                           commit=[k not in bad for k in ks]) for s, ks in by_src.items()])
         t1 = self.p.clock()
         for k, ((src, dst, _), pkg) in enumerate(zip(wave, pkgs)):
             if k in bad:
@@ -317,9 +330,9 @@ class Reconciler:
             out["kv_bytes"] += kv
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
         if failed:
-            k, err = failed[0]
+            k, err = min(failed)
             raise RuntimeError(f"{len(failed)} of {len(wave)} moves failed (rolled back on their sources); first: "
-                               f"{wave[k][0]} -> {wave[k][1]}: {err}") from err
+                               f"{wave[k][0]} -> {wave[k][1]}: {err}")
 
     def release_rollout(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
         c, st = self.p.cluster, self.p.step_state

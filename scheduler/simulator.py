@@ -22,8 +22,11 @@ Who calls the policy: iter done ("boundary"); an instance drained ("drain", coal
 The actor's first mini-batch scored while its devices are lent ("data_ready"). While a Wait holds the actor
 the signal says so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through
 a `tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
-Migration cost lands on the receiving instance's epoch start: re-prefill (`CostModel.migration_time`), or a
-KV-cache copy (`kv_move_time`) when the action says `kv`; several arrivals in one decision add up.
+Migration cost lands on the receiving instance's epoch start: re-prefill (`CostModel.migration_time`; several
+arrivals in one decision add up), or a KV-cache copy when the action says `kv`: the reconciler runs a decision's
+KV moves as waves of one call per device and phase, so every instance a wave touches, source or target, pauses
+once for `kv_fixed_s` and a target adds the bytes of each arrival (measured on the GPU machine's host: a wave of
+1 move took 0.027 s, of 10 moves 0.11 s, before the calls were batched per device).
 
 What the producer learns for the policy (`SchedState`), as a real service would from its own history: the
 length model (mean residual and tail of response lengths) from the previous step's responses, each actor
@@ -183,6 +186,7 @@ class _Sim:
         self.drain_pending = 0
         self.n_inst0 = len(self.inst)
         self.in_call = False
+        self.kv_paused: set[int] = set()
         self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens), self.iter_shares,
                                 self.ready_curve)
         self.gen_at = np.zeros(p.rollout_batch_size)
@@ -426,6 +430,7 @@ class _Sim:
         held = False
         moving: dict[int, float] = {}   # device -> time its old role has freed it
         pending: dict[int, tuple[float, list[Work]]] = {}   # instances to re-lay: (t0, work parts)
+        self.kv_paused = set()   # instances this decision's KV moves paused (charged once each)
         for act in acts:
             if self.keep_events:
                 self.log("action", describe([act])[0])
@@ -478,7 +483,13 @@ class _Sim:
         t_dst, dparts = self._pending(dst, pending)
         groups = list(dict.fromkeys(out.gid.tolist()))
         tokens = float(out.prog.sum()) + len(out) * self.spec.prompt_tokens
-        cost = c.kv_move_time(tokens) if kv else c.migration_time(tokens)
+        if kv:   # a decision's KV moves run as waves of batched calls: every instance in them pauses once
+            cost = c.kv_move_time(tokens) - (c.kv_fixed_s if dst.id in self.kv_paused else 0.0)
+            if src.id not in self.kv_paused:
+                pending[src.id] = (t_src + c.kv_fixed_s, [kept])
+            self.kv_paused.update((src.id, dst.id))
+        else:
+            cost = c.migration_time(tokens)
         dst.total += len(out)
         dst.queue += groups
         pending[dst.id] = (t_dst + cost, dparts + [out])
