@@ -284,16 +284,17 @@ def predicted(costs, labels: list[str], a: argparse.Namespace, out: Path, measur
     """The simulator on this run's workload with the costs fitted from this run, per policy (variants too),
     next to the measured step time: how far the policy's own model of the machine is from what happened.
     Lengths: the geometric response lengths (mean ~19.5, capped at max_new_tokens) as a lognormal of the
-    same median, uncorrelated within a group."""
+    same median, uncorrelated within a group. The policy is asked as often as the driver asks it (`MIN_INTERVAL_S`)."""
     from dataclasses import replace
 
+    from tidal.scheduler.reconciler import MIN_INTERVAL_S
     from tidal.scheduler.simulator import simulate
     from tidal.scheduler.workload import LengthDist, SimSpec
     res = {}
     for label in labels:
         policy, _ = parse_variant(label)
         spec = replace(SimSpec.from_config(build(label, a, out)), costs=costs, prompt_tokens=9,
-                       lengths=LengthDist(median=13.0, sigma=0.9, group_sigma=0.0))
+                       lengths=LengthDist(median=13.0, sigma=0.9, group_sigma=0.0), poll_s=MIN_INTERVAL_S)
         sim = [simulate(spec, policy, None, steps, seed=sd, keep_events=False).mean_step_s for sd in seeds]
         res[label] = {"simulated_step_s": sum(sim) / len(sim), "measured_step_s": measured[label],
                       "measured_over_simulated": measured[label] / (sum(sim) / len(sim))}

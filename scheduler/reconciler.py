@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("tidal.scheduler")
 ROLES = "tidal.workers.roles"
+#: the same boundary is not asked again sooner than this (the driver asks while the actor waits)
+MIN_INTERVAL_S = 0.2
 
 
 def _prefix(done: dict, n: int) -> int:
@@ -80,7 +82,7 @@ def _move_reported(signals: dict[int, dict], src: int, dst: int, pkg: dict) -> N
 
 
 class Reconciler:
-    def __init__(self, pipeline: "Pipeline", min_interval_s: float = 0.2):
+    def __init__(self, pipeline: "Pipeline", min_interval_s: float = MIN_INTERVAL_S):
         self.p = pipeline
         self.min_interval_s = min_interval_s
         self._last: tuple[str, float] | None = None

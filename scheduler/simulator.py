@@ -18,7 +18,8 @@ epoch changes), and `Signals.rollout` is a lazy `RolloutView` over producer-buil
 O(numpy over instances) and no Python loop per instance: 1,024 devices x 100 steps take seconds of CPU.
 
 Who calls the policy: iter done ("boundary"); an instance drained ("drain", coalesced: at most one call per
-1/8 of the instances draining); inference done ("inference"); a requested recheck ("tick", one per instant).
+1/8 of the instances draining); inference done ("inference"); a requested recheck ("tick", one per instant);
+with `SimSpec.poll_s`, every `poll_s` while the actor waits at a boundary ("boundary", as the real driver asks).
 The actor's first mini-batch scored while its devices are lent ("data_ready"). While a Wait holds the actor
 the signal says so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through
 a `tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
@@ -225,6 +226,8 @@ class _Sim:
 
         gpi, nmb, rbs = p.groups_per_iter, p.n_minibatches, p.rollout_batch_size
         heap = self.heap
+        poll_s = self.spec.poll_s
+        self.polling = False
         while True:
             if not heap:
                 raise AssertionError(f"step {step} stalled at t={self.now:.3f}: actor iters {self.actor.iters_done}, "
@@ -267,6 +270,16 @@ class _Sim:
                 self.try_start()
             elif kind == "ready":
                 self.try_start()
+            elif kind == "poll":
+                if payload[0] != step:   # left over from the previous step
+                    continue
+                self.polling = False
+                if not self.actor.running and self.actor.iters_done < nmb:
+                    self.call("boundary")
+                    self.try_start()
+            if poll_s and not self.polling and not self.actor.running and self.actor.iters_done < nmb:
+                self.polling = True   # as the driver: ask again while the actor waits at its boundary
+                self.push(self.now + poll_s, "poll", step)
         # step end: reshard back (decided above), weight sync
         end = max(self.now, self.actor.ready_at) + c.sync_time()
         self.now = end

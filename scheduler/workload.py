@@ -53,6 +53,9 @@ class SimSpec:
     max_new_tokens: int = 8192
     prompt_tokens: int = 256
     name: str = "custom"
+    #: the real driver asks the policy again at most every this many seconds while the actor waits at a boundary
+    #: (the reconciler's `min_interval_s`, 0.2 s); None: only on events (an iter done, a drain, scoring done, ...)
+    poll_s: float | None = None
 
     @property
     def num_devices(self) -> int:

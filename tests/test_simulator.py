@@ -65,6 +65,18 @@ def test_tidal_never_double_books(seed):
     assert all(s.groups_trained == 96 for s in res.steps)
 
 
+@pytest.mark.parametrize("policy", ["rlinf", "tidal"])
+def test_polling_asks_the_policy_while_the_actor_waits_as_the_driver_does(policy):
+    """`SimSpec.poll_s`: the policy is asked again every poll_s while the actor waits at a boundary (the real
+    reconciler's rate), on top of the events; work is conserved and static cannot tell the difference."""
+    spec = small(prompts=96)
+    polled = dataclasses.replace(spec, poll_s=2.0)
+    a, b = simulate(spec, policy, steps=2, seed=3), simulate(polled, policy, steps=2, seed=3)
+    assert sum(s.decisions for s in b.steps) > sum(s.decisions for s in a.steps)
+    assert all(s.groups_trained == 96 for s in b.steps)
+    assert simulate(polled, "static", steps=2, seed=3).total_s == simulate(spec, "static", steps=2, seed=3).total_s
+
+
 def test_tidal_not_slower_than_static_on_balanced_work():
     balanced = LengthDist(median=1000, sigma=0.0, group_sigma=0.0)  # every response the same length
     spec = small(prompts=64, lengths=balanced)
