@@ -114,6 +114,8 @@ class PolicyRun:
              "migrations": sum(e["kind"] == "migration" for e in ev),
              "actions": sum(e["kind"] == "action" for e in ev),
              "failed_actions": sum(e["kind"] == "action" and not e["ok"] for e in ev),
+             # seconds the driver spent applying the policy's actions (it hands out no work meanwhile)
+             "action_s": sum(e.get("seconds", 0.0) for e in ev if e["kind"] == "action"),
              "reward_mean": m.get("grpo/reward_mean", 0.0),
              "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
              # the devices' own speed in this step: median seconds per engine pump inside the rollout instances
@@ -145,7 +147,8 @@ class PolicyRun:
         return {"policy": self.policy, "step_s": mean, "idle_fraction": idle, "open_s": self.open_s,
                 "reshards": sum(s["reshards"] for s in measured),
                 "migrations": sum(s["migrations"] for s in measured),
-                "failed_actions": sum(s["failed_actions"] for s in measured), "steps": steps,
+                "failed_actions": sum(s["failed_actions"] for s in measured),
+                "action_s": sum(s["action_s"] for s in measured) / len(measured), "steps": steps,
                 "final_weights_sha": summary.final_weights_sha, "output_dir": summary.output_dir,
                 "calibration": calib, "_events": events, "_timeline": timeline}
 
@@ -346,7 +349,8 @@ def table(res: dict) -> None:
     t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
                     f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
     for col in ("policy", "step s (steps>=1)", "vs static", "paired vs static (median, range)",
-                "in pumps (median, range)", "idle", "reshards", "migrations", "failed actions"):
+                "in pumps (median, range)", "idle", "reshards", "migrations", "failed actions",
+                "actions s/step"):
         t.add_column(col)
     runs = res["runs"]
     st = runs["static"] if "static" in runs else None
@@ -356,7 +360,8 @@ def table(res: dict) -> None:
         t.add_row(k, f"{v['step_s']:.2f}", f"{st['step_s'] / v['step_s']:.2f}x" if st else "-",
                   f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})" if pr else "-",
                   f"{pp['median']:.2f}x ({pp['min']:.2f}-{pp['max']:.2f})" if pp else "-",
-                  f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]))
+                  f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]),
+                  f"{v.get('action_s', 0.0):.2f}")
     Console().print(t)
     print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
           "machine's drift): " + ", ".join(f"{c['before']:.0f}" for c in res.get("core_speed", [])))

@@ -49,3 +49,16 @@ def test_prediction_simulates_every_label_with_the_fitted_costs(e2e, tmp_path):
     # the policies differ in the simulator as they do on the machine; a margin no move can beat keeps tidal static
     assert out["tidal"]["simulated_step_s"] < out["static"]["simulated_step_s"]
     assert out["tidal+margin_s=1000"]["simulated_step_s"] == pytest.approx(out["static"]["simulated_step_s"])
+
+
+def test_table_reports_the_drivers_action_seconds_and_reads_older_results(e2e, capsys, monkeypatch):
+    import json
+    monkeypatch.setenv("COLUMNS", "400")   # rich would elide the columns at a terminal's 80
+    old = json.loads((ROOT / "benchmarks" / "results" / "e2e_host_fullcore_i1536_final.json").read_text())
+    e2e.table(old)   # written before action_s existed: the column reads 0.00
+    step = {"seconds": 3.0, "pumps": 100.0}
+    run = {"step_s": 3.0, "idle_fraction": 0.3, "reshards": 3, "migrations": 9, "failed_actions": 0,
+           "action_s": 0.41, "steps": [step, step]}
+    e2e.table({"config": old["config"], "runs": {"static": {**run, "action_s": 0.0}, "tidal": run}})
+    out = capsys.readouterr().out
+    assert "actions" in out and "0.41" in out and "measured vs simulated" in out
