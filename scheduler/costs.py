@@ -314,10 +314,11 @@ def learn_reshard(events: Sequence[dict], prior: ReshardCost) -> ReshardCost | N
     return replace(prior, fixed_s=float(np.median(xs)))
 
 
-#: action names whose measured seconds price a move of the cost model (`learn_moves`)
-_MIGRATIONS = ("MigrateBatch", "MigrateRequests")
-_LENDS = ("LendToRollout", "LendInference")
-_RETURNS = ("ReturnFromRollout", "ReturnToInference")
+#: action names whose measured seconds price a move of the cost model (`learn_moves` online, `costs_cpu.event_costs`
+#: for the offline fit): a StartRollout is priced as a lend, as the simulator charges it
+MIGRATION_ACTIONS = ("MigrateBatch", "MigrateRequests")
+LEND_ACTIONS = ("LendToRollout", "StartRollout", "LendInference")
+RETURN_ACTIONS = ("ReturnFromRollout", "ReturnToInference")
 
 
 def learn_moves(events: Sequence[dict], prior: "CostModel", kv: bool) -> "CostModel | None":
@@ -338,7 +339,7 @@ def learn_moves(events: Sequence[dict], prior: "CostModel", kv: bool) -> "CostMo
               for e in acts if e.get("action") in names]
         return float(np.median(xs)) if xs else None
 
-    mig, lend, ret = med(_MIGRATIONS, "kv_bytes" if kv else None), med(_LENDS), med(_RETURNS)
+    mig, lend, ret = med(MIGRATION_ACTIONS, "kv_bytes" if kv else None), med(LEND_ACTIONS), med(RETURN_ACTIONS)
     if mig is None and lend is None and ret is None:
         return None
     out = prior

@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tidal.scheduler.costs import (ActorCost, CostModel, DecodeCost, InferenceCost, ReshardCost, fit_actor,
-                                   fit_decode)
+from tidal.scheduler.costs import (LEND_ACTIONS, ActorCost, CostModel, DecodeCost, InferenceCost, ReshardCost,
+                                   fit_actor, fit_decode)
 
 
 def cpu_e2e() -> CostModel:
@@ -139,7 +139,7 @@ def event_costs(events: Sequence[dict]) -> dict[str, list[float]]:
         elif e["kind"] == "migration":
             out["migration"].append(float(e["seconds"]))
         elif e["kind"] == "action" and e.get("ok"):
-            if e["action"] in ("LendToRollout", "StartRollout", "LendInference"):
+            if e["action"] in LEND_ACTIONS:
                 out["lend"].append(float(e["seconds"]))
             elif e["action"] in ("ReleaseRollout", "ReleaseInference"):
                 out["release"].append(float(e["seconds"]))
