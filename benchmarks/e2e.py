@@ -311,6 +311,29 @@ def group_creation_s(events: list[dict], step: int) -> float:
                if e["kind"] == "reshard" and e.get("step") == step)
 
 
+def event_summary(events: list[dict], steps: int) -> dict:
+    """Where a policy's driver time and actor iters went, over the measured steps (>= 1): per action kind its
+    count and seconds per step; per actor data-parallel size the median iter and its phases (slowest rank)."""
+    n = max(1, steps - 1)
+    acts: dict[str, list[float]] = {}
+    iters: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("step", 0) < 1:
+            continue
+        if e["kind"] == "action":
+            acts.setdefault(e["action"], []).append(e["seconds"])
+        elif e["kind"] == "iter":
+            iters.setdefault(e["dp"], []).append(e)
+    out = {"actions": {k: {"per_step": len(v) / n, "seconds_per_step": sum(v) / n,
+                           "median_s": statistics.median(v)} for k, v in sorted(acts.items())},
+           "iters": {}}
+    for dp, es in sorted(iters.items()):
+        phases = sorted({p for x in es for p in x.get("phases_s", {})})
+        out["iters"][dp] = {"count": len(es), "median_s": statistics.median(x["seconds"] for x in es),
+                            **{f"{p}_s": statistics.median(x["phases_s"].get(p, 0.0) for x in es) for p in phases}}
+    return out
+
+
 SPEED_PROBE = """
 import os
 os.sched_setaffinity(0, {cores})
@@ -445,6 +468,7 @@ def main(argv=None) -> int:
         steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in r["steps"][1:]]
         r["steady_step_s"] = sum(steady) / max(1, len(steady))
         r["group_creation_s"] = sum(group_creation_s(ev, s["step"]) for s in r["steps"][1:])
+        r["event_summary"] = event_summary(ev, len(r["steps"]))
     res["runs"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in runs.items()}
     for pol in ("static", "rlinf", "tidal"):
         if pol in runs:

@@ -277,12 +277,16 @@ def learn_scoring(samples: Sequence[tuple[int, float, float]], prior: InferenceC
     return replace(prior, per_group_s=max(per_group, 0.0))
 
 
-def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: ActorCost, lo: float = 0.5,
-                       hi: float = 4.0, min_samples: int = 3, micro_batches: int = 0) -> float | None:
+def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: ActorCost, lo: float = 1 / 16,
+                       hi: float = 16.0, min_samples: int = 3, micro_batches: int = 0) -> float | None:
     """Measured over modelled actor iter time: `samples` are (tp, dp, tokens, wall seconds) of last step's iters.
     One factor, not a refit of fixed and per-token cost: iters measured while rollout runs are slowed by the
     machine, and a refit from them (tried) read the slowdown as fixed cost and ruled out growing. The median
-    ratio, clipped to [lo, hi]; None with too few samples."""
+    ratio, clipped to [lo, hi]; None with too few samples.
+
+    The range is wide because the factor carries a preset to another machine: the CPU preset was measured on
+    0.125-core devices, and on the GPU machine's host (a core per device, `--intermediate 1536`) the iters took
+    0.23x of it. Clipped at 0.5 (until the ninth session) the policy priced every iter there at twice its time."""
     return _median_ratio([t / m for tp, dp, tok, t in samples
                           if t > 0 and (m := prior.iter_time(tok, tp, dp, micro_batches)) > 0], lo, hi, min_samples)
 

@@ -43,6 +43,7 @@ O(n_minibatches) scalar work; Python loops run only over emitted actions. Well u
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,10 +63,6 @@ from tidal.scheduler.state import SchedState
 TIE_S = 1.0
 #: rebalance only when the heaviest instance's remaining time exceeds the lightest's by this factor
 REBALANCE_RATIO = 1.5
-#: candidate family switch for ablations in benchmarks/scheduler.py: mid-step lending. (Growing by releasing
-#: instances at the moment lent devices return is a policy parameter, `scheduler.grow_on_return`.)
-SHRINK = True
-
 
 def margin(state: SchedState, base_s: float) -> float:
     """What a move must win on top of its modelled cost: `margin_s` plus `margin_frac` of the predicted time it
@@ -88,6 +85,14 @@ def _batch(state: SchedState, why: str, src: np.ndarray, dst: np.ndarray, count:
     return [MigrateBatch(why, moves, kv=state.params.kv_migration)]
 
 
+def held_cost(state: SchedState, seqs: float, k: int, n: int) -> float:
+    """Seconds a target loses when `k` of `n` instances holding a fair share of `seqs` sequences (at most a
+    slots' worth each, half generated) hand them to the other n - k (a lend's return, a release)."""
+    p = state.params
+    held = min(p.max_running_requests, seqs / n) * k
+    return move_cost(state, held * (state.prompt_tokens + (state.mean_response_tokens or 1.0) / 2) / max(1, n - k))
+
+
 def _by_load(cols: RolloutColumns, idx: np.ndarray, load: np.ndarray) -> np.ndarray:
     """`idx` ordered by `load` ascending, ties by instance id."""
     idx = idx[np.argsort(cols.id[idx], kind="stable")]
@@ -108,16 +113,37 @@ def rollout_seconds(state: SchedState, remaining: float, tail: float, n_inst: in
     return float(state.decode_seconds(remaining / n_inst, tail))
 
 
-def _timeline(state: SchedState, sig: Signals) -> tuple[float, list[tuple[int, float | None, float]]]:
-    """Per remaining iter j: (j, fraction of the rollout time left until its mini-batch is generated, or None
-    when it is already; its tokens), and the scoring lag of one group. Computed once per decision."""
+class Timeline(NamedTuple):
+    """What every candidate of one decision shares (`_timeline`)."""
+
+    lag: float      #: scoring lag of one group
+    #: per remaining iter j: (j, fraction of the rollout time left until its mini-batch is generated: -1 when it is
+    #: scored, None when generated and being scored; its tokens)
+    iters: list[tuple[int, float | None, float]]
+    #: seconds until the next mini-batch is generated at the earliest: when all its sequences run, their longest
+    #: remaining one (0 when some have not started)
+    first_floor: float
+    first_started: bool   #: every sequence of the next mini-batch has started (more instances cannot help it)
+
+
+def _timeline(state: SchedState, sig: Signals) -> Timeline:
+    """Per remaining iter j, when its mini-batch is generated as a fraction of the rollout time left, from the
+    learned readiness curve: how far the rollout is (`f_now`) is the larger of the curve at the generated id
+    prefix and the fraction of the step's tokens generated. The prefix alone stalls while one early group runs
+    its tail: on the GPU machine's host, with half the step generated and group 0 still running, the policy
+    read the rollout as not started, put the first mini-batch ~1.5 s away (it came 0.36 s later) and lent the
+    actor's devices for it (ninth session). Computed once per decision."""
     p, c = state.params, state.costs
-    seq_tokens = state.prompt_tokens + (state.mean_response_tokens or 1.0)
+    mean = state.mean_response_tokens or 1.0
+    seq_tokens = state.prompt_tokens + mean
     lag = c.inference.group_time(p.group_size * seq_tokens, p.inference_tp)
     have = sig.inference.groups_finished
     step_tokens = p.sequences_per_iter * p.n_minibatches * seq_tokens
     total = max(sig.groups_total, 1)
-    f_now = state.time_fraction(sig.groups_generated / total)
+    cols = sig.cols
+    remaining = float(cols.est_remaining_tokens.sum()) if cols.id.size else 0.0
+    done = 1.0 - remaining / (total * p.group_size * mean)
+    f_now = min(1.0, max(state.time_fraction(sig.groups_generated / total), done, 0.0))
     out = []
     for j in range(sig.actor.iters_done, p.n_minibatches):
         need = (j + 1) * p.groups_per_iter
@@ -125,16 +151,31 @@ def _timeline(state: SchedState, sig: Signals) -> tuple[float, list[tuple[int, f
             frac = -1.0   # scored already: ready now
         elif need <= sig.groups_generated or f_now >= 1.0:
             frac = None   # generated, being scored
-        else:   # the learned readiness curve, rescaled to the rollout time left
-            frac = (state.time_fraction(need / total) - f_now) / (1.0 - f_now)
+        else:   # the learned readiness curve, rescaled to the rollout time left (0: due now, by the curve)
+            frac = max(0.0, (state.time_fraction(need / total) - f_now) / (1.0 - f_now))
         out.append((j, frac, step_tokens * state.iter_share(j)))
-    return lag, out
+    # groups are dealt in id order and slots refill as sequences end, so the generated prefix plus a slots' worth
+    # per instance have started
+    started = sig.groups_generated * p.group_size + int(cols.id.size) * p.max_running_requests
+    first_started = started >= (sig.actor.iters_done + 1) * p.sequences_per_iter
+    floor = c.decode.step_s * sig.started_tail_tokens * state.rollout_time_factor if first_started else 0.0
+    return Timeline(lag, out, floor, first_started)
 
 
 def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float, n_inst: int,
                  slowest_s: float, moved_tokens: float, actor_size: int, full_size: int, extra_cost: float,
-                 lent_until_ready: bool = False, timeline=None) -> float:
-    """Predicted seconds from now to the end of the step (see the module docstring)."""
+                 lent_until_ready: bool = False, timeline: Timeline | None = None, back_inst: int = 0,
+                 first_delay: float = 0.0, pause_s: float = 0.0, return_moves_s: float = 0.0) -> float:
+    """Predicted seconds from now to the end of the step (see the module docstring).
+
+    `extra_cost` delays the actor (the driver applies the moves first); `pause_s` delays the rollout (every
+    instance pauses for a migration wave now); `first_delay` delays the next mini-batch only (its sequences wait
+    a wave for slots). A lend (`lent_until_ready`, `back_inst` instances without the lent ones) is worth only
+    what the lent instances generate until the next mini-batch is ready: they leave then (`return_s` and
+    `return_moves_s`, the wave that hands their work back, before the actor starts), and the rest of the rollout
+    runs on `back_inst` instances. When that mini-batch's sequences have all started (`Timeline.first_started`),
+    the lent instances take none of them (they get queued groups: later ids), so it is ready when it would have
+    been without them, and never before its longest sequence ends (`Timeline.first_floor`)."""
     p, c = state.params, state.costs
     layout = sig.actor.layout
     if remaining > 0 and n_inst:
@@ -146,17 +187,26 @@ def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float,
         return math.inf
     else:
         t_r = 0.0
-    lag, iters = timeline or _timeline(state, sig)
+    tl = timeline or _timeline(state, sig)
+    lag, iters = tl.lag, tl.iters
     tp = layout.tp
     t = extra_cost + (0.0 if lent_until_ready else c.reshard.grow_time(layout.size, actor_size, tp))
     size = actor_size
     first = sig.actor.iters_done
     for j, frac, tokens in iters:
-        ready = 0.0 if frac is not None and frac < 0 else lag if frac is None else t_r * frac + lag
+        ready = 0.0 if frac is not None and frac < 0 else lag if frac is None else pause_s + t_r * frac + lag
+        if j == first and frac is not None and frac >= 0:
+            gen = max(t_r * frac, tl.first_floor)
+            if lent_until_ready and back_inst and frac < 1:
+                t_back = rollout_seconds(state, remaining, tail, back_inst)
+                gen = max((t_back if tl.first_started else t_r) * frac, tl.first_floor)
+                if gen < t_r:   # the lent instances did gen / t_r of the rollout; the rest runs without them
+                    t_r = gen + (1.0 - gen / t_r) * t_back
+            ready = pause_s + gen + lag + first_delay
         start = max(t, ready)
         if lent_until_ready and j == first:
-            start = max(t, ready + c.return_s)
-        if j > first and size < full_size and start >= t_r + lag:  # grows at a later boundary
+            start = max(t, ready + c.return_s + return_moves_s)
+        if j > first and size < full_size and start >= pause_s + t_r + lag:  # grows at a later boundary
             start += c.reshard.grow_time(size, full_size, tp)
             size = full_size
         t = start + c.actor.iter_time(tokens, tp, size // tp, p.micro_batches) * state.actor_time_factor
@@ -305,15 +355,11 @@ def _lend(state: SchedState, sig: Signals) -> list[Action]:
         t_all = seqs * mean / (n * rate) * state.rollout_time_factor
         return max(floor, t_all * state.time_fraction(p.groups_per_iter / max(sig.groups_total, 1)))
 
-    def held_cost(k: int, n: int) -> float:
-        held = min(p.max_running_requests, seqs / n) * k
-        return move_cost(state, held * (state.prompt_tokens + mean / 2) / max(1, n - k))
-
     base = first_s(r)
     n = r
-    if la:
+    if la and p.lend_actor:
         gain = base - first_s(r + la)
-        cost = c.lend_s + c.return_s + held_cost(la, r + la)
+        cost = c.lend_s + c.return_s + held_cost(state, seqs, la, r + la)
         if gain > cost + margin(state, base):
             ids = tuple(devs[k * p.rollout_tp] for k in range(la))
             acts.append(LendToRollout(f"actor idle until its first mini-batch (~{base:.0f}s): lending saves "
@@ -324,7 +370,7 @@ def _lend(state: SchedState, sig: Signals) -> list[Action]:
         now_s = first_s(n)
         gain = now_s - first_s(n + li)
         # scoring restarts at the return: the groups generated by then wait (about one server's share)
-        cost = c.lend_s + c.return_s + held_cost(li, n + li) + score_s * p.groups_per_iter / (4 * servers)
+        cost = c.lend_s + c.return_s + held_cost(state, seqs, li, n + li) + score_s * p.groups_per_iter / (4 * servers)
         if gain > cost + margin(state, now_s):
             lent = inf[:li * p.rollout_tp]
             ids = tuple(lent[k * p.rollout_tp] for k in range(li))
@@ -434,6 +480,13 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra, timeline=tl)
     best = (base, 0, layout.size)
     guard = margin(state, base)
+    # sequences of the next mini-batch (and earlier) not generated yet: when the instances left after a release
+    # cannot hold them all in their slots, the rest waits for slots, about one more longest sequence. Without
+    # this, on the GPU machine's host, tidal released instances at step start while the first mini-batch (the
+    # first wave, exactly every slot) ran, and it came ~0.7 s later (ninth session)
+    first = sig.actor.iters_done
+    unfinished_first = min(running, (first + 1) * p.sequences_per_iter - sig.groups_generated * p.group_size)
+    wave_s = c.decode.step_s * tail * state.rollout_time_factor
     for j in sorted(js):
         if not j or (j == n and running) or (returning and not p.grow_on_return):
             continue
@@ -441,24 +494,31 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
         if size <= layout.size:
             continue
         cost = extra + c.rollout_release_s
+        late = wave_s if unfinished_first > (n - j) * p.max_running_requests else 0.0
         end = _predict_end(state, sig, remaining, tail, n - j, slowest, lent_moved + moved_prefix[j], size,
-                           full, cost, timeline=tl)
+                           full, cost, timeline=tl, first_delay=late)
         if end + guard < best[0]:
             best = (end, j, size)
     # shrink candidates (mid-step lending): only while the actor waits for data and rollout has work
     need = (sig.actor.iters_done + 1) * p.groups_per_iter
     waiting = sig.inference.groups_finished < need and not returning
-    if SHRINK and waiting and running and n and p.rollout_tp <= layout.size:
+    if p.lend_actor and waiting and running and n and p.rollout_tp <= layout.size:
+        # a lend speeds up only what the lent instances generate until the next mini-batch is scored, and not
+        # that mini-batch once its sequences all run (`_predict_end`). Priced as if the lent instances sped up the
+        # whole rollout (before the ninth session), tidal lent the actor's devices at every step's first boundary
+        # on the GPU machine's host, and the first mini-batch came 0.09-0.60 s *later* than static's (1.21-1.53 s
+        # vs 0.93-1.17 s): it is the first wave there, and the moves stalled its instances
         for size in sorted({0, layout.size // 2 // tp * tp}):
             if size >= layout.size:
                 continue
             new = (layout.size - size) // p.rollout_tp
-            if size:
-                cost = c.reshard.grow_time(layout.size, size, tp) + c.lend_s
-            else:
-                cost = c.lend_s
-            end = _predict_end(state, sig, remaining, tail, n + new, slowest, 0.0,
-                               size or layout.size, full, cost, lent_until_ready=not size, timeline=tl)
+            # the new instances are filled by one migration wave (every instance in it pauses); lent ones hand
+            # what they hold back when the mini-batch is scored (another wave, before the actor can start)
+            cost = c.lend_s + (c.reshard.grow_time(layout.size, size, tp) if size else 0.0)
+            back_s = 0.0 if size else held_cost(state, running, new, n + new)
+            end = _predict_end(state, sig, remaining, tail, n + new, slowest, 0.0, size or layout.size, full,
+                               cost, lent_until_ready=not size, timeline=tl, back_inst=n,
+                               pause_s=move_cost(state, 0.0), return_moves_s=back_s)
             if end + guard < best[0]:
                 best = (end, -new, size)
     end, j, size = best

@@ -131,6 +131,7 @@ class Reconciler:
         est = self.lengths.remaining_many(started, progress, queued)
         tail = self.lengths.tail_many(started, progress, queued)
         tail_all = self.lengths.tail_total(started, progress, queued)
+        tail_started = self.lengths.tail_total(started, progress, np.zeros_like(queued))
         for k, inst in enumerate(insts):
             s, given = st.signals.get(inst, {}), st.given.get(inst, 0)
             rollout.append(RolloutInstanceSignal(
@@ -152,7 +153,8 @@ class Reconciler:
                             lent_out=bool(c.lent & set(lay.devices)), held=st.held)
         return Signals(p.clock(), st.step, tuple(rollout), inference, actor,
                        DeviceSignal.from_snapshot(p.ledger.snapshot()), st.num_groups, gen_prefix,
-                       all_registered=not st.queue, trigger=trigger, rollout_tail_tokens=tail_all)
+                       all_registered=not st.queue, trigger=trigger, rollout_tail_tokens=tail_all,
+                       started_tail_tokens=tail_started)
 
     # ---- decide and act --------------------------------------------------------------------------------------
     def consult(self, trigger: str, data_ready: bool = False) -> bool:

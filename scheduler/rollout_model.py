@@ -11,8 +11,10 @@ tail slightly when an instance holds 1-4x its slots, and is exact up to M). Then
     sequence j: starts at S_j (lane prefix), ends at F_j = S_j + len_j; a group ends at max F_j of its seqs
 
 An *epoch* lasts until the instance's work changes (migration in or out); then the unfinished sequences are
-re-laid from `now`: running ones first (they keep their slots), then the queue in order, then migrated-in ones
-(t0 moves by the migration's cost: re-prefill, or a KV-cache copy).
+re-laid from `now` in the order the caller gives (the simulator: the target's started ones, which keep their
+slots, then the started ones migrated in, first in the engine's waiting queue as `import_state` puts them, then
+the target's unstarted queue, then unstarted ones migrated in), and t0 moves by the migration's cost (re-prefill,
+or a KV-cache copy).
 
 Speed (the simulator must run 1,024 devices x 100 steps in seconds on one core): `lay_out` builds the
 epochs of *many* instances in one vectorised pass (segmented cumsums and lexsorts over all their sequences:

@@ -223,6 +223,9 @@ class Signals:
     #: The expected maximum over all sequences exceeds the largest per-instance expected maximum (E max >= max E):
     #: 22 sequences over 8 instances read 24 tokens per instance while the rollout ran ~45 more (CPU e2e run)
     rollout_tail_tokens: float = 0.0
+    #: producer's estimate of the longest remaining sequence among those already started (0: unknown). The
+    #: next mini-batch, once all its sequences run (groups are dealt in id order), is ready no sooner than this
+    started_tail_tokens: float = 0.0
 
     @cached_property
     def cols(self) -> RolloutColumns:

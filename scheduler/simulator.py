@@ -70,6 +70,12 @@ __all__ = ["SimEvent", "SimResult", "StepStats", "simulate"]
 DRAIN_BATCH = 8
 
 
+
+def _started(w: Work, started: bool) -> Work:
+    """The sequences of `w` that have generated tokens (`started`) or not, in their order."""
+    keep = (w.prog > 0) == started
+    return Work(w.gid[keep], w.rem[keep], w.prog[keep])
+
 class _Actor:
     def __init__(self, layout: ActorLayout):
         self.layout = layout
@@ -418,11 +424,12 @@ class _Sim:
             est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
             tail_all = lm.tail_total(s["started_unfinished"], s["progress"], s["queued_seqs"])
+            tail_started = lm.tail_total(s["started_unfinished"], s["progress"], np.zeros_like(s["queued_seqs"]))
             cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
                                   np.floor(s["progress"]), s["rate"], est, lent, tail, np.floor(s["tokens"]))
             rollout = RolloutView(cols, devices)
         else:
-            rollout, cols, tail_all = (), None, 0.0
+            rollout, cols, tail_all, tail_started = (), None, 0.0, 0.0
         p, a = self.p, self.actor
         # prefixes, not counts, as the real producer reports them (scheduler/reconciler.py `signals`)
         n_scored = self.n_scored
@@ -431,7 +438,7 @@ class _Sim:
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
         return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
-                       self.gen_prefix, self.dispatched, trigger, cols, tail_all)
+                       self.gen_prefix, self.dispatched, trigger, cols, tail_all, tail_started)
 
     def call(self, trigger: str) -> None:
         if self.policy_name == "static":
@@ -505,7 +512,11 @@ class _Sim:
             cost = c.migration_time(tokens)
         dst.total += len(out)
         dst.queue += groups
-        pending[dst.id] = (t_dst + cost, dparts + [out])
+        # the target's engine puts imported sequences first in its waiting queue (`import_state`): the started
+        # ones run right after its own running sequences, before the sequences it has not started
+        mine = Work.cat(dparts)
+        pending[dst.id] = (t_dst + cost, [_started(mine, True), _started(out, True), _started(mine, False),
+                                          _started(out, False)])
         self.counts["migrations"] += 1
         self.counts["groups_migrated"] += len(groups)
 

@@ -62,3 +62,20 @@ def test_table_reports_the_drivers_action_seconds_and_reads_older_results(e2e, c
     e2e.table({"config": old["config"], "runs": {"static": {**run, "action_s": 0.0}, "tidal": run}})
     out = capsys.readouterr().out
     assert "actions" in out and "0.41" in out and "measured vs simulated" in out
+
+
+def test_event_summary_prices_actions_per_step_and_iters_per_dp(e2e):
+    ev = [{"kind": "action", "step": 0, "action": "MigrateBatch", "seconds": 9.0},   # warm-up step: left out
+          {"kind": "action", "step": 1, "action": "MigrateBatch", "seconds": 0.1},
+          {"kind": "action", "step": 2, "action": "MigrateBatch", "seconds": 0.3},
+          {"kind": "action", "step": 2, "action": "ReshardActor", "seconds": 0.05},
+          {"kind": "iter", "step": 1, "dp": 2, "seconds": 0.6, "phases_s": {"compute": 0.5, "sync": 0.1}},
+          {"kind": "iter", "step": 2, "dp": 2, "seconds": 0.8, "phases_s": {"compute": 0.6, "sync": 0.2}},
+          {"kind": "iter", "step": 2, "dp": 8, "seconds": 0.3, "phases_s": {"compute": 0.2, "sync": 0.1}}]
+    out = e2e.event_summary(ev, steps=3)
+    assert out["actions"]["MigrateBatch"] == {"per_step": 1.0, "seconds_per_step": pytest.approx(0.2),
+                                              "median_s": pytest.approx(0.2)}
+    assert out["actions"]["ReshardActor"]["per_step"] == 0.5
+    assert out["iters"][2] == {"count": 2, "median_s": pytest.approx(0.7), "compute_s": pytest.approx(0.55),
+                               "sync_s": pytest.approx(0.15)}
+    assert out["iters"][8]["count"] == 1

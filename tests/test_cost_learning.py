@@ -82,3 +82,6 @@ def test_actor_factor_scales_the_model_keeping_its_layout_scaling():
     slow.append((1, 2, 1800.0, 9.0 * prior.iter_time(1800.0, 1, 2)))   # one iter stalled: the median ignores it
     assert learn_actor_factor(slow, prior) == pytest.approx(1.6)
     assert learn_actor_factor(slow[:2], prior) is None
+    # a preset from a slower machine: the factor follows it well below 1 (the host's 0.23x was clipped at 0.5)
+    fast = [(1, dp, 1800.0, 0.23 * prior.iter_time(1800.0, 1, dp)) for dp in (2, 4, 8)]
+    assert learn_actor_factor(fast, prior) == pytest.approx(0.23)

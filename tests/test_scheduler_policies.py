@@ -123,11 +123,13 @@ def test_rlinf_pre_process_polls_then_hands_back():
 def test_tidal_knobs_come_from_the_scheduler_config():
     base = {"cluster": {"auto_scheduler": True}}
     p = PolicyParams.from_config(build_config(base, []))
-    assert (p.margin_s, p.margin_frac, p.grow_on_return) == (0.0, 0.01, True)   # defaults: config and PolicyParams agree
-    assert (PolicyParams.margin_s, PolicyParams.margin_frac, PolicyParams.grow_on_return) == (
-        p.margin_s, p.margin_frac, p.grow_on_return)
-    p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false"]))
-    assert (p.margin_s, p.grow_on_return) == (0.0, False)
+    # defaults: config and PolicyParams agree
+    assert (p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor) == (0.0, 0.01, True, True)
+    assert (PolicyParams.margin_s, PolicyParams.margin_frac, PolicyParams.grow_on_return, PolicyParams.lend_actor) == (
+        p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor)
+    p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false",
+                                                     "scheduler.lend_actor=false"]))
+    assert (p.margin_s, p.grow_on_return, p.lend_actor) == (0.0, False, False)
     with pytest.raises(ConfigError, match="scheduler.margin_s"):
         build_config(base, ["scheduler.margin_s=-1"])
     with pytest.raises(ConfigError, match="scheduler.margin_frac"):
@@ -285,6 +287,8 @@ TIDAL_CASES = [
      {"margin_s": 1e4}, sig(BUSY, iters=1, scored=200), []),
     ("same, with a relative margin (scheduler.margin_frac) near the whole predicted step: nothing moves",
      {"margin_s": 0.0, "margin_frac": 0.99}, sig(BUSY, iters=1, scored=200), []),
+    ("same with scheduler.lend_actor off: the actor keeps its devices", {"lend_actor": False},
+     sig(BUSY, iters=1, scored=200), []),
     ("same, but the engine cannot move KV caches: re-prefill makes lending not pay",
      {"kv_migration": False}, sig(BUSY, iters=1, scored=200), []),
     ("rollout-bound and the actor has data: nothing pays", {}, sig(BUSY, iters=1, scored=300), []),
@@ -393,3 +397,49 @@ def test_rollout_time_counts_the_last_wave():
     assert st.decode_seconds(128 * 100.0, 300.0) == pytest.approx(300 * 1e-3)             # the tail bounds it
     assert st.decode_seconds(128 * 200.0, 300.0) == pytest.approx(400 * 1e-3)             # half a wave left
     assert P8.micro_batches == 0 and dataclasses.replace(P8, micro_batch_size=64).micro_batches == 32
+
+
+def test_tidal_reads_rollout_progress_from_tokens_when_the_prefix_stalls():
+    """Group 0 still runs (generated prefix 0) but 87% of the step's tokens are generated: by the learned curve the
+    first mini-batch is due now (not 45% of the rollout away, as the prefix alone said), and once its sequences
+    all run it is ready no sooner than their longest remaining one (ninth session, GPU machine's host)."""
+    from tidal.scheduler.policy_tidal import _timeline
+    st = lstate()
+    late = [tinst(i, 500, 30, 500 * 900.0, 3000.0) for i in (2, 3, 4, 5)]
+    s = sig(late, iters=0, generated=0, scored=0)
+    assert st.time_fraction(0.25) == pytest.approx(0.45)
+    tl = _timeline(st, s)
+    assert tl.iters[0][1] == 0.0 and tl.iters[1][1] == pytest.approx(0.0)
+    assert tl.first_started and tl.first_floor == 0.0      # no started-tail estimate: no floor
+    tl = _timeline(st, dataclasses.replace(s, started_tail_tokens=3000.0))
+    assert tl.first_floor == pytest.approx(st.costs.decode.step_s * 3000.0)
+
+
+def test_tidal_does_not_release_instances_the_first_mini_batch_still_needs():
+    """The CPU e2e shape at step start (costs as learned on the GPU machine's host): mini-batch 0 is 64 sequences,
+    exactly the 4 instances' 16 slots each. Releasing one would leave a quarter of it waiting a wave for slots;
+    priced without that wait (before the ninth session) releasing one looked 0.2 s better, and on the host the
+    first mini-batch came ~0.7 s later."""
+    from tidal.scheduler.costs_cpu import cpu_e2e
+    from tidal.scheduler.policy_tidal import decide
+    cfg = build_config({"cluster": {"auto_scheduler": True},
+                        "data": {"rollout_batch_size": 32},
+                        "algorithm": {"group_size": 8, "n_minibatches": 4},
+                        "rollout": {"max_running_requests": 16}}, [])
+    params = PolicyParams.from_config(cfg)
+    c = cpu_e2e()
+    c = dataclasses.replace(c, decode=dataclasses.replace(c.decode, step_s=0.0125), kv_fixed_s=0.032,
+                            lend_s=0.024, return_s=0.005, reshard=dataclasses.replace(c.reshard, fixed_s=0.047))
+    # (lending off: this test is about releases)
+    st = SchedState(dataclasses.replace(params, lend_actor=False), c, mean_response_tokens=17.0, prompt_tokens=9.0,
+                    ready_curve=CURVE, rollout_time_factor=1.3, actor_time_factor=0.31)
+    insts = [RolloutInstanceSignal(id=i, devices=(i,), groups_queued=4, groups_unfinished=8, running=64, total=64,
+                                   tokens_generated=0, progress_tokens=0, token_rate=0.0, est_remaining_tokens=1075.0,
+                                   est_tail_tokens=48.0) for i in (2, 3, 4, 5)]
+    owners = (Owner.ACTOR,) * 2 + (Owner.ROLLOUT,) * 4 + (Owner.INFERENCE,) * 2
+    s = Signals(0.0, 3, tuple(insts), InferenceSignal((6, 7), 0, 0, False),
+                ActorSignal(0, 4, True, ActorLayout(1, 2, (0, 1)), 0.6), DeviceSignal(owners), 32, 0,
+                rollout_tail_tokens=48.0)
+    assert decide(st, s, 0.0) == []
+    # once the first mini-batch is generated, the same move pays
+    assert any(isinstance(a, ReleaseRollout) for a in decide(st, dataclasses.replace(s, groups_generated=8), 0.0))

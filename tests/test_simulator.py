@@ -125,16 +125,18 @@ def _action_kinds(res):
 
 
 def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
-    # 32 slots per instance: 8 waves of 32 prompts x 16, throughput-bound enough that lending pays at the start and,
-    # while the actor waits for its next mini-batch (an id prefix, so a later wave), mid-step too
+    # 32 slots per instance: 32 waves of 64 prompts x 16 over 4 instances, throughput-bound enough that lending
+    # pays at the start and, while the actor waits for its next mini-batch (an id prefix, so a later wave), mid-step
+    # too. (With 128 prompts, 16 waves, it stopped paying mid-step in the ninth session: a lend now speeds up only
+    # what the lent instances generate until the mini-batch is scored, and imported sequences run first.)
     spec = rlinf_example(8, max_running_requests=32)
-    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=128),
+    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=256),
                                max_new_tokens=4096)
     res = simulate(spec, "tidal", steps=3, seed=0)
     kinds = _action_kinds(res)
     for k in ("LendInference", "ReturnToInference", "LendToRollout mid-step", "ReturnFromRollout"):
         assert kinds.get(k), (k, kinds)
-    assert all(s.groups_trained == 128 for s in res.steps)
+    assert all(s.groups_trained == 256 for s in res.steps)
     assert "(kv)" in " ".join(e.detail for e in res.events if e.detail.startswith("Migrate"))
 
 
@@ -256,3 +258,30 @@ def test_simulated_signals_report_prefixes():
     sim.scored_prefix, sim.gen_prefix = 3, 5
     sig = sim.signals("tick")
     assert sig.groups_generated == 5 and sig.inference.groups_finished == 3
+
+
+def test_imported_sequences_run_before_the_targets_unstarted_ones(monkeypatch):
+    """A migration's started sequences go first in the target's waiting queue, as the engine's `import_state`
+    puts them (ninth session; before, the simulator ran them after everything the target had queued)."""
+    from tidal.scheduler import policies
+    from tidal.scheduler.actions import MigrateRequests
+    from tidal.scheduler.simulator import _Sim
+    moved = []
+
+    def mover(state, sig, now):
+        if not moved and sig.groups_generated >= 4:
+            moved.append(now)
+            return [MigrateRequests("test: move instance 2's groups", 2, 3, 3)]
+        return []
+
+    monkeypatch.setitem(policies.POLICIES, "mover", mover)
+    spec = rlinf_example(8, max_running_requests=16)   # one group of 16 at a time per instance
+    spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=16),
+                               lengths=_FixedLengths([100] * 16), max_new_tokens=4096, poll_s=0.05)
+    sim = _Sim(spec, "mover", 0, keep_events=False)
+    sim.run_step(0)
+    assert moved
+    # groups 0-3 end first (one wave); then instance 2 runs group 4 and holds 8, 12, instance 3 runs 5 and holds
+    # 9, 13; the move lands 4 (started) ahead of 9 and 13, and 8, 12 (not started) behind them
+    g = sim.gen_at
+    assert max(g[:4]) < moved[0] < g[5] < g[4] < g[9] < g[13] < g[8] < g[12]

@@ -159,6 +159,9 @@ class SchedulerConfig(Section):
     grow_on_return: bool = Field(
         True, description="tidal: when devices lent at step start return, it may also release rollout "
                           "instances and grow the actor at once (false: the next iter boundary decides).")
+    lend_actor: bool = Field(
+        True, description="tidal: while the actor waits for its next mini-batch, its devices may host rollout "
+                          "instances when the cost model says it pays (false: they stay with the actor).")
 
 
 class RunConfig(Section):
