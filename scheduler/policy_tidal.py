@@ -15,7 +15,11 @@ Prediction, per candidate (t = 0 is now)::
     rollout end  T_r = decode steps x step time, steps = max(tail, tokens / slots + min(tail, tokens / slots))
                        per instance after the moves (full slots, then the last wave drains; `SchedState.
                        decode_seconds`) + migration of what moved
-    mini-batch j ready  ~ linear in groups still to generate over [0, T_r], plus scoring lag
+    mini-batch j ready  the learned readiness curve over [0, T_r] from how far the rollout is (the larger of
+                        the id prefix and the tokens generated), plus scoring lag; the next one no sooner than
+                        its longest sequence once all its sequences run (`_timeline`)
+    a lend              lasts until the next mini-batch is scored: it speeds up what the lent instances
+                        generate until then, not that mini-batch once its sequences run (`_predict_end`)
     actor        t = reshard(now -> new); for each iter j left: t = max(t, ready_j) + iter_time(dp), a DP rank
                  training whole micro-batches (dp 3 of 8 micro-batches trains 3/8 per rank, not 1/3);
                  iters that start after T_r run on every device (the actor grows then; one more reshard)
