@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(dp, a.iters, a.micro_batch, a.num_mb, a.seq, cores, model)
         res["runs"].append(r)
         b, o = r["after_backward"], r["overlapped"]
+        lim = r["overlapped_over_limit"]
         print(f"dp {dp}: after the last backward {b['seconds']:.3f} s/iter (sync {b.get('sync', 0):.3f}), "
               f"overlapped {o['seconds']:.3f} (sync {o.get('sync', 0):.3f}): {r['speedup_vs_after_backward']:.2f}x; "
-              f"overlapped / limit (no sync) {r['overlapped_over_limit']:.2f}; bit-identical {r['bit_identical']}",
+              f"overlapped / limit (no sync) {'-' if lim is None else f'{lim:.2f}'}; "
+              f"bit-identical {r['bit_identical']}",
               flush=True)
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)

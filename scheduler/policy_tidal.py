@@ -127,6 +127,8 @@ class Timeline(NamedTuple):
     #: seconds until the next mini-batch is generated at the earliest: when all its sequences run, their longest
     #: remaining one (0 when some have not started)
     first_floor: float
+    #: sequences of the next mini-batch (and earlier ones) not generated yet, at most all that is still running
+    first_unfinished: int
     first_started: bool   #: every sequence of the next mini-batch has started (more instances cannot help it)
 
 
@@ -158,12 +160,14 @@ def _timeline(state: SchedState, sig: Signals) -> Timeline:
         else:   # the learned readiness curve, rescaled to the rollout time left (0: due now, by the curve)
             frac = max(0.0, (state.time_fraction(need / total) - f_now) / (1.0 - f_now))
         out.append((j, frac, step_tokens * state.iter_share(j)))
-    # groups are dealt in id order and slots refill as sequences end, so the generated prefix plus a slots' worth
-    # per instance have started
-    started = sig.groups_generated * p.group_size + int(cols.id.size) * p.max_running_requests
-    first_started = started >= (sig.actor.iters_done + 1) * p.sequences_per_iter
+    # groups are dealt in id order and slots refill as sequences end, so beyond the generated prefix a slots'
+    # worth per instance has started
+    running = int(cols.running.sum()) if cols.id.size else 0
+    unfinished = max(0, min(running, (sig.actor.iters_done + 1) * p.sequences_per_iter
+                            - sig.groups_generated * p.group_size))
+    first_started = unfinished <= int(cols.id.size) * p.max_running_requests
     floor = c.decode.step_s * sig.started_tail_tokens * state.rollout_time_factor if first_started else 0.0
-    return Timeline(lag, out, floor, first_started)
+    return Timeline(lag, out, floor, unfinished, first_started)
 
 
 def _predict_end(state: SchedState, sig: Signals, remaining: float, tail: float, n_inst: int,
@@ -484,12 +488,10 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra, timeline=tl)
     best = (base, 0, layout.size)
     guard = margin(state, base)
-    # sequences of the next mini-batch (and earlier) not generated yet: when the instances left after a release
-    # cannot hold them all in their slots, the rest waits for slots, about one more longest sequence. Without
-    # this, on the GPU machine's host, tidal released instances at step start while the first mini-batch (the
-    # first wave, exactly every slot) ran, and it came ~0.7 s later (ninth session)
-    first = sig.actor.iters_done
-    unfinished_first = min(running, (first + 1) * p.sequences_per_iter - sig.groups_generated * p.group_size)
+    # when the instances left after a release cannot hold the next mini-batch's unfinished sequences
+    # (`Timeline.first_unfinished`) in their slots, the rest waits for slots, about one more longest sequence.
+    # Without this, on the GPU machine's host, tidal released instances at step start while the first mini-batch
+    # (the first wave, exactly every slot) ran, and it came ~0.7 s later (ninth session)
     wave_s = c.decode.step_s * tail * state.rollout_time_factor
     for j in sorted(js):
         if not j or (j == n and running) or (returning and not p.grow_on_return):
@@ -498,7 +500,7 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
         if size <= layout.size:
             continue
         cost = extra + c.rollout_release_s
-        late = wave_s if unfinished_first > (n - j) * p.max_running_requests else 0.0
+        late = wave_s if tl.first_unfinished > (n - j) * p.max_running_requests else 0.0
         end = _predict_end(state, sig, remaining, tail, n - j, slowest, lent_moved + moved_prefix[j], size,
                            full, cost, timeline=tl, first_delay=late)
         if end + guard < best[0]:

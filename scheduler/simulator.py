@@ -70,11 +70,11 @@ __all__ = ["SimEvent", "SimResult", "StepStats", "simulate"]
 DRAIN_BATCH = 8
 
 
-
 def _started(w: Work, started: bool) -> Work:
     """The sequences of `w` that have generated tokens (`started`) or not, in their order."""
     keep = (w.prog > 0) == started
     return Work(w.gid[keep], w.rem[keep], w.prog[keep])
+
 
 class _Actor:
     def __init__(self, layout: ActorLayout):
