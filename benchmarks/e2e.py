@@ -53,14 +53,14 @@ FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, la
 def parse_variant(label: str) -> tuple[str, dict[str, str]]:
     """`tidal+grow_on_return=true+margin_s=0` -> ("tidal", {"grow_on_return": "true", "margin_s": "0"}): a
     policy with `scheduler.*` keys overridden, run side by side with the plain ones (config validation checks
-    the keys and values)."""
+    the keys and values). A dotted key names another section: `static+rollout.slices_ahead=1`."""
     policy, *sets = label.split("+")
     over = {}
     for kv in sets:
         k, eq, v = kv.partition("=")
         if not eq or not k:
-            raise SystemExit(f"--policies: {kv!r} in {label!r} is not KEY=VALUE (a scheduler.* key), "
-                             "e.g. tidal+grow_on_return=true")
+            raise SystemExit(f"--policies: {kv!r} in {label!r} is not KEY=VALUE (a scheduler.* key, or "
+                             "SECTION.KEY), e.g. tidal+grow_on_return=true or tidal+rollout.slices_ahead=1")
         over[k] = v
     return policy, over
 
@@ -68,6 +68,8 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
 def build(label: str, a: argparse.Namespace, out: Path):
     from tidal.config import build_config
     policy, over = parse_variant(label)
+    sections = {k: v for k, v in over.items() if "." in k}
+    over = {k: v for k, v in over.items() if "." not in k}
     seq = 16 + a.max_new_tokens  # 9-token prompts + the response cap, rounded up
     name = "e2e-" + label.replace("+", "_").replace("=", "-")
     raw = {
@@ -87,6 +89,9 @@ def build(label: str, a: argparse.Namespace, out: Path):
         "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
         "warm_start": {"iters": 0},
     }
+    for key, v in sections.items():
+        sec, _, k = key.partition(".")
+        raw.setdefault(sec, {})[k] = v
     return build_config(raw, [])
 
 
@@ -119,7 +124,11 @@ class PolicyRun:
              "reward_mean": m.get("grpo/reward_mean", 0.0),
              "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
              # the devices' own speed in this step: median seconds per engine pump inside the rollout instances
-             "pump_s": m.get("rollout/pump_s_median", 0.0)}
+             "pump_s": m.get("rollout/pump_s_median", 0.0),
+             # rollout instances holding work: seconds generating, in call overhead, and with no call to run
+             "rollout_busy_s": m.get("rollout/busy_s", 0.0),
+             "rollout_call_overhead_s": m.get("rollout/call_overhead_s", 0.0),
+             "rollout_gap_s": m.get("rollout/gap_s", 0.0)}
         s["pumps"] = s["seconds"] / s["pump_s"] if s["pump_s"] else 0.0   # step time in pumps: drift removed
         self.steps.append(s)
         print(f"  [{self.policy}] step {s['step']}: {res.seconds:.2f}s idle {s['idle_fraction']:.2f} "

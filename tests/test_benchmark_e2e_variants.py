@@ -46,3 +46,11 @@ def test_bad_variants_name_the_fix(e2e, tmp_path):
         e2e.build("tidal+margin_s=-1", args(), tmp_path)
     with pytest.raises(ConfigError, match="scheduler.no_such_key"):
         e2e.build("tidal+no_such_key=1", args(), tmp_path)
+
+
+def test_variant_dotted_key_overrides_another_section(e2e, tmp_path):
+    cfg = e2e.build("static+rollout.slices_ahead=1", args(), tmp_path)
+    assert (cfg.rollout.slices_ahead, cfg.cluster.auto_scheduler) == (1, False)
+    assert e2e.build("tidal", args(), tmp_path).rollout.slices_ahead == 2
+    with pytest.raises(ConfigError, match="rollout.slices_ahead"):
+        e2e.build("tidal+rollout.slices_ahead=0", args(), tmp_path)

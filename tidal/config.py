@@ -114,6 +114,9 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    slices_ahead: int = Field(
+        2, ge=1, le=4, description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 "
+        "the next slice starts on the worker as the current one returns, not after the driver's round trip.")
 
 
 class InferenceConfig(Section):

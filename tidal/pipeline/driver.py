@@ -93,6 +93,13 @@ class StepState:
     # (tp, dp, tokens, wall seconds) of every actor iter: its cost per layout, measured
     iter_samples: list[tuple[int, int, float, float]] = field(default_factory=list)
     iter_tokens: float = 0.0
+    # rollout instances' time the driver can see: seconds their calls spent generating (`busy_s`), their calls'
+    # wall time (submit -> result), and the gaps in which an instance held work but had no call to run it
+    rollout_busy_s: float = 0.0
+    rollout_call_s: float = 0.0
+    rollout_gap_s: float = 0.0
+    waiting_since: dict[int, float] = field(default_factory=dict)   # instance -> since when it holds work, no call
+    last_result: dict[int, float] = field(default_factory=dict)     # instance -> when its last call came back
 
 
 class Cluster:
@@ -117,6 +124,9 @@ class Cluster:
     def busy(self, device: int) -> bool:
         return any(f.device == device for f in self.inflight.values())
 
+    def calls(self, device: int, kind: str) -> int:
+        return sum(f.device == device and f.kind == kind for f in self.inflight.values())
+
     def wait_any(self, timeout: float) -> list[tuple[_Flight, Any]]:
         import ray  # imported late: Ray reads its environment (loopback, auth) at import time
         if not self.inflight:
@@ -132,13 +142,20 @@ class Cluster:
         """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`. Rollout time
         slices among them are interrupted first: they end after the engine pump in progress instead of running
         out their slice (up to `slice_s`, 0.1 s, per migration wave on the critical path otherwise)."""
-        slices = sorted({f.device for f in self.inflight.values()
-                         if f.kind == "rollout" and (devices is None or f.device in devices)})
-        if slices:
-            self.group.interrupt(slices, ROLLOUT_INTERRUPT)
+        def slices() -> list[int]:
+            return sorted({f.device for f in self.inflight.values()
+                           if f.kind == "rollout" and (devices is None or f.device in devices)})
+        if slices():
+            self.group.interrupt(slices(), ROLLOUT_INTERRUPT)
         while any(devices is None or f.device in devices for f in self.inflight.values()):
-            for f, res in self.wait_any(1.0):
+            got = self.wait_any(1.0)
+            for f, res in got:
                 handle(f, res)
+            # a slice queued behind the one interrupted (the driver keeps two per instance) starts after the
+            # interrupt was taken: interrupt it too, so it ends after one pump rather than running its budget
+            again = [f.device for f, _ in got if f.kind == "rollout" and f.device in slices()]
+            if again:
+                self.group.interrupt(sorted(set(again)), ROLLOUT_INTERRUPT)
 
     def record(self, kind: str, **fields) -> dict:
         ev = {"kind": kind, "time": self.clock(), **fields}
@@ -240,6 +257,10 @@ class Pipeline:
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
         if st.pump_samples:
             metrics["rollout/pump_s_median"] = statistics.median(st.pump_samples)
+        # where rollout instances holding work spent their time: generating, in call overhead, waiting for a call
+        metrics["rollout/busy_s"] = st.rollout_busy_s
+        metrics["rollout/call_overhead_s"] = st.rollout_call_s - st.rollout_busy_s
+        metrics["rollout/gap_s"] = st.rollout_gap_s
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
         return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
@@ -278,28 +299,37 @@ class Pipeline:
         return 2 * max(1, self.cfg.rollout.max_running_requests // self.cfg.algorithm.group_size)
 
     def _feed_rollout(self) -> None:
-        """Idle instances pull whole groups from the step's one queue: up to their capacity, and no more than a
-        fair share of what is left, so early pullers do not take everything. Groups are dealt round robin (lowest
-        ids first, one per instance per round), so each instance's first wave holds the lowest ids: the actor
-        trains iter k on a prefix of group ids, and with consecutive ids per instance (0-3 on one, 4-7 on the
-        next) half of mini-batch 0 waited for a second wave while later mini-batches ran in the first."""
+        """Instances pull whole groups from the step's one queue: up to their capacity, and no more than a fair
+        share of what is left, so early pullers do not take everything. Groups are dealt round robin (lowest ids
+        first, one per instance per round), so each instance's first wave holds the lowest ids: the actor trains
+        iter k on a prefix of group ids, and with consecutive ids per instance (0-3 on one, 4-7 on the next) half
+        of mini-batch 0 waited for a second wave while later mini-batches ran in the first.
+
+        An instance with work keeps `rollout.slices_ahead` time slices queued: the next one starts on the worker
+        the moment the current one returns, instead of after the result's round trip through the driver and
+        whatever the driver does meanwhile (applying a scheduler action: 0.1-0.7 s per step, instances stalled)."""
         st, c = self.step_state, self.cluster
         share = -(-len(st.queue) // max(1, len(c.rollout)))
-        idle = [inst for inst in c.rollout if not c.busy(inst)]
-        give: dict[int, list] = {inst: [] for inst in idle}
+        ahead = self.cfg.rollout.slices_ahead
+        room = {inst: ahead - c.calls(inst, "rollout") for inst in c.rollout}
+        open_ = [inst for inst in c.rollout if room[inst] > 0]
+        give: dict[int, list] = {inst: [] for inst in open_}
         cap = self._capacity_groups()
         dealt = True
         while st.queue and dealt:
             dealt = False
-            for inst in idle:
+            for inst in open_:
                 if st.queue and len(give[inst]) < share and st.given.get(inst, 0) + len(give[inst]) < cap:
                     give[inst].append(st.queue.popleft())
                     dealt = True
-        for inst in idle:
+        now = self.clock()
+        for inst in open_:
             if not give[inst] and st.given.get(inst, 0) == 0:
                 continue  # nothing to do there
             st.given[inst] = st.given.get(inst, 0) + len(give[inst])
             st.total_given[inst] = st.total_given.get(inst, 0) + len(give[inst]) * self.cfg.algorithm.group_size
+            if inst in st.waiting_since:
+                st.rollout_gap_s += now - st.waiting_since.pop(inst)
             c.submit("rollout", inst, "rollout_run", groups=give[inst], budget_s=self.slice_s)
 
     def _feed_inference(self) -> None:
@@ -362,13 +392,20 @@ class Pipeline:
         if f.kind == "rollout":
             records, sig = res
             st.signals[f.device] = sig
+            # the call's own span: from its submission, or from the result of the call it was queued behind
+            t0 = max(f.t0, st.last_result.get(f.device, f.t0))
+            st.last_result[f.device] = now
             if sig.get("call_tokens", 0) > 0:   # seconds per decode step as the driver sees it: call overhead,
                 b = sig["mean_batch"]                # admissions and the machine's contention included
-                st.decode_samples.append((b, (now - f.t0) * b / sig["call_tokens"]))
+                st.decode_samples.append((b, (now - t0) * b / sig["call_tokens"]))
             if sig.get("pumps", 0) > 0:
                 st.pump_samples.append(sig["busy_s"] / sig["pumps"])
-            c.timeline.add_busy([f.device], "rollout", "generate", f.t0, now)
+            c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
+            st.rollout_busy_s += sig.get("busy_s", 0.0)
+            st.rollout_call_s += now - t0
+            if st.given[f.device] and not c.calls(f.device, "rollout"):
+                st.waiting_since[f.device] = now
             st.generated += len(records)
             st.gen_time.update((r.group_id, now) for r in records)
             st.to_score.extend(records)
