@@ -59,26 +59,26 @@ def _prefix(done: dict, n: int) -> int:
 MAX_FAILURES_PER_STEP = 5
 
 
-def _move_reported(signals: dict[int, dict], src: int, dst: int, pkg: dict) -> None:
+def _move_reported(signals: dict[int, dict], src: int, dst: int, moved: dict) -> None:
     """Carry a migration's work from `src`'s last report to `dst`'s: its open groups and their sequences in the
-    engine (running or waiting, with the tokens they generated). Queued groups need nothing: the reports count
-    them as given minus in progress. Dropping both reports instead (before) made the length model read every
-    group `dst` held as unstarted: on the CPU e2e run 19 sequences left read as 88 after a 3-group move, and the
-    policy lent the actor's devices to a rollout that was nearly done. Without a report for `dst`, both go
-    and the estimate falls back to the given groups until the next reports."""
+    engine (running or waiting, with the tokens they generated); `moved` is the package's summary
+    (`roles.package_summary`). Queued groups need nothing: the reports count them as given minus in progress.
+    Dropping both reports instead (before) made the length model read every group `dst` held as unstarted: on
+    the CPU e2e run 19 sequences left read as 88 after a 3-group move, and the policy lent the actor's devices
+    to a rollout that was nearly done. Without a report for `dst`, both go and the estimate falls back to the
+    given groups until the next reports."""
     a, b = signals.get(src), signals.get(dst)
     if a is None or b is None:
         signals.pop(src, None)
         signals.pop(dst, None)
         return
-    seqs = len(pkg["states"])
-    tokens = sum(len(x.token_ids) for x in pkg["states"])
+    seqs, tokens, opened = moved["requests"], moved["tokens"], moved["open"]
     started_a = a.get("running", 0) + a.get("waiting", 0)
     signals[src] = {**a, "running": max(0, started_a - seqs), "waiting": 0,
                     "progress": max(0, a.get("progress", 0) - tokens),
-                    "groups_in_progress": max(0, a.get("groups_in_progress", 0) - len(pkg["open"]))}
+                    "groups_in_progress": max(0, a.get("groups_in_progress", 0) - opened)}
     signals[dst] = {**b, "running": b.get("running", 0) + seqs, "progress": b.get("progress", 0) + tokens,
-                    "groups_in_progress": b.get("groups_in_progress", 0) + len(pkg["open"])}
+                    "groups_in_progress": b.get("groups_in_progress", 0) + opened}
 
 
 class Reconciler:
@@ -92,10 +92,11 @@ class Reconciler:
         self.lengths = LengthModel.prior(pipeline.cfg.rollout.max_new_tokens)
         self.inf_lent: list[int] = []     # inference devices now hosting rollout instances (LendInference)
         # rank sets whose process groups every worker has made (mirrors engine.groups.GroupCache: the initial
-        # layout's at actor_init, then every world-wide reshard's), and the layout notes still in flight
+        # layout's at actor_init, then every world-wide reshard's), and the calls not waited for (layout notes to
+        # workers outside a member-local reshard, a migration wave's commits): their results are checked at step end
         init = pipeline.initial_layout
         self._rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(init) if len(r) >= 2}
-        self._layout_notes: list = []
+        self._notes: list = []
         self._predictions: list[tuple[float, float, float, int]] = []   # rollout left, noted: see learn
         self._t_start = 0.0
         self._failures: dict[int, int] = {}   # failed actions per step: the breaker below
@@ -173,8 +174,8 @@ class Reconciler:
             self._t_start = now
         if trigger == "step_end":
             self.restore()
-            self.p.group.gather(self._layout_notes)   # a failed note is a bug: raise it here, not later
-            self._layout_notes = []
+            self.p.group.gather(self._notes)   # a failed note or commit is a bug: raise it here, not later
+            self._notes = []
             self.learn()
             return True
         step = self.p.step_state.step
@@ -294,44 +295,56 @@ class Reconciler:
         c, g, st = self.p.cluster, self.p.group, self.p.step_state
         self._idle({d for s, t, _ in wave for d in (s, t)})
         t0 = self.p.clock()
-        # one call per device and phase: each source exports its moves' counts in wave order, each target imports
-        # its packages in wave order, each source settles its exports (commit, or cancel where the import failed)
+        # one call per device and phase: each source exports its moves' counts in wave order; each target, at
+        # once, imports its packages in wave order straight from the exports' results in the object store (it
+        # waits for them itself: one round trip for the driver, and the KV caches never pass through it); then
+        # each source settles its exports (commit, or cancel where the import failed)
         by_src: dict[int, list[int]] = {}
         by_dst: dict[int, list[int]] = {}
         for k, (s, t, _) in enumerate(wave):
             by_src.setdefault(s, []).append(k)
             by_dst.setdefault(t, []).append(k)
-        pkgs: list[dict] = [{}] * len(wave)
-        hs = [g.submit(s, f"{ROLES}:rollout_export_many", counts=[wave[k][2] for k in ks]) for s, ks in by_src.items()]
-        for ks, got in zip(by_src.values(), g.gather(hs)):
-            for k, pkg in zip(ks, got):
-                pkgs[k] = pkg
-        hs = [g.submit(t, f"{ROLES}:rollout_import_many", packages=[pkgs[k] for k in ks]) for t, ks in by_dst.items()]
-        failed: list[tuple[int, str]] = []
+        exports = {s: g.submit(s, f"{ROLES}:rollout_export_many", counts=[wave[k][2] for k in ks])
+                   for s, ks in by_src.items()}
+        where = {k: (exports[s].ref, i) for s, ks in by_src.items() for i, k in enumerate(ks)}
+        hs = [g.submit(t, f"{ROLES}:rollout_import_from", sources=[where[k] for k in ks]) for t, ks in by_dst.items()]
+        res: list[dict] = [{}] * len(wave)
         for ks, h in zip(by_dst.values(), hs):
             try:
                 got = g.gather([h])[0]
             except Exception as err:   # the target's whole call failed: its moves stay on their sources
-                failed += [(k, f"{type(err).__name__}: {err}") for k in ks]
-                continue
-            failed += [(k, r["error"]) for k, r in zip(ks, got) if not r["ok"]]
-        bad = {k for k, _ in failed}
-        g.gather([g.submit(s, f"{ROLES}:rollout_settle_exports", receipts=[export_receipt(pkgs[k]) for k in ks],
-                           commit=[k not in bad for k in ks]) for s, ks in by_src.items()])
+                got = [{"ok": False, "error": f"{type(err).__name__}: {err}"}] * len(ks)
+            for k, r in zip(ks, got):
+                res[k] = r
+        failed = [(k, r["error"]) for k, r in enumerate(res) if not r["ok"]]
+        # a source settles every move whose export it made; a move whose target failed as a whole has no receipt
+        # from it: read the source's own export result (rare path: the driver fetches that package once)
+        for k, r in enumerate(res):
+            if "receipt" not in r and not r.get("error", "").startswith("export:"):
+                try:
+                    pkg = g.gather([exports[wave[k][0]]])[0][by_src[wave[k][0]].index(k)]
+                    res[k] = {**r, "receipt": export_receipt(pkg)}
+                except Exception:  # noqa: BLE001 - the export itself failed: nothing to settle
+                    pass
+        settles = [g.submit(s, f"{ROLES}:rollout_settle_exports", receipts=[res[k]["receipt"] for k in ks
+                                                                             if "receipt" in res[k]],
+                            commit=[res[k]["ok"] for k in ks if "receipt" in res[k]]) for s, ks in by_src.items()]
+        if failed:
+            g.gather(settles)   # a cancel must be done before the failure is reported and the run goes on
+        else:   # commits are ordered before any later call on their sources; checked with the layout notes
+            self._notes += settles
         t1 = self.p.clock()
-        for k, ((src, dst, _), pkg) in enumerate(zip(wave, pkgs)):
-            if k in bad:
+        for k, ((src, dst, _), r) in enumerate(zip(wave, res)):
+            if not r["ok"]:
                 continue
-            moved = len(pkg["queued"]) + len(pkg["open"])
+            moved = r["queued"] + r["open"]
             st.given[src] = max(0, st.given.get(src, 0) - moved)
             st.given[dst] = st.given.get(dst, 0) + moved
-            _move_reported(st.signals, src, dst, pkg)
-            kv = sum(sum(kk.numel() * kk.element_size() + v.numel() * v.element_size() for kk, v in s.kv)
-                     for s in pkg["states"] if s.kv is not None)
-            c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=len(pkg["states"]),
-                     kv_bytes=kv, mode="kv", seconds=t1 - t0, wave=len(wave))
+            _move_reported(st.signals, src, dst, r)
+            c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=r["requests"],
+                     kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave))
             out["groups"] += moved
-            out["kv_bytes"] += kv
+            out["kv_bytes"] += r["kv_bytes"]
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
         if failed:
             k, err = min(failed)
@@ -419,7 +432,7 @@ class Reconciler:
         self._rank_sets.update(sets)
         if local:   # the others learn the layout in order, without waiting for them now
             others = [d for d in g.device_ids if d not in members]
-            self._layout_notes += g.submit_all(f"{ROLES}:actor_set_layout", device_ids=others, layout=layout)
+            self._notes += g.submit_all(f"{ROLES}:actor_set_layout", device_ids=others, layout=layout)
         c.actor_layout = layout
         if leaving:
             ledger.release(leaving, f"actor shrinks to {layout}")

@@ -4,14 +4,16 @@ import torch
 
 from tidal.engine.generation.requests import Request, RequestState
 from tidal.scheduler.reconciler import _move_reported
+from tidal.workers.roles import package_summary
 
 
 def _pkg(tokens_per_request, open_groups, queued=0):
-    """An export package as `rollout_export` makes it: engine states of the moving requests, open groups, queued."""
+    """The summary of an export package as `rollout_export` makes it (engine states of the moving requests, open
+    groups, queued), as the target reports it to the driver."""
     states = [RequestState(Request(f"m/g0/i{k}", (1, 2, 3)), [5] * n, [0.0] * n, torch.zeros(8, dtype=torch.uint8),
                            0 if n else None) for k, n in enumerate(tokens_per_request)]
-    return {"states": states,
-            "open": {k: None for k in range(open_groups)}, "queued": [None] * queued}
+    return package_summary({"states": states, "open": {k: None for k in range(open_groups)},
+                            "queued": [None] * queued})
 
 
 def test_a_move_carries_its_sequences_and_their_progress():

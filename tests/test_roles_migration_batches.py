@@ -47,3 +47,36 @@ def test_a_receipt_carries_ids_not_kv_caches():
     st = RequestState(Request("m/g4/i0", (1, 2)), [5, 6], [0.0, 0.0], torch.zeros(8, dtype=torch.uint8), 0)
     rec = roles.export_receipt({"states": [st], "open": {4: ((1, 2), [])}, "queued": ["q"]})
     assert rec == {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}
+
+
+def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch):
+    """A target takes its packages straight from the sources' export results: per move the summary the driver
+    books (and the receipt its source settles with); a failed import keeps its receipt (the source cancels), a
+    failed export fails its moves with no receipt (nothing was exported)."""
+    import ray
+    import torch
+    st = RequestState(Request("m/g4/i0", (1, 2)), [5, 6], [0.0, 0.0], torch.zeros(8, dtype=torch.uint8), 0)
+    pkg = {"states": [st], "open": {4: ((1, 2), [])}, "queued": ["q"]}
+    bad = {"states": [], "open": {}, "queued": ["boom"]}
+    store = {"ref_a": [bad, pkg], "ref_b": RuntimeError("source died")}
+
+    def get(ref):
+        if isinstance(store[ref], Exception):
+            raise store[ref]
+        return store[ref]
+    monkeypatch.setattr(ray, "get", get)
+    imported = []
+
+    def imp(ctx, package):
+        if package["queued"] == ["boom"]:
+            raise ValueError("policy version 9 != 3")
+        imported.append(package)
+        return len(package["states"])
+    monkeypatch.setattr(roles, "rollout_import", imp)
+    got = roles.rollout_import_from(Ctx(), [("ref_a", 1), ("ref_b", 0), ("ref_a", 0)])
+    assert imported == [pkg]
+    assert got[0] == {"ok": True, "requests": 1, "tokens": 2, "open": 1, "queued": 1, "kv_bytes": 0,
+                      "receipt": {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}}
+    assert got[1] == {"ok": False, "error": "export: RuntimeError: source died"}
+    assert got[2] == {"ok": False, "error": "ValueError: policy version 9 != 3",
+                      "receipt": {"request_ids": [], "open": [], "queued": ["boom"]}}

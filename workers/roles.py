@@ -338,6 +338,44 @@ def rollout_import_many(ctx, packages: list) -> list[dict]:
     return out
 
 
+def package_summary(package: dict) -> dict:
+    """What the driver books for a move (sequences, their tokens, open and queued groups, KV bytes) and the
+    receipt its source settles with: everything about a package but the KV caches themselves."""
+    states = package["states"]
+    kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv)
+             for st in states if st.kv is not None)
+    return {"requests": len(states), "tokens": sum(len(st.token_ids) for st in states), "open": len(package["open"]),
+            "queued": len(package["queued"]), "kv_bytes": kv, "receipt": export_receipt(package)}
+
+
+def rollout_import_from(ctx, sources: list) -> list[dict]:
+    """`rollout_import_many` of packages still in the object store: `sources` is [(ref, k)], package k of the
+    list a source's `rollout_export_many` returns (the ref of that call). The target fetches them itself, so the
+    driver neither waits for the exports nor carries their KV caches. Per move: {"ok", **package_summary} (or
+    "error"); an export that failed fails its moves here, with its error and no receipt (nothing to settle)."""
+    import ray
+    got: dict = {}
+    for ref, _ in sources:
+        if ref not in got:
+            try:
+                got[ref] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - the source's export failed: its moves fail, the others go on
+                got[ref] = err
+    out = []
+    for ref, k in sources:
+        if isinstance(got[ref], Exception):
+            out.append({"ok": False, "error": f"export: {type(got[ref]).__name__}: {got[ref]}"})
+            continue
+        pkg = got[ref][k]
+        summary = package_summary(pkg)
+        try:
+            rollout_import(ctx, pkg)
+            out.append({"ok": True, **summary})
+        except Exception as err:  # noqa: BLE001 - reported per move; the driver cancels that move's export
+            out.append({"ok": False, "error": f"{type(err).__name__}: {err}", "receipt": summary["receipt"]})
+    return out
+
+
 def rollout_settle_exports(ctx, receipts: list, commit: list) -> None:
     """Commit (the target imported) or cancel (it failed) each export, in order."""
     for rec, ok in zip(receipts, commit, strict=True):

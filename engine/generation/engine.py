@@ -21,8 +21,8 @@ tails: run CPU engines with torch.set_num_threads(1) (our workers do) when bit-e
 
 Exactness guarantee (measured, see tests/test_generation.py): a request's tokens and log-probs are a function
 of (weights, prompt, sampling params, seed) only, not of which requests share its batch, its slot, or its
-arrival time, and not of migrations between engines with equal `numerics` (decode width, dtype, device type,
-TP size, max_seq_len; same torch build and thread count). Why: prefill is per request; decode has fixed shapes
+arrival time, and not of migrations between engines with equal `numerics` (decode rows, whether rows gather
+their slots, dtype, device type, TP size, max_seq_len; same torch build and thread count). Why: prefill is per request; decode has fixed shapes
 (R rows, S keys); sampling uses the request's own generator. Bigger batched prefills or a dynamic decode width
 would be faster but change round-off with batch composition (a flipped argmax/sample), so we do not use them.
 
@@ -132,7 +132,11 @@ class NativeEngine(GenerationEngine):
         self.width = width
         # decode rows: on CPU a multiple of 64, so no elementwise kernel has a scalar tail (see module doc)
         self.rows = width if self.device.type != "cpu" else -(-width // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
-        self.numerics = f"rows={self.rows},dtype={self.dtype},device={self.device.type},tp={self.tp},seq={s}"
+        # `gather`: rows read their slot's KV through the row -> slot index (padding rows), else the cache directly.
+        # The two paths differ by an ulp on some CPUs (AMD EPYC, AVX-512: 6 of 1,200 requests' log-probs between a
+        # 64-slot and a 16-slot engine, both 64 rows), so KV moves only between engines on the same path
+        self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
+                         f"device={self.device.type},tp={self.tp},seq={s}")
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
         self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
                                  self.dtype, self.device)
