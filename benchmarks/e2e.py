@@ -128,7 +128,10 @@ class PolicyRun:
              # rollout instances holding work: seconds generating, in call overhead, and with no call to run
              "rollout_busy_s": m.get("rollout/busy_s", 0.0),
              "rollout_call_overhead_s": m.get("rollout/call_overhead_s", 0.0),
-             "rollout_gap_s": m.get("rollout/gap_s", 0.0)}
+             "rollout_gap_s": m.get("rollout/gap_s", 0.0),
+             # garbage-collector pauses: the driver's (sum, longest) and the rollout instances' (sum)
+             "driver_gc_s": m.get("driver/gc_s", 0.0), "driver_gc_max_s": m.get("driver/gc_max_s", 0.0),
+             "rollout_gc_s": m.get("rollout/gc_s", 0.0)}
         s["pumps"] = s["seconds"] / s["pump_s"] if s["pump_s"] else 0.0   # step time in pumps: drift removed
         self.steps.append(s)
         print(f"  [{self.policy}] step {s['step']}: {res.seconds:.2f}s idle {s['idle_fraction']:.2f} "
@@ -322,10 +325,13 @@ def group_creation_s(events: list[dict], step: int) -> float:
 
 def event_summary(events: list[dict], steps: int) -> dict:
     """Where a policy's driver time and actor iters went, over the measured steps (>= 1): per action kind its
-    count and seconds per step; per actor data-parallel size the median iter and its phases (slowest rank)."""
+    count and seconds per step; per actor data-parallel size the median iter and its phases (slowest rank); the
+    median migration wave and reshard with their phases (driver side and workers')."""
     n = max(1, steps - 1)
     acts: dict[str, list[float]] = {}
     iters: dict[int, list[dict]] = {}
+    waves: dict[float, dict] = {}   # a wave records one migration event per move, all at one time
+    reshards: list[dict] = []
     for e in events:
         if e.get("step", 0) < 1:
             continue
@@ -333,9 +339,21 @@ def event_summary(events: list[dict], steps: int) -> dict:
             acts.setdefault(e["action"], []).append(e["seconds"])
         elif e["kind"] == "iter":
             iters.setdefault(e["dp"], []).append(e)
+        elif e["kind"] == "migration":
+            waves[e["time"]] = {"seconds": e["seconds"], "moves": e.get("wave", 1), **e.get("phases_s", {})}
+        elif e["kind"] == "reshard":
+            reshards.append({"seconds": e["seconds"], "worker_s": e.get("worker_s", 0.0),
+                             "idle_s": e.get("idle_s", 0.0), "prepare_s": e.get("prepare_s", 0.0),
+                             "call_s": e.get("call_s", 0.0), "gc_s": e.get("gc_s", 0.0),
+                             **e.get("phases_s", {})})
+
+    def medians(rows: list[dict]) -> dict:
+        keys = sorted({k for r in rows for k in r})
+        return {"count": len(rows), **{k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}} if rows \
+            else {"count": 0}
     out = {"actions": {k: {"per_step": len(v) / n, "seconds_per_step": sum(v) / n,
                            "median_s": statistics.median(v)} for k, v in sorted(acts.items())},
-           "iters": {}}
+           "iters": {}, "migration_waves": medians(list(waves.values())), "reshards": medians(reshards)}
     for dp, es in sorted(iters.items()):
         phases = sorted({p for x in es for p in x.get("phases_s", {})})
         out["iters"][dp] = {"count": len(es), "median_s": statistics.median(x["seconds"] for x in es),

@@ -293,6 +293,7 @@ class Reconciler:
 
     def _migrate_wave(self, wave: list[tuple[int, int, int | None]], out: dict) -> None:
         c, g, st = self.p.cluster, self.p.group, self.p.step_state
+        t_idle = self.p.clock()
         self._idle({d for s, t, _ in wave for d in (s, t)})
         t0 = self.p.clock()
         # one call per device and phase: each source exports its moves' counts in wave order; each target, at
@@ -334,6 +335,11 @@ class Reconciler:
         else:   # commits are ordered before any later call on their sources; checked with the layout notes
             self._notes += settles
         t1 = self.p.clock()
+        # where the wave went: draining its instances' slices, the slowest target's wait for (and fetch of) its
+        # exports and its imports, the rest (calls' round trips)
+        phases = {"drain": t0 - t_idle,
+                  "fetch": max((r.get("fetch_s", 0.0) for r in res), default=0.0),
+                  "import": max((r.get("import_s", 0.0) for r in res), default=0.0)}
         for k, ((src, dst, _), r) in enumerate(zip(wave, res)):
             if not r["ok"]:
                 continue
@@ -342,7 +348,8 @@ class Reconciler:
             st.given[dst] = st.given.get(dst, 0) + moved
             _move_reported(st.signals, src, dst, r)
             c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=r["requests"],
-                     kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave))
+                     kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave),
+                     phases_s={k: round(v, 4) for k, v in phases.items()})
             out["groups"] += moved
             out["kv_bytes"] += r["kv_bytes"]
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
@@ -364,17 +371,24 @@ class Reconciler:
             if st.given.get(inst, 0):
                 raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
                                    "take them")
-            self.p.ledger.release([inst], "rollout instance released")
+        g = self.p.group
+        self.p.ledger.release(list(instance_ids), "rollout instance released")
+        handles = [g.submit(inst, f"{ROLES}:rollout_release") for inst in instance_ids]   # all at once
+        refused = None
+        for inst, h in zip(instance_ids, handles):
             try:
-                self.p.group.call(inst, f"{ROLES}:rollout_release")
-            except Exception:   # the instance still runs (it refused): it stays a rollout instance
+                g.gather([h])
+            except Exception as err:   # the instance still runs (it refused): it stays a rollout instance
                 self.p.ledger.land([inst], Owner.ROLLOUT, "release refused: rolled back")
-                raise
+                refused = refused or err
+                continue
             c.rollout.remove(inst)
             if back_to is Owner.FREE:
                 self.p.ledger.free([inst], "rollout freed its memory")
             else:
                 self.p.ledger.land([inst], back_to, "returned to the actor")
+        if refused is not None:
+            raise refused
         return {"devices": list(instance_ids)}
 
     def release_inference(self, devices) -> dict:
@@ -386,8 +400,9 @@ class Reconciler:
         if len(devices) == len(c.inference) and (self.p.step_state.to_score or self.p.step_state.scoring):
             raise RuntimeError("inference still has groups to score; release it when done")
         self.p.ledger.release(devices, "inference released")
+        g = self.p.group
+        g.gather([g.submit(d, f"{ROLES}:inference_release") for d in devices])
         for d in devices:
-            self.p.group.call(d, f"{ROLES}:inference_release")
             c.inference.remove(d)
         self.p.ledger.free(devices, "inference freed its memory")
         return {"devices": list(devices)}
@@ -414,7 +429,9 @@ class Reconciler:
         sets = reshard_rank_sets(old, layout)
         local = all(r in self._rank_sets for r in sets)
         members = sorted(set(old.devices) | set(layout.devices))
+        t_idle = self.p.clock()
         self._idle(set(members) if local else set(g.device_ids))
+        idle_s = self.p.clock() - t_idle
         joining = [d for d in layout.devices if d not in old.devices]
         leaving = [d for d in old.devices if d not in layout.devices]
         ledger.assign(joining, Owner.ACTOR, f"actor grows to {layout}")
@@ -422,6 +439,7 @@ class Reconciler:
         try:
             ranks = members if local else list(g.device_ids)
             prepared = self._prepare(old, layout, ranks)
+            prepare_s = self.p.clock() - t0
             handles = [g.submit(d, f"{ROLES}:actor_reshard", layout=layout, current=old, local=local,
                                 prepared=prepared.get(d)) for d in ranks]
             reports = [r for r in g.gather(handles) if r is not None]
@@ -443,11 +461,14 @@ class Reconciler:
         # the workers' own reshard time excludes creating the layout's process groups (first use of a layout:
         # collective over the world, seconds on capped CPU workers); the rest of `secs` is that plus call overhead
         work = max(r["seconds"] for r in reports)
+        call = max(r.get("call_s", 0.0) for r in reports)   # the workers' whole call (layout sync, rebind)
+        gc_s = max(r.get("gc_s", 0.0) for r in reports)
         phases = {k[len("phase_"):-2]: round(max(r.get(k, 0.0) for r in reports), 4)
                   for k in sorted({k for r in reports for k in r if k.startswith("phase_")})}
         c.record("reshard", step=self.p.step_state.step, iter=self.p.step_state.iters_done, from_layout=str(old),
                  to_layout=str(layout), bytes_moved=moved, seconds=secs, worker_s=work, phases_s=phases,
-                 prepared=all(r.get("prepared") for r in reports),
+                 prepared=all(r.get("prepared") for r in reports), idle_s=idle_s, prepare_s=prepare_s,
+                 call_s=call, gc_s=gc_s,
                  devices=list(layout.devices), scope="members" if local else "world")
         return {"bytes_moved": moved}
 

@@ -79,3 +79,18 @@ def test_event_summary_prices_actions_per_step_and_iters_per_dp(e2e):
     assert out["iters"][2] == {"count": 2, "median_s": pytest.approx(0.7), "compute_s": pytest.approx(0.55),
                                "sync_s": pytest.approx(0.15)}
     assert out["iters"][8]["count"] == 1
+
+
+def test_event_summary_counts_a_migration_wave_once_and_reports_reshard_phases(e2e):
+    wave = {"kind": "migration", "step": 1, "time": 5.0, "seconds": 0.05, "wave": 2,
+            "phases_s": {"drain": 0.01, "fetch": 0.02, "import": 0.005}}
+    ev = [wave, {**wave, "src": 3},   # two moves of one wave
+          {**wave, "time": 7.0, "seconds": 0.15, "phases_s": {"drain": 0.03, "fetch": 0.1, "import": 0.01}},
+          {"kind": "reshard", "step": 1, "seconds": 0.06, "worker_s": 0.03, "idle_s": 0.0, "prepare_s": 0.01,
+           "phases_s": {"vote": 0.005, "transfer": 0.02}}]
+    out = e2e.event_summary(ev, steps=2)
+    assert out["migration_waves"] == {"count": 2, "seconds": pytest.approx(0.1), "moves": 2,
+                                      "drain": pytest.approx(0.02), "fetch": pytest.approx(0.06),
+                                      "import": pytest.approx(0.0075)}
+    assert out["reshards"]["count"] == 1 and out["reshards"]["vote"] == 0.005 and out["reshards"]["prepare_s"] == 0.01
+    assert e2e.event_summary([], steps=2)["reshards"] == {"count": 0}

@@ -75,6 +75,8 @@ def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch
     monkeypatch.setattr(roles, "rollout_import", imp)
     got = roles.rollout_import_from(Ctx(), [("ref_a", 1), ("ref_b", 0), ("ref_a", 0)])
     assert imported == [pkg]
+    for r in got:   # the call's own timing, on every move
+        assert r.pop("fetch_s") >= 0 and r.pop("import_s") >= 0
     assert got[0] == {"ok": True, "requests": 1, "tokens": 2, "open": 1, "queued": 1, "kv_bytes": 0,
                       "receipt": {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}}
     assert got[1] == {"ok": False, "error": "export: RuntimeError: source died"}

@@ -125,6 +125,19 @@ def test_interrupt_ends_a_polling_call_early_and_only_on_the_named_devices(group
     assert not group4.call(7, P + "wait_for_interrupt", name="slice", seconds=0.2, timeout=30)["interrupted"]
 
 
+@pytest.mark.timeout(120)
+def test_a_numbered_interrupt_ends_every_call_queued_up_to_it_and_no_later_one(group4):
+    """The driver keeps two rollout slices queued per instance: one interrupt must end both (the running one and
+    the one behind it), and must not touch a slice submitted after it."""
+    hs = [group4.submit(5, P + "wait_for_interrupt", name="slice", seconds=3.0, seq=k) for k in (0, 1)]
+    time.sleep(0.3)
+    group4.interrupt([5], "slice", upto={5: 1})
+    later = group4.submit(5, P + "wait_for_interrupt", name="slice", seconds=0.3, seq=2)
+    a, b, c = group4.gather([*hs, later], timeout=30)
+    assert a["interrupted"] and b["interrupted"] and b["after_s"] < 0.5, (a, b)
+    assert not c["interrupted"] and c["after_s"] >= 0.3
+
+
 @pytest.mark.timeout(180)
 def test_killed_worker_is_reported_by_device_id_within_bounded_time(ray_session):
     group = WorkerGroup.start([4, 1], "cpu")

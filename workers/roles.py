@@ -26,6 +26,7 @@ from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import RequestState, SamplingParams
 from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
 from tidal.engine.layout import Layout
+from tidal.workers.gc_pauses import GcPauses
 from tidal.engine.model import ModelArgs, Transformer
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
@@ -65,6 +66,7 @@ def _resolve(value: Any) -> Any:
 
 def setup(ctx, spec: RunSpec) -> int:
     torch.set_num_threads(1)
+    GcPauses.install()
     ctx.state["run"] = spec
     ctx.state["tok"] = CharTokenizer(spec.tokenizer_chars)
     # Warm-up: the first model built on the meta device imports torch's meta kernels, seconds of CPU that a
@@ -72,6 +74,11 @@ def setup(ctx, spec: RunSpec) -> int:
     # 7 s of a 7.3 s reshard at 0.25 core).
     Transformer(spec.args, device=torch.device("meta"))
     return ctx.device_id
+
+
+def freeze_gc(ctx) -> None:
+    """After setup (model, actor state, engine built): later collections skip what exists now (`GcPauses`)."""
+    GcPauses.freeze()
 
 
 # ---- actor ------------------------------------------------------------------------------------------------
@@ -116,6 +123,7 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
             if k != "grpo/loss":
                 out[k] = out.get(k, 0.0) + v
     out["actor/microbatches"] = report.num_microbatches
+    out["actor/gc_s"] = GcPauses.install().take()[0]
     return out
 
 
@@ -153,7 +161,7 @@ def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: boo
     groups_s = time.perf_counter() - t0
     report = shard.reshard(layout, local=local, prepared=prepared)
     return {"bytes_moved": report.bytes_moved, "seconds": report.seconds, "held_bytes": shard.held_bytes(),
-            "prepared": report.prepared,
+            "prepared": report.prepared, "gc_s": GcPauses.install().take()[0],
             "groups_s": groups_s, "call_s": time.perf_counter() - t0,
             **{f"phase_{k}_s": v for k, v in getattr(report, "phase_seconds", {}).items()}}
 
@@ -219,10 +227,11 @@ def _to_record(g, task, tok, step: int) -> RolloutGroup:
 ROLLOUT_INTERRUPT = "rollout_slice"
 
 
-def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[RolloutGroup], dict]:
+def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int = -1) -> tuple[list[RolloutGroup], dict]:
     """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
-    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver), and return the finished groups with rewards
-    plus this instance's signals."""
+    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver: of this call's number `seq` when given, so
+    one interrupt ends every slice queued before it), and return the finished groups with rewards plus this
+    instance's signals."""
     r = ctx.state["rollout"]
     spec: RunSpec = ctx.state["run"]
     r["queue"].extend(groups)
@@ -233,8 +242,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
-        if ctx.take_interrupt(ROLLOUT_INTERRUPT):   # the driver is about to move work off or onto this instance
-            break
+        if (ctx.interrupted(ROLLOUT_INTERRUPT, seq) if seq >= 0 else ctx.take_interrupt(ROLLOUT_INTERRUPT)):
+            break   # the driver is about to move work off or onto this instance
         inst.pump()
         pumps += 1
         batch += r["engine"].num_running()
@@ -250,6 +259,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float) -> tuple[list[R
                      "waiting": s.waiting_requests, "tokens": s.tokens_generated, "token_rate": s.token_rate,
                      "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
                      "busy_s": time.perf_counter() - t0, "pumps": pumps, "mean_batch": batch / max(1, pumps),
+                     "gc_s": GcPauses.install().take()[0],
                      "call_tokens": s.tokens_generated - tokens0}
 
 
@@ -354,6 +364,7 @@ def rollout_import_from(ctx, sources: list) -> list[dict]:
     driver neither waits for the exports nor carries their KV caches. Per move: {"ok", **package_summary} (or
     "error"); an export that failed fails its moves here, with its error and no receipt (nothing to settle)."""
     import ray
+    t0 = time.perf_counter()
     got: dict = {}
     for ref, _ in sources:
         if ref not in got:
@@ -361,6 +372,7 @@ def rollout_import_from(ctx, sources: list) -> list[dict]:
                 got[ref] = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - the source's export failed: its moves fail, the others go on
                 got[ref] = err
+    fetch_s = time.perf_counter() - t0   # waiting for the exports and fetching them (the driver sees only the sum)
     out = []
     for ref, k in sources:
         if isinstance(got[ref], Exception):
@@ -373,6 +385,8 @@ def rollout_import_from(ctx, sources: list) -> list[dict]:
             out.append({"ok": True, **summary})
         except Exception as err:  # noqa: BLE001 - reported per move; the driver cancels that move's export
             out.append({"ok": False, "error": f"{type(err).__name__}: {err}", "receipt": summary["receipt"]})
+    for r in out:
+        r["fetch_s"], r["import_s"] = fetch_s, time.perf_counter() - t0 - fetch_s
     return out
 
 

@@ -36,6 +36,7 @@ from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline
 from tidal.workers.roles import ROLLOUT_INTERRUPT
 from tidal.workers.rollout_instance import PromptGroup
+from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.runtime import CallHandle, WorkerGroup
 
 log = logging.getLogger("tidal.pipeline")
@@ -98,6 +99,7 @@ class StepState:
     rollout_busy_s: float = 0.0
     rollout_call_s: float = 0.0
     rollout_gap_s: float = 0.0
+    rollout_gc_s: float = 0.0    # the instances' garbage-collector pauses, summed
     waiting_since: dict[int, float] = field(default_factory=dict)   # instance -> since when it holds work, no call
     last_result: dict[int, float] = field(default_factory=dict)     # instance -> when its last call came back
 
@@ -113,6 +115,7 @@ class Cluster:
         self.inference: list[int] = list(inference)
         self.lent: set[int] = set()                   # rollout instances running on actor devices
         self.inflight: dict[Any, _Flight] = {}
+        self.slice_seq: dict[int, int] = {}          # device -> number of its last rollout slice
         self.events: list[dict] = []
 
     # ---- calls -------------------------------------------------------------------------------------------
@@ -120,6 +123,12 @@ class Cluster:
         f = _Flight(kind, device, self.group.submit(device, f"{ROLES}:{fn}", **kwargs), self.clock(), payload)
         self.inflight[f.handle.ref] = f
         return f
+
+    def submit_slice(self, device: int, groups: list, budget_s: float) -> _Flight:
+        """A rollout time slice, numbered per device: an interrupt names the last number it ends, so every slice
+        queued by then ends and none submitted later does."""
+        self.slice_seq[device] = seq = self.slice_seq.get(device, -1) + 1
+        return self.submit("rollout", device, "rollout_run", groups=groups, budget_s=budget_s, seq=seq)
 
     def busy(self, device: int) -> bool:
         return any(f.device == device for f in self.inflight.values())
@@ -142,20 +151,13 @@ class Cluster:
         """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`. Rollout time
         slices among them are interrupted first: they end after the engine pump in progress instead of running
         out their slice (up to `slice_s`, 0.1 s, per migration wave on the critical path otherwise)."""
-        def slices() -> list[int]:
-            return sorted({f.device for f in self.inflight.values()
-                           if f.kind == "rollout" and (devices is None or f.device in devices)})
-        if slices():
-            self.group.interrupt(slices(), ROLLOUT_INTERRUPT)
+        slices = sorted({f.device for f in self.inflight.values()
+                         if f.kind == "rollout" and (devices is None or f.device in devices)})
+        if slices:   # by number: the slice running and the one queued behind it both end (see `submit_slice`)
+            self.group.interrupt(slices, ROLLOUT_INTERRUPT, upto={d: self.slice_seq[d] for d in slices})
         while any(devices is None or f.device in devices for f in self.inflight.values()):
-            got = self.wait_any(1.0)
-            for f, res in got:
+            for f, res in self.wait_any(1.0):
                 handle(f, res)
-            # a slice queued behind the one interrupted (the driver keeps two per instance) starts after the
-            # interrupt was taken: interrupt it too, so it ends after one pump rather than running its budget
-            again = [f.device for f, _ in got if f.kind == "rollout" and f.device in slices()]
-            if again:
-                self.group.interrupt(sorted(set(again)), ROLLOUT_INTERRUPT)
 
     def record(self, kind: str, **fields) -> dict:
         ev = {"kind": kind, "time": self.clock(), **fields}
@@ -190,6 +192,7 @@ class Pipeline:
         self.reconciler = None  # set by start(); see tidal.scheduler.reconciler
         self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
+        self.gc = GcPauses.install()   # this process's collector pauses, reported per step
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,6 +217,11 @@ class Pipeline:
                 self.reconciler.known_rank_sets(sets)
                 c.record("groups", step=0, rank_sets=len(sets), seconds=secs)
         self._weights = None
+        # on every worker what exists now (model, actor state, engine, Ray's and the modules' objects) is not
+        # scanned by later collections (`GcPauses`). Not here: the driver may share its process with other runs
+        # (a sweep's trials), whose frozen cycles would never be freed. Its pauses are reported per step
+        g.gather(g.submit_all(f"{ROLES}:freeze_gc"))
+        self.gc.take()
 
     def _load_generation(self, weights_ref, step: int) -> None:
         c, g = self.cluster, self.group
@@ -236,10 +244,13 @@ class Pipeline:
         self.reconciler.consult("start")
         n = cfg.algorithm.n_minibatches
         while st.iters_done < n:
-            self._feed_rollout()
-            self._feed_inference()
+            # the policy first (its actions drain the instances they touch), then feed: feeding before it left the
+            # drained instances without a slice until the next result anywhere (up to the 0.5 s wait below; on
+            # the host e2e run 0.3-2 s of instance time per step)
             if not st.iter_running:
                 self._maybe_train()
+            self._feed_rollout()
+            self._feed_inference()
             for f, res in c.wait_any(0.5):
                 self._on_result(f, res)
         c.drain(self._on_result)
@@ -261,6 +272,8 @@ class Pipeline:
         metrics["rollout/busy_s"] = st.rollout_busy_s
         metrics["rollout/call_overhead_s"] = st.rollout_call_s - st.rollout_busy_s
         metrics["rollout/gap_s"] = st.rollout_gap_s
+        metrics["rollout/gc_s"] = st.rollout_gc_s
+        metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
         return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
@@ -329,8 +342,11 @@ class Pipeline:
             st.given[inst] = st.given.get(inst, 0) + len(give[inst])
             st.total_given[inst] = st.total_given.get(inst, 0) + len(give[inst]) * self.cfg.algorithm.group_size
             if inst in st.waiting_since:
-                st.rollout_gap_s += now - st.waiting_since.pop(inst)
-            c.submit("rollout", inst, "rollout_run", groups=give[inst], budget_s=self.slice_s)
+                gap = now - st.waiting_since.pop(inst)
+                st.rollout_gap_s += gap
+                if gap > 0.25:
+                    log.info("instance %d held %d groups with no slice for %.2fs", inst, st.given.get(inst, 0), gap)
+            c.submit_slice(inst, give[inst], self.slice_s)
 
     def _feed_inference(self) -> None:
         st, c = self.step_state, self.cluster
@@ -403,6 +419,7 @@ class Pipeline:
             c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.rollout_busy_s += sig.get("busy_s", 0.0)
+            st.rollout_gc_s += sig.get("gc_s", 0.0)
             st.rollout_call_s += now - t0
             if st.given[f.device] and not c.calls(f.device, "rollout"):
                 st.waiting_since[f.device] = now
