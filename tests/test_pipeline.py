@@ -156,3 +156,31 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
         assert [e["step"] for e in events if e["kind"] == "scheduler_paused"].count(step) == 1
     assert versions == [1, 2]
     assert summary.final_weights_sha == s_sum.final_weights_sha
+
+
+def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_path):
+    """A wave whose second move targets a device that is not a rollout instance (6 scores): that import fails on
+    the target, its export is cancelled on the source (the groups stay and finish there), the first move of the
+    same wave lands, the action is recorded as failed with the reason, and the run learns exactly what the
+    static run learns."""
+    done: set[int] = set()
+
+    def misdirected(state, sig, now):
+        if sig.trigger != "boundary" or sig.step in done or not sig.actor.at_boundary:
+            return []
+        live = {r.id: r for r in sig.rollout}
+        if 5 in live and live[5].groups_unfinished >= 2:
+            done.add(sig.step)
+            return [MigrateBatch("script", moves=((5, 4, 1), (5, 6, 1)), kv=True)]
+        return []
+
+    waves = ["rollout.max_running_requests=4"]
+    static, s_sum, s_scored, _ = _run(tmp_path, "static", waves)
+    run, summary, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *waves], misdirected)
+    events = run.pipe.cluster.events
+    failed = [e for e in events if e["kind"] == "action" and not e["ok"]]
+    assert failed and all("1 of 2 moves failed" in e["error"] and "5 -> 6" in e["error"] for e in failed), failed
+    landed = [e for e in events if e["kind"] == "migration"]
+    assert landed and {(e["src"], e["dst"]) for e in landed} == {(5, 4)}, landed
+    assert scored == s_scored   # every group arrived whole and once
+    assert summary.final_weights_sha == s_sum.final_weights_sha
