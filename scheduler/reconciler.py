@@ -349,7 +349,7 @@ class Reconciler:
             _move_reported(st.signals, src, dst, r)
             c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=r["requests"],
                      kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave),
-                     phases_s={k: round(v, 4) for k, v in phases.items()})
+                     phases_s={name: round(sec, 4) for name, sec in phases.items()})
             out["groups"] += moved
             out["kv_bytes"] += r["kv_bytes"]
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)

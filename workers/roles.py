@@ -336,18 +336,6 @@ def rollout_export_many(ctx, counts: list) -> list[dict]:
     return [rollout_export(ctx, c) for c in counts]
 
 
-def rollout_import_many(ctx, packages: list) -> list[dict]:
-    """`rollout_import` of each package, in order; a failed one is reported ({"ok": False, "error"}), not raised,
-    and leaves the others imported (each import is all or nothing)."""
-    out = []
-    for pkg in packages:
-        try:
-            out.append({"ok": True, "requests": rollout_import(ctx, pkg)})
-        except Exception as err:  # noqa: BLE001 - reported per move; the driver cancels that move's export
-            out.append({"ok": False, "error": f"{type(err).__name__}: {err}"})
-    return out
-
-
 def package_summary(package: dict) -> dict:
     """What the driver books for a move (sequences, their tokens, open and queued groups, KV bytes) and the
     receipt its source settles with: everything about a package but the KV caches themselves."""
@@ -359,10 +347,12 @@ def package_summary(package: dict) -> dict:
 
 
 def rollout_import_from(ctx, sources: list) -> list[dict]:
-    """`rollout_import_many` of packages still in the object store: `sources` is [(ref, k)], package k of the
-    list a source's `rollout_export_many` returns (the ref of that call). The target fetches them itself, so the
-    driver neither waits for the exports nor carries their KV caches. Per move: {"ok", **package_summary} (or
-    "error"); an export that failed fails its moves here, with its error and no receipt (nothing to settle)."""
+    """`rollout_import` of each package, in order, the packages still in the object store: `sources` is
+    [(ref, k)], package k of the list a source's `rollout_export_many` returns (the ref of that call). The target
+    fetches them itself, so the driver neither waits for the exports nor carries their KV caches. Per move:
+    {"ok", **package_summary}; a failed import is reported ("error", and the receipt its source cancels with),
+    not raised, and leaves the others imported (each import is all or nothing); an export that failed fails its
+    moves here, with its error and no receipt (nothing to settle)."""
     import ray
     t0 = time.perf_counter()
     got: dict = {}

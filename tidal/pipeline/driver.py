@@ -34,9 +34,9 @@ from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metric
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline
+from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.roles import ROLLOUT_INTERRUPT
 from tidal.workers.rollout_instance import PromptGroup
-from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.runtime import CallHandle, WorkerGroup
 
 log = logging.getLogger("tidal.pipeline")
