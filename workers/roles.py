@@ -67,6 +67,9 @@ def _resolve(value: Any) -> Any:
 def setup(ctx, spec: RunSpec) -> int:
     torch.set_num_threads(1)
     GcPauses.install()
+    # a new driver numbers its slices from 0 again: interrupts left by an earlier one must not end them
+    ctx.interrupts.clear()
+    ctx.interrupt_upto.clear()
     ctx.state["run"] = spec
     ctx.state["tok"] = CharTokenizer(spec.tokenizer_chars)
     # Warm-up: the first model built on the meta device imports torch's meta kernels, seconds of CPU that a
