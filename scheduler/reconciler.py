@@ -321,7 +321,7 @@ class Reconciler:
         # a source settles every move whose export it made; a move whose target failed as a whole has no receipt
         # from it: read the source's own export result (rare path: the driver fetches that package once)
         for k, r in enumerate(res):
-            if "receipt" not in r and not r.get("error", "").startswith("export:"):
+            if "receipt" not in r and r.get("exported", True):
                 try:
                     pkg = g.gather([exports[wave[k][0]]])[0][by_src[wave[k][0]].index(k)]
                     res[k] = {**r, "receipt": export_receipt(pkg)}

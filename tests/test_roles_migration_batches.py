@@ -71,6 +71,6 @@ def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch
         assert r.pop("fetch_s") >= 0 and r.pop("import_s") >= 0
     assert got[0] == {"ok": True, "requests": 1, "tokens": 2, "open": 1, "queued": 1, "kv_bytes": 0,
                       "receipt": {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}}
-    assert got[1] == {"ok": False, "error": "export: RuntimeError: source died"}
+    assert got[1] == {"ok": False, "exported": False, "error": "export: RuntimeError: source died"}
     assert got[2] == {"ok": False, "error": "ValueError: policy version 9 != 3",
                       "receipt": {"request_ids": [], "open": [], "queued": ["boom"]}}

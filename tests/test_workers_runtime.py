@@ -112,17 +112,17 @@ def test_health_answers_while_a_call_is_running(group4):
 # ------------------------------------------------------------------------------------ dead workers
 @pytest.mark.timeout(120)
 def test_interrupt_ends_a_polling_call_early_and_only_on_the_named_devices(group4):
-    hs = group4.submit_all(P + "wait_for_interrupt", device_ids=(0, 5), name="slice", seconds=3.0)
+    hs = group4.submit_all(P + "wait_for_interrupt", device_ids=(0, 5), name="slice", seconds=3.0, seq=0)
     time.sleep(0.3)
-    group4.interrupt([0], "slice")
+    group4.interrupt({0: 0}, "slice")
     first, second = group4.gather(hs, timeout=30)
     assert first["interrupted"] and first["after_s"] < 2.5
     assert not second["interrupted"] and second["after_s"] >= 3.0
-    # an interrupt that finds no call polling it waits for the next one, once
-    group4.interrupt([7], "slice")
+    # an interrupt that finds no call polling it ends the call of that number when it comes, and no later one
+    group4.interrupt({7: 0}, "slice")
     time.sleep(0.3)
-    assert group4.call(7, P + "wait_for_interrupt", name="slice", seconds=3.0, timeout=30)["interrupted"]
-    assert not group4.call(7, P + "wait_for_interrupt", name="slice", seconds=0.2, timeout=30)["interrupted"]
+    assert group4.call(7, P + "wait_for_interrupt", name="slice", seconds=3.0, seq=0, timeout=30)["interrupted"]
+    assert not group4.call(7, P + "wait_for_interrupt", name="slice", seconds=0.2, seq=1, timeout=30)["interrupted"]
 
 
 @pytest.mark.timeout(120)
@@ -131,7 +131,7 @@ def test_a_numbered_interrupt_ends_every_call_queued_up_to_it_and_no_later_one(g
     the one behind it), and must not touch a slice submitted after it."""
     hs = [group4.submit(5, P + "wait_for_interrupt", name="slice", seconds=3.0, seq=k) for k in (0, 1)]
     time.sleep(0.3)
-    group4.interrupt([5], "slice", upto={5: 1})
+    group4.interrupt({5: 1}, "slice")
     later = group4.submit(5, P + "wait_for_interrupt", name="slice", seconds=0.3, seq=2)
     a, b, c = group4.gather([*hs, later], timeout=30)
     assert a["interrupted"] and b["interrupted"] and b["after_s"] < 0.5, (a, b)

@@ -49,25 +49,14 @@ class WorkerContext:
     """The world's process group (gloo on CPU; gloo for CPU tensors + NCCL for CUDA tensors on GPU)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Per-worker objects kept between calls: a model shard, an optimizer, a generation engine."""
-    interrupts: set[str] = field(default_factory=set)
-    """Names the driver asked to stop early (`WorkerGroup.interrupt`, on the control thread). A long call that
-    can end early polls `take_interrupt(name)` between units of work."""
-
     interrupt_upto: dict[str, int] = field(default_factory=dict)
-    """Per name, the highest call sequence number the driver asked to end (`WorkerGroup.interrupt(..., upto=)`):
-    every call numbered up to it ends early, however many are queued, and later calls are not touched."""
+    """Per name, the highest call number the driver asked to end early (`WorkerGroup.interrupt`, on the control
+    thread): a long call numbered by its caller polls `interrupted(name, seq)` between units of work; every call
+    numbered up to it ends, however many are queued, and later ones are not touched."""
 
     def interrupted(self, name: str, seq: int) -> bool:
         """True if the call numbered `seq` (by the driver, per device and name) was asked to end early."""
         return seq <= self.interrupt_upto.get(name, -1)
-
-    def take_interrupt(self, name: str) -> bool:
-        """True once per `interrupt(name)` that arrived (and clears it). Safe against the control thread: set
-        add/discard are atomic under the GIL."""
-        if name in self.interrupts:
-            self.interrupts.discard(name)
-            return True
-        return False
 
     def rank_of(self, device_id: int) -> int:
         try:
@@ -197,14 +186,11 @@ class DeviceWorker:
         return HealthReport(self._device_id, os.getpid(), done, busy[0] if busy else None,
                             time.monotonic() - busy[1] if busy else 0.0)
 
-    def interrupt(self, name: str, upto: int | None = None) -> None:
-        """Control thread: ask the running (or next) call that polls `name` to end early; with `upto`, every call
-        numbered up to it (`WorkerContext.interrupted`). A plain dict store: atomic under the GIL."""
+    def interrupt(self, name: str, upto: int) -> None:
+        """Control thread: end every call numbered up to `upto` that polls `name` (`WorkerContext.interrupted`).
+        A plain dict store: atomic under the GIL."""
         if self._ctx is not None:
-            if upto is None:
-                self._ctx.interrupts.add(name)
-            else:
-                self._ctx.interrupt_upto[name] = max(upto, self._ctx.interrupt_upto.get(name, -1))
+            self._ctx.interrupt_upto[name] = max(upto, self._ctx.interrupt_upto.get(name, -1))
 
     def leave_world(self) -> None:
         if dist.is_initialized():

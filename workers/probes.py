@@ -55,12 +55,11 @@ def sleep(ctx: WorkerContext, seconds: float) -> int:
     return ctx.device_id
 
 
-def wait_for_interrupt(ctx: WorkerContext, name: str, seconds: float, seq: int = -1) -> dict[str, Any]:
-    """Poll `ctx.take_interrupt(name)` (or, numbered `seq`, `ctx.interrupted(name, seq)`) every millisecond for up
-    to `seconds`: how a time slice ends early."""
+def wait_for_interrupt(ctx: WorkerContext, name: str, seconds: float, seq: int) -> dict[str, Any]:
+    """Poll `ctx.interrupted(name, seq)` every millisecond for up to `seconds`: how a time slice ends early."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
-        if ctx.interrupted(name, seq) if seq >= 0 else ctx.take_interrupt(name):
+        if ctx.interrupted(name, seq):
             return {"interrupted": True, "after_s": time.monotonic() - t0}
         time.sleep(0.001)
     return {"interrupted": False, "after_s": time.monotonic() - t0}

@@ -68,7 +68,6 @@ def setup(ctx, spec: RunSpec) -> int:
     torch.set_num_threads(1)
     GcPauses.install()
     # a new driver numbers its slices from 0 again: interrupts left by an earlier one must not end them
-    ctx.interrupts.clear()
     ctx.interrupt_upto.clear()
     ctx.state["run"] = spec
     ctx.state["tok"] = CharTokenizer(spec.tokenizer_chars)
@@ -230,10 +229,10 @@ def _to_record(g, task, tok, step: int) -> RolloutGroup:
 ROLLOUT_INTERRUPT = "rollout_slice"
 
 
-def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int = -1) -> tuple[list[RolloutGroup], dict]:
+def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tuple[list[RolloutGroup], dict]:
     """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
-    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver: of this call's number `seq` when given, so
-    one interrupt ends every slice queued before it), and return the finished groups with rewards plus this
+    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver naming this call's number `seq` or a later one,
+    so one interrupt ends every slice queued before it), and return the finished groups with rewards plus this
     instance's signals."""
     r = ctx.state["rollout"]
     spec: RunSpec = ctx.state["run"]
@@ -245,8 +244,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int = -1) 
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
-        if (ctx.interrupted(ROLLOUT_INTERRUPT, seq) if seq >= 0 else ctx.take_interrupt(ROLLOUT_INTERRUPT)):
-            break   # the driver is about to move work off or onto this instance
+        if ctx.interrupted(ROLLOUT_INTERRUPT, seq):   # the driver is about to move work off or onto this instance
+            break
         inst.pump()
         pumps += 1
         batch += r["engine"].num_running()
@@ -355,7 +354,7 @@ def rollout_import_from(ctx, sources: list) -> list[dict]:
     fetches them itself, so the driver neither waits for the exports nor carries their KV caches. Per move:
     {"ok", **package_summary}; a failed import is reported ("error", and the receipt its source cancels with),
     not raised, and leaves the others imported (each import is all or nothing); an export that failed fails its
-    moves here, with its error and no receipt (nothing to settle)."""
+    moves here ("exported": False, its error, no receipt: nothing to settle)."""
     import ray
     t0 = time.perf_counter()
     got: dict = {}
@@ -369,7 +368,7 @@ def rollout_import_from(ctx, sources: list) -> list[dict]:
     out = []
     for ref, k in sources:
         if isinstance(got[ref], Exception):
-            out.append({"ok": False, "error": f"export: {type(got[ref]).__name__}: {got[ref]}"})
+            out.append({"ok": False, "exported": False, "error": f"export: {type(got[ref]).__name__}: {got[ref]}"})
             continue
         pkg = got[ref][k]
         summary = package_summary(pkg)

@@ -249,15 +249,13 @@ class WorkerGroup:
         handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
         return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
 
-    def interrupt(self, device_ids: Iterable[int], name: str, upto: dict[int, int] | None = None) -> None:
-        """Ask the calls running (or next to run) on `device_ids` that poll `name` to end early; returns at once
-        (the control thread answers while the call runs). A call that does not poll it is not affected. With
-        `upto` {device: seq}: every call on that device numbered up to seq (calls that poll
-        `ctx.interrupted(name, seq)`), queued ones included, and none submitted later."""
-        for d in device_ids:
+    def interrupt(self, upto: dict[int, int], name: str) -> None:
+        """End early, on each device of `upto` {device: seq}, every call numbered up to seq that polls `name`
+        (`ctx.interrupted(name, seq)`): the one running and those queued behind it, none submitted later. Returns
+        at once (the control thread answers while the call runs); a call that does not poll it is not affected."""
+        for d, seq in upto.items():
             self._usable(d)
-            args = (name,) if upto is None else (name, upto[d])
-            self._actors[d].interrupt.options(concurrency_group=CONTROL_GROUP).remote(*args)
+            self._actors[d].interrupt.options(concurrency_group=CONTROL_GROUP).remote(name, seq)
 
     # ---------------------------------------------------------------------------------------- liveness
     def health(self, timeout: float = 5.0) -> dict[int, WorkerStatus]:

@@ -154,7 +154,7 @@ class Cluster:
         slices = sorted({f.device for f in self.inflight.values()
                          if f.kind == "rollout" and (devices is None or f.device in devices)})
         if slices:   # by number: the slice running and the one queued behind it both end (see `submit_slice`)
-            self.group.interrupt(slices, ROLLOUT_INTERRUPT, upto={d: self.slice_seq[d] for d in slices})
+            self.group.interrupt({d: self.slice_seq[d] for d in slices}, ROLLOUT_INTERRUPT)
         while any(devices is None or f.device in devices for f in self.inflight.values()):
             for f, res in self.wait_any(1.0):
                 handle(f, res)
