@@ -326,12 +326,16 @@ def group_creation_s(events: list[dict], step: int) -> float:
 def event_summary(events: list[dict], steps: int) -> dict:
     """Where a policy's driver time and actor iters went, over the measured steps (>= 1): per action kind its
     count and seconds per step; per actor data-parallel size the median iter and its phases (slowest rank); the
-    median migration wave and reshard with their phases (driver side and workers')."""
+    median migration wave and reshard with their phases (driver side and workers'); when iter 0's mini-batch was
+    generated and scored and when iter 0 started (seconds from the step's start, medians); the median weight sync
+    and how many engines loaded a kept copy (local) or the gathered weights (remote)."""
     n = max(1, steps - 1)
     acts: dict[str, list[float]] = {}
     iters: dict[int, list[dict]] = {}
     waves: dict[float, dict] = {}   # a wave records one migration event per move, all at one time
     reshards: list[dict] = []
+    first: list[dict] = []   # iter 0 of each step: when its mini-batch was generated, scored, and it started
+    syncs: list[dict] = []
     for e in events:
         if e.get("step", 0) < 1:
             continue
@@ -339,6 +343,11 @@ def event_summary(events: list[dict], steps: int) -> dict:
             acts.setdefault(e["action"], []).append(e["seconds"])
         elif e["kind"] == "iter":
             iters.setdefault(e["dp"], []).append(e)
+            if e.get("iter") == 0 and "at_s" in e:
+                first.append(e["at_s"])
+        elif e["kind"] == "weight_sync" and "seconds" in e:
+            syncs.append({"seconds": e["seconds"], "local": len(e.get("local", ())),
+                          "remote": len(e.get("remote", ()))})
         elif e["kind"] == "migration":
             waves[e["time"]] = {"seconds": e["seconds"], "moves": e.get("wave", 1), **e.get("phases_s", {})}
         elif e["kind"] == "reshard":
@@ -353,7 +362,8 @@ def event_summary(events: list[dict], steps: int) -> dict:
             else {"count": 0}
     out = {"actions": {k: {"per_step": len(v) / n, "seconds_per_step": sum(v) / n,
                            "median_s": statistics.median(v)} for k, v in sorted(acts.items())},
-           "iters": {}, "migration_waves": medians(list(waves.values())), "reshards": medians(reshards)}
+           "iters": {}, "migration_waves": medians(list(waves.values())), "reshards": medians(reshards),
+           "first_iter_at_s": medians(first), "weight_syncs": medians(syncs)}
     for dp, es in sorted(iters.items()):
         phases = sorted({p for x in es for p in x.get("phases_s", {})})
         out["iters"][dp] = {"count": len(es), "median_s": statistics.median(x["seconds"] for x in es),
@@ -413,6 +423,12 @@ def table(res: dict) -> None:
                   f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]),
                   f"{v.get('action_s', 0.0):.2f}")
     Console().print(t)
+    for k, v in runs.items():   # the critical path's first segment, and the step's end
+        f, w = v.get("event_summary", {}).get("first_iter_at_s", {}), v.get("event_summary", {}).get("weight_syncs", {})
+        if f.get("count"):
+            print(f"{k}: iter 0's mini-batch generated {f['generated']:.2f} s, scored {f['scored']:.2f} s, iter 0 "
+                  f"started {f['started']:.2f} s into the step (medians); weight sync {w.get('seconds', 0.0):.3f} s "
+                  f"({w.get('local', 0):.0f} engines from kept copies, {w.get('remote', 0):.0f} gathered)")
     print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
           "machine's drift): " + ", ".join(f"{c['before']:.0f}" for c in res.get("core_speed", [])))
     pred = res.get("fitted_prediction")

@@ -31,7 +31,8 @@ Migration moves the KV cache when the engine can (`PolicyParams.kv_migration`: K
 
 Step start: the actor has nothing to train until its first mini-batch is scored; it lends its devices to
 rollout when the predicted rollout time they save exceeds lend + return + migration (cost model, not a
-fixed threshold), and takes them back when that mini-batch is scored. At that moment it may also release
+fixed threshold), and takes them back when that mini-batch is generated (`scheduler.return_on_generated`, on: the
+moves run while its last groups are scored; off: once it is scored). At that moment it may also release
 instances and grow the actor (`scheduler.grow_on_return`, on). The fifth session turned this off on the
 simulator's then any-order readiness (CPU e2e workload 17.6 -> 16.6 s/step); on the corrected simulator on is
 better in every case (RLinf's example 184.6 -> 169.9 s, this CPU workload 19.04 -> 18.88 s; docs/e2e.md).
@@ -587,7 +588,11 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
         return _return_inference(state, sig)
     if sig.actor.lent_out:
         need = (sig.actor.iters_done + 1) * p.groups_per_iter
-        if sig.inference.groups_finished >= need or sig.running == 0:
+        # back once the mini-batch is generated, not scored: the moves (return, releases, reshard) run while its
+        # last groups are scored. Waiting for the scores put them in series: on the GPU machine's host iter 0
+        # started 0.12 s after its mini-batch was scored, 0.25 s after static's (eleventh session)
+        if (p.return_on_generated and sig.groups_generated >= need) or sig.inference.groups_finished >= need \
+                or sig.running == 0:
             return _plan(state, sig, returning=True)
         return _rebalance(state, sig, ~cols.lent)
     if not sig.actor.at_boundary:

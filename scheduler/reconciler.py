@@ -158,14 +158,17 @@ class Reconciler:
                        started_tail_tokens=tail_started)
 
     # ---- decide and act --------------------------------------------------------------------------------------
-    def consult(self, trigger: str, data_ready: bool = False) -> bool:
+    def consult(self, trigger: str, data_ready: bool = False, data_generated: bool = False) -> bool:
         """Ask the policy; apply its actions. Returns False if the actor must wait (a `Wait` action).
-        `data_ready`: the actor's next mini-batch is scored; the first ask with it is never skipped (the policy
-        decides then whether lent devices come back, before any training starts)."""
+        `data_ready`: the actor's next mini-batch is scored; `data_generated`: it is generated (scoring may still
+        run). The first ask with either (`data_generated` while the actor's devices are lent) is never skipped: the
+        policy decides then whether lent devices come back, and their moves run while the last groups are scored."""
         now = self.p.clock()
         c = self.p.cluster
         lent_out = bool(c.lent & set(c.actor_layout.devices))
-        key = (trigger, self.p.step_state.step, self.p.step_state.iters_done, data_ready, lent_out)
+        # "generated" matters only while the actor's devices are lent (the policy may take them back then)
+        key = (trigger, self.p.step_state.step, self.p.step_state.iters_done, data_ready, data_generated and lent_out,
+               lent_out)
         if trigger == "boundary" and self._last and self._last[0] == key and \
                 now - self._last[1] < self.min_interval_s:  # same boundary asked again soon: nothing new to see
             return self._held_since is None
@@ -482,7 +485,7 @@ class Reconciler:
             p.ledger.land(devices, Owner.ROLLOUT, "lent to rollout")
         else:
             p.ledger.assign(devices, Owner.ROLLOUT, "rollout instance started")
-        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_ref,
+        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_for(d),
                                        version=p.version, step=p.step_state.step) for d in devices])
         for d in devices:
             c.rollout.append(d)
@@ -496,7 +499,7 @@ class Reconciler:
         self._idle(devices)
         p.ledger.release(devices, "inference lent to rollout")
         p.ledger.land(devices, Owner.ROLLOUT, "inference lent to rollout")
-        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_ref,
+        p.group.gather([p.group.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=p.weights_for(d),
                                        version=p.version, step=p.step_state.step) for d in devices])
         for d in devices:
             c.inference.remove(d)

@@ -356,9 +356,13 @@ class _Sim:
             seen[g] = True
         self.n_generated += len(groups)
         self.gen_at[groups] = self.now
+        before = self.gen_prefix
         while self.gen_prefix < self.p.rollout_batch_size and seen[self.gen_prefix]:
             self.gen_prefix += 1
         self._score(groups)
+        need = (self.actor.iters_done + 1) * self.p.groups_per_iter
+        if self.actor.lent and before < need <= self.gen_prefix and not self.in_call:
+            self.call("data_ready")   # generated, being scored: the driver asks as soon as it sees this
 
     def _score(self, groups: list[int]) -> None:
         for g in groups:

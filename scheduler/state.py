@@ -48,6 +48,7 @@ class PolicyParams:
     margin_frac: float = 0.01            #: tidal: ... plus this fraction of the predicted time it improves on
     grow_on_return: bool = True          #: tidal: may release instances when lent devices return (step start)
     lend_actor: bool = True              #: tidal: the waiting actor's devices may host rollout instances
+    return_on_generated: bool = True     #: tidal: lent devices return when the mini-batch is generated
 
     @classmethod
     def from_config(cls, cfg: TidalConfig) -> "PolicyParams":
@@ -63,7 +64,8 @@ class PolicyParams:
             pre_process_threshold=cfg.scheduler.pre_process_threshold,
             kv_migration=cfg.rollout.backend == "native", micro_batch_size=cfg.actor.micro_batch_size,
             margin_s=cfg.scheduler.margin_s, margin_frac=cfg.scheduler.margin_frac,
-            grow_on_return=cfg.scheduler.grow_on_return, lend_actor=cfg.scheduler.lend_actor)
+            grow_on_return=cfg.scheduler.grow_on_return, lend_actor=cfg.scheduler.lend_actor,
+            return_on_generated=cfg.scheduler.return_on_generated)
 
     @property
     def groups_per_iter(self) -> int:

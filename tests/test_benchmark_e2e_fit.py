@@ -94,3 +94,17 @@ def test_event_summary_counts_a_migration_wave_once_and_reports_reshard_phases(e
                                       "import": pytest.approx(0.0075)}
     assert out["reshards"]["count"] == 1 and out["reshards"]["vote"] == 0.005 and out["reshards"]["prepare_s"] == 0.01
     assert e2e.event_summary([], steps=2)["reshards"] == {"count": 0}
+
+
+def test_event_summary_reports_when_iter_0_could_start_and_the_weight_syncs(e2e):
+    at = lambda g, s, st: {"generated": g, "scored": s, "started": st}
+    ev = [{"kind": "iter", "step": 1, "iter": 0, "dp": 4, "seconds": 0.4, "at_s": at(0.9, 1.0, 1.1)},
+          {"kind": "iter", "step": 1, "iter": 1, "dp": 4, "seconds": 0.4, "at_s": at(1.2, 1.3, 1.5)},
+          {"kind": "iter", "step": 2, "iter": 0, "dp": 4, "seconds": 0.4, "at_s": at(1.1, 1.2, 1.3)},
+          {"kind": "weight_sync", "step": 1, "seconds": 0.02, "local": [2, 3, 4, 5, 6, 7], "remote": []},
+          {"kind": "weight_sync", "step": 2, "seconds": 0.1, "local": [5], "remote": [2, 3, 4, 6, 7]},
+          {"kind": "weight_sync", "step": 0, "version": 1, "tensors": 39}]   # warm-up step: left out
+    out = e2e.event_summary(ev, steps=3)
+    assert out["first_iter_at_s"] == {"count": 2, "generated": pytest.approx(1.0), "scored": pytest.approx(1.1),
+                                      "started": pytest.approx(1.2)}
+    assert out["weight_syncs"] == {"count": 2, "seconds": pytest.approx(0.06), "local": 3.5, "remote": 2.5}

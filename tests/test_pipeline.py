@@ -72,6 +72,23 @@ def _check_inference_matches_actor(run):
             assert torch.equal(a, b)
 
 
+def _check_kept_weights(run):
+    """The copies kept at the step end equal the actor's weights bit for bit, and an engine started where none
+    was kept gets them through the object store, fetched from a device that kept them."""
+    import ray
+    pipe = run.pipe
+    full = pipe.global_weights()
+    for d in sorted(pipe.kept):
+        kept = pipe.group.call(d, "tidal.workers.roles:kept_weights", version=pipe.version)
+        assert set(kept) == set(full) and all(torch.equal(kept[k], full[k]) for k in full), d
+    if pipe.kept:
+        pipe.weights_ref = None   # as after a sync where every engine loaded a kept copy
+        other = next(d for d in range(8) if d not in pipe.kept)
+        got = ray.get(pipe.weights_for(other))
+        assert all(torch.equal(got[k], full[k]) for k in full)
+        assert pipe.weights_for(min(pipe.kept)) == "kept"
+
+
 def _run(tmp_path, name, overrides, policy=None):
     cfg = build_config(TINY, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, tmp_path / name)
@@ -85,6 +102,7 @@ def _run(tmp_path, name, overrides, policy=None):
             scored.append(sorted(st.scored))
             versions.append(run.pipe.version)
         _check_inference_matches_actor(run)
+        _check_kept_weights(run)
         summary = run.finish()
         return run, summary, scored, versions
     finally:
@@ -110,6 +128,12 @@ def test_dynamic_run_equals_static_run(tmp_path):
             assert e["phases_s"]["compute"] > 0 and min(e["phases_s"].values()) >= 0, e
             assert 0 < e["phases_s"]["compute"] <= e["seconds"], e
     assert {e["dp"] for e in events if e["kind"] == "iter"} - {2}   # the dynamic run also trained at other sizes
+    # the weight sync: the engine on device 5, where the actor ended (tp1 dp3 on 0, 1, 5), loaded the copy kept
+    # there; step 1 lent devices 0 and 1 with theirs. The static actor shares no device with an engine
+    syncs = [(e["local"], e["remote"]) for e in events if e["kind"] == "weight_sync"]
+    assert syncs == [([5], [2, 3, 4, 6, 7])] * 2, syncs
+    assert [(e["local"], e["remote"]) for e in static.pipe.cluster.events if e["kind"] == "weight_sync"] == \
+        [([], [2, 3, 4, 5, 6, 7])] * 2
     for step in range(2):
         kinds = [e["kind"] for e in events if e.get("step") == step]
         assert kinds.count("reshard") >= 3 and kinds.count("migration") >= 2, kinds

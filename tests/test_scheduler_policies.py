@@ -124,12 +124,15 @@ def test_tidal_knobs_come_from_the_scheduler_config():
     base = {"cluster": {"auto_scheduler": True}}
     p = PolicyParams.from_config(build_config(base, []))
     # defaults: config and PolicyParams agree
-    assert (p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor) == (0.0, 0.01, True, True)
-    assert (PolicyParams.margin_s, PolicyParams.margin_frac, PolicyParams.grow_on_return, PolicyParams.lend_actor) == (
-        p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor)
+    assert (p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor, p.return_on_generated) == (
+        0.0, 0.01, True, True, True)
+    assert (PolicyParams.margin_s, PolicyParams.margin_frac, PolicyParams.grow_on_return, PolicyParams.lend_actor,
+            PolicyParams.return_on_generated) == (
+        p.margin_s, p.margin_frac, p.grow_on_return, p.lend_actor, p.return_on_generated)
     p = PolicyParams.from_config(build_config(base, ["scheduler.margin_s=0", "scheduler.grow_on_return=false",
-                                                     "scheduler.lend_actor=false"]))
-    assert (p.margin_s, p.grow_on_return, p.lend_actor) == (0.0, False, False)
+                                                     "scheduler.lend_actor=false",
+                                                     "scheduler.return_on_generated=false"]))
+    assert (p.margin_s, p.grow_on_return, p.lend_actor, p.return_on_generated) == (0.0, False, False, False)
     with pytest.raises(ConfigError, match="scheduler.margin_s"):
         build_config(base, ["scheduler.margin_s=-1"])
     with pytest.raises(ConfigError, match="scheduler.margin_frac"):
@@ -279,6 +282,13 @@ TIDAL_CASES = [
      sig(RETURNING_LATE, iters=0, trigger="data_ready", generated=480, scored=128, lent_out=True),
      [M(0, 2, 1), M(0, 3, 1), M(0, 4, 1), M(0, 5, 1), M(1, 2, 1), M(1, 3, 1), M(1, 4, 1), M(1, 5, 1),
       ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
+    ("first mini-batch generated, not yet scored: the lent devices return now, the moves overlap its scoring",
+     {}, sig(RETURNING, iters=0, trigger="boundary", generated=128, scored=120, lent_out=True),
+     [M(0, 2, 8), M(0, 3, 8), M(0, 4, 8), M(0, 5, 6), M(1, 2, 8), M(1, 3, 8), M(1, 4, 8), M(1, 5, 6),
+      ("ReturnFromRollout", {"instance_ids": (0, 1), "devices": (0, 1), "migrate_to": (2, 3, 4, 5)})]),
+    ("same with scheduler.return_on_generated off: the lent instances keep generating until it is scored",
+     {"return_on_generated": False}, sig(RETURNING, iters=0, trigger="boundary", generated=128, scored=120,
+                                         lent_out=True), []),
     ("mid-step lending: the actor waits for mini-batch 1, rollout is throughput-bound: lend, balance by tokens",
      {}, sig(BUSY, iters=1, scored=200),
      [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),

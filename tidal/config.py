@@ -165,6 +165,9 @@ class SchedulerConfig(Section):
     lend_actor: bool = Field(
         True, description="tidal: while the actor waits for its next mini-batch, its devices may host rollout "
                           "instances when the cost model says it pays (false: they stay with the actor).")
+    return_on_generated: bool = Field(
+        True, description="tidal: devices lent while the actor waits come back once its mini-batch is generated, "
+                          "so the moves run while its last groups are scored (false: once it is scored).")
 
 
 class RunConfig(Section):

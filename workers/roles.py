@@ -9,6 +9,9 @@ The driver (`tidal.pipeline.driver`) calls these through `WorkerGroup.submit(dev
                            it holds memory only while the device is in the actor's layout)
     ctx.state["rollout"]   RolloutInstance + NativeEngine while the device serves rollout
     ctx.state["inference"] Transformer with the current weights while the device serves inference
+    ctx.state["kept"]      (version, weights): the actor's full weights as they were at the last step end, on
+                           devices where the actor then held a whole replica (`actor_keep_weights`); the next
+                           version's engines on this device load them in place (`weights=KEPT`)
 
 Values crossing the driver are records (`tidal.engine.records`) or plain dicts of tensors; Ray carries them.
 """
@@ -51,6 +54,10 @@ class RunSpec:
     task: str
     tokenizer_chars: str
     seed: int
+
+
+#: `weights` argument of `rollout_start` / `inference_load`: the copy this worker kept (`actor_keep_weights`)
+KEPT = "kept"
 
 
 def _resolve(value: Any) -> Any:
@@ -191,6 +198,38 @@ def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
             **{k: v.detach().to("cpu", torch.float32).clone() for k, v in exported.tensors.items()}}
 
 
+def actor_keep_weights(ctx, version: int) -> bool:
+    """Step end, before the actor leaves this device: keep a copy of its weights for generation `version` when
+    this rank holds all of them (TP 1: every DP rank is a whole replica). The next step's rollout or inference
+    engine on this device loads them in place instead of through the driver (`Pipeline.sync_weights`).
+    Returns whether a copy was kept (any older copy is dropped either way)."""
+    ctx.state.pop("kept", None)
+    shard: ActorShard = ctx.state["actor"]
+    exported = shard.export_weights()
+    if exported is None or exported.tp != 1:
+        return False
+    ctx.state["kept"] = (version, {k: v.detach().clone() for k, v in exported.tensors.items()})
+    return True
+
+
+def kept_weights(ctx, version: int) -> dict[str, torch.Tensor]:
+    """The kept copy of `version` as global fp32 CPU tensors (what `Pipeline.global_weights` returns): for an
+    instance started mid-step on a device that kept none."""
+    return {k: v.to("cpu", torch.float32).clone() for k, v in _weights(ctx, KEPT, version).items()}
+
+
+def _weights(ctx, weights: Any, version: int) -> dict[str, torch.Tensor]:
+    """Global weights from a driver-side value (dict or object ref), or `KEPT`: this worker's kept copy."""
+    if isinstance(weights, str) and weights == KEPT:
+        kept = ctx.state.get("kept")
+        if kept is None or kept[0] != version:
+            # the driver's bookkeeping (`Pipeline.kept`) is wrong: a bug, not an input
+            have = "none" if kept is None else f"version {kept[0]}"
+            raise RuntimeError(f"device {ctx.device_id} keeps no weights of version {version} (it has {have})")
+        return kept[1]
+    return _resolve(weights)
+
+
 # ---- rollout ----------------------------------------------------------------------------------------------
 def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Transformer:
     model = Transformer(spec.args, device=device)
@@ -202,7 +241,7 @@ def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Tran
 def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) -> str:
     """Become (or stay) a rollout instance for `step` with weights `version`."""
     spec: RunSpec = ctx.state["run"]
-    weights = _resolve(weights)
+    weights = None if weights is None else _weights(ctx, weights, version)
     old = ctx.state.get("rollout")
     if old is not None and old["version"] == version and weights is None:
         engine = old["engine"]
@@ -404,7 +443,8 @@ def rollout_release(ctx) -> int:
 # ---- inference --------------------------------------------------------------------------------------------
 def inference_load(ctx, weights: Any, version: int) -> int:
     spec: RunSpec = ctx.state["run"]
-    ctx.state["inference"] = {"model": _model_with(spec, _resolve(weights), ctx.device), "version": version}
+    ctx.state["inference"] = {"model": _model_with(spec, _weights(ctx, weights, version), ctx.device),
+                              "version": version}
     return version
 
 
