@@ -110,14 +110,15 @@ def _run(tmp_path, name, overrides, policy=None):
 
 
 def test_dynamic_run_equals_static_run(tmp_path):
-    # 4 slots per instance: its 4 groups run one after another, so a move mid-rollout finds requests in flight
-    # (with every sequence admitted at once, an instance can finish all of them within one call)
-    waves = ["rollout.max_running_requests=4"]
+    # 4 slots per instance: its 8 groups run one after another, so a move mid-rollout finds requests in flight
+    # (with every sequence admitted at once, an instance can finish all of them within one call; with 4 groups
+    # each, instances often finished before the moves once scoring stopped waiting for the policy's actions)
+    waves = ["rollout.max_running_requests=4", "data.rollout_batch_size=32"]
     static, s_sum, s_scored, s_versions = _run(tmp_path, "static", waves)
     dynamic, d_sum, d_scored, d_versions = _run(tmp_path, "dynamic", ["cluster.auto_scheduler=true", *waves],
                                                  scripted)
     # every group of every step arrived whole and once, in both runs
-    assert s_scored == d_scored == [list(range(16))] * 2
+    assert s_scored == d_scored == [list(range(32))] * 2
     assert s_versions == d_versions == [1, 2]
     events = dynamic.pipe.cluster.events
     for run in (static, dynamic):   # each iter is an event: layout, seconds and the slowest rank's phases
