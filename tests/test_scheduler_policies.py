@@ -290,17 +290,19 @@ TIDAL_CASES = [
      {"return_on_generated": False}, sig(RETURNING, iters=0, trigger="boundary", generated=128, scored=120,
                                          lent_out=True), []),
     ("mid-step lending: the actor waits for mini-batch 1, rollout is throughput-bound: lend, balance by tokens",
-     {}, sig(BUSY, iters=1, scored=200),
+     {}, sig(BUSY, iters=1, generated=200, scored=200),
      [("LendToRollout", {"devices": (0, 1), "instance_ids": (0, 1)}),
       M(2, 0, 10), M(3, 0, 10), M(4, 1, 10), M(5, 1, 10)]),
     ("same, with a churn margin (scheduler.margin_s) larger than any predicted gain: nothing moves",
-     {"margin_s": 1e4}, sig(BUSY, iters=1, scored=200), []),
+     {"margin_s": 1e4}, sig(BUSY, iters=1, generated=200, scored=200), []),
     ("same, with a relative margin (scheduler.margin_frac) near the whole predicted step: nothing moves",
-     {"margin_s": 0.0, "margin_frac": 0.99}, sig(BUSY, iters=1, scored=200), []),
+     {"margin_s": 0.0, "margin_frac": 0.99}, sig(BUSY, iters=1, generated=200, scored=200), []),
     ("same with scheduler.lend_actor off: the actor keeps its devices", {"lend_actor": False},
-     sig(BUSY, iters=1, scored=200), []),
+     sig(BUSY, iters=1, generated=200, scored=200), []),
     ("same, but the engine cannot move KV caches: re-prefill makes lending not pay",
-     {"kv_migration": False}, sig(BUSY, iters=1, scored=200), []),
+     {"kv_migration": False}, sig(BUSY, iters=1, generated=200, scored=200), []),
+    ("the mini-batch is generated, only its scores are pending: a lend would come straight back, none",
+     {}, sig(BUSY, iters=1, generated=256, scored=200), []),
     ("rollout-bound and the actor has data: nothing pays", {}, sig(BUSY, iters=1, scored=300), []),
     ("between boundaries: heaviest instances hand groups to the lightest (KV copy)",
      {}, _between(SKEWED), [M(2, 3, 20), M(5, 4, 11)]),
@@ -328,7 +330,7 @@ def test_tidal_start_reason_names_the_prediction():
 
 def test_tidal_same_decision_from_records_or_columns():
     """A producer may pass columns (the simulator) or records only (a plain reconciler): same actions."""
-    for s in (sig(BUSY, iters=1, scored=200), _between(SKEWED), _inf_lent(110, LATE)):
+    for s in (sig(BUSY, iters=1, generated=200, scored=200), _between(SKEWED), _inf_lent(110, LATE)):
         cols = RolloutColumns.of(s.rollout)
         with_cols = dataclasses.replace(s, columns=cols)
         view = dataclasses.replace(s, rollout=RolloutView(cols, [r.devices for r in s.rollout]), columns=cols)
