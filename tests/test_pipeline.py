@@ -42,7 +42,8 @@ def scripted(state, sig, now):
 
     def in_flight(i: int) -> bool:
         r = live[i]
-        return r.progress_tokens > 0 or r.groups_unfinished == 0 or ready
+        # (an instance with no groups yet, as at the step's first ask before the feed, has not finished)
+        return r.progress_tokens > 0 or (r.groups_unfinished == 0 and r.total > 0) or ready
 
     if k == 0 and 5 in live and in_flight(5):
         # one migration wave with three exports from one source in flight at once (each takes the next groups)
