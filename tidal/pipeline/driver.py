@@ -522,14 +522,14 @@ class Pipeline:
     def _keep_weights(self) -> None:
         """Step end, before the placement is restored (the actor shrinks back to its initial devices then): where
         the actor's ranks hold whole replicas (TP 1) each keeps a copy for the next version, so the engines that
-        run there next load it in place (`sync_weights`). Not waited for: each worker runs it before the reshard
-        queued behind it. Only with the scheduler on: a static actor never shares a device with an engine."""
-        lay = self.cluster.actor_layout
-        if not self.cfg.cluster.auto_scheduler or lay.tp != 1:
+        run there next load it in place (`sync_weights`). Asked of every device, so the others drop an older copy
+        (it could never be loaded again: its version is past). Not waited for: each worker runs it before the
+        reshard queued behind it. Only with the scheduler on: a static actor never shares a device with an engine."""
+        if not self.cfg.cluster.auto_scheduler or self.cluster.actor_layout.tp != 1:
             self._keeping = []
             return
         self._keeping = [(d, self.group.submit(d, f"{ROLES}:actor_keep_weights", version=self.version + 1))
-                         for d in lay.devices]
+                         for d in self.group.device_ids]
 
     def sync_weights(self, step: int) -> None:
         """The actor's weights to every rollout and inference engine (the next policy version). An engine whose
