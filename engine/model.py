@@ -2,11 +2,17 @@
 
 RMSNorm -> attention (RoPE, grouped-query, `scaled_dot_product_attention`) -> RMSNorm -> SwiGLU MLP, pre-norm
 residuals, tied or untied embeddings. Parameter names and the RoPE convention (rotate-half) follow Hugging Face
-Llama so its safetensors load with a rename table only (see `engine/checkpoint_hf.py` where present).
+Llama, so a checkpoint of a supported family loads with a rename table only (`engine/hf_checkpoint.py`).
+
+The families differ in three switches of `ModelArgs`, each a parameter set or a formula, never a code fork:
+    qkv_bias   q/k/v projections carry a bias (Qwen2, Qwen2.5)
+    qk_norm    RMSNorm over each head's q and k before RoPE (Qwen3), with an explicit `head_dim`
+    rope       RoPE frequencies: default, `linear` or `llama3` scaling (Llama 3.1 / 3.2)
 
 Tensor parallelism (see `engine/tp.py`): q/k/v and gate/up are column-parallel (heads and SwiGLU width split),
-o/down are row-parallel, the embedding and the output head are vocab-parallel; norms are replicated. With
-`tp_group=None` it is the plain single-process model, used as the reference in tests.
+o/down are row-parallel, the embedding and the output head are vocab-parallel; norms are replicated. A q/k/v
+bias is split with its heads (TP dim 0, as the weight's rows); the q/k norms act on one head's dim and are
+replicated. With `tp_group=None` it is the plain single-process model, used as the reference in tests.
 
 Shapes: B batch, T query tokens, S key tokens, H heads (local), D head dim, V vocab (local shard).
 
@@ -16,7 +22,8 @@ explicit boolean `attn_mask_BTS` (True = may attend); positions are explicit per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +33,34 @@ from tidal.engine.layout import ParamSpec
 from tidal.errors import LayoutError
 from tidal.engine.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _rank, _size,
                              copy_to_tp, gather_vocab, vocab_parallel_logprobs)
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies are derived from `rope_theta` (Hugging Face's `rope_type`s of that name).
+
+    default: inv_freq_i = theta^(-2i/D).  linear: inv_freq / factor.  llama3: wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than ... /
+    high_freq_factor are kept, and the band between is interpolated (Llama 3.1's long-context recipe)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise LayoutError("rope_scaling.rope_type", self.rope_type, "is not supported",
+                              f"use one of {', '.join(ROPE_TYPES)}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise LayoutError("rope_scaling.factor", self.factor, "must be a finite number > 0", "e.g. 8.0")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor > 0:
+            raise LayoutError("rope_scaling", (self.low_freq_factor, self.high_freq_factor),
+                              "llama3 scaling needs high_freq_factor > low_freq_factor > 0", "e.g. 4.0 and 1.0")
 
 
 @dataclass(frozen=True)
@@ -40,20 +75,35 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    head_dim: int = 0
+    """Per-head width; 0 derives it as hidden_size // num_heads (Qwen3 sets it explicitly)."""
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3)."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if isinstance(self.rope_scaling, dict):  # from a checkpoint manifest (asdict form)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @staticmethod
     def from_config(model_cfg, vocab_size: int) -> "ModelArgs":
-        """From `tidal.config.ModelConfig` (vocab from the tokenizer unless the config pins it)."""
-        fields = model_cfg.model_dump()
+        """From `tidal.config.ModelConfig`'s architecture keys (vocab from the tokenizer unless pinned). A
+        config with `model.path` builds its args from the checkpoint instead (`hf_checkpoint.read_hf_config`)."""
+        fields = {k: getattr(model_cfg, k) for k in ARCH_CONFIG_KEYS}
         fields["vocab_size"] = fields.get("vocab_size") or vocab_size
         return ModelArgs(**fields)
 
     def num_params(self) -> int:
         return sum(s.numel for s in param_specs(self))
+
+
+#: `tidal.config.ModelConfig` keys that describe the architecture (and so come from config.json with model.path)
+ARCH_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
 
 
 class KVCache(Protocol):
@@ -72,10 +122,27 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2] in fp64, after `args.rope_scaling`."""
+    d, rs = args.head_dim, args.rope_scaling
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    if rs.rope_type == "linear":
+        return inv / rs.factor
+    if rs.rope_type == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
 def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [max_seq_len, D] in fp32 (HF's rotate-half layout: frequencies repeated twice)."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    inv = rope_inv_freq(args, device)
     t = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -96,15 +163,23 @@ class Attention(nn.Module):
         tp = _size(group)
         self.n_heads, self.n_kv, self.d = args.num_heads // tp, args.num_kv_heads // tp, args.head_dim
         h = args.hidden_size
-        self.q_proj = ColumnParallelLinear(h, args.num_heads * self.d, group, dtype, device)
-        self.k_proj = ColumnParallelLinear(h, args.num_kv_heads * self.d, group, dtype, device)
-        self.v_proj = ColumnParallelLinear(h, args.num_kv_heads * self.d, group, dtype, device)
+        bias = args.qkv_bias
+        self.q_proj = ColumnParallelLinear(h, args.num_heads * self.d, group, dtype, device, bias=bias)
+        self.k_proj = ColumnParallelLinear(h, args.num_kv_heads * self.d, group, dtype, device, bias=bias)
+        self.v_proj = ColumnParallelLinear(h, args.num_kv_heads * self.d, group, dtype, device, bias=bias)
         self.o_proj = RowParallelLinear(args.num_heads * self.d, h, group, dtype, device)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.d, args.norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.d, args.norm_eps, dtype, device)
+        self.qk_norm = args.qk_norm
 
     def forward(self, x, cos, sin, mask_BTS, kv_cache, layer):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.d).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.d)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
@@ -228,12 +303,17 @@ def param_specs(args: ModelArgs) -> list[ParamSpec]:
     out = [ParamSpec("embed_tokens.weight", (v, h), 0)]
     for i in range(args.num_layers):
         p = f"layers.{i}."
+        attn = []
+        for name, rows in (("q", args.num_heads * d), ("k", args.num_kv_heads * d), ("v", args.num_kv_heads * d)):
+            attn.append(ParamSpec(p + f"self_attn.{name}_proj.weight", (rows, h), 0))
+            if args.qkv_bias:  # split with its heads, like the weight's rows
+                attn.append(ParamSpec(p + f"self_attn.{name}_proj.bias", (rows,), 0))
+        attn.append(ParamSpec(p + "self_attn.o_proj.weight", (h, args.num_heads * d), 1))
+        if args.qk_norm:
+            attn += [ParamSpec(p + "self_attn.q_norm.weight", (d,), None),
+                     ParamSpec(p + "self_attn.k_norm.weight", (d,), None)]
+        out += [ParamSpec(p + "input_layernorm.weight", (h,), None), *attn]
         out += [
-            ParamSpec(p + "input_layernorm.weight", (h,), None),
-            ParamSpec(p + "self_attn.q_proj.weight", (args.num_heads * d, h), 0),
-            ParamSpec(p + "self_attn.k_proj.weight", (args.num_kv_heads * d, h), 0),
-            ParamSpec(p + "self_attn.v_proj.weight", (args.num_kv_heads * d, h), 0),
-            ParamSpec(p + "self_attn.o_proj.weight", (h, args.num_heads * d), 1),
             ParamSpec(p + "post_attention_layernorm.weight", (h,), None),
             ParamSpec(p + "mlp.gate_proj.weight", (f, h), 0),
             ParamSpec(p + "mlp.up_proj.weight", (f, h), 0),
@@ -250,8 +330,11 @@ def init_global_weights(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for spec in param_specs(args):
-        if spec.name.endswith("layernorm.weight") or spec.name == "norm.weight":
+        if spec.name.endswith("norm.weight"):
             out[spec.name] = torch.ones(spec.shape)
+            continue
+        if spec.name.endswith(".bias"):
+            out[spec.name] = torch.zeros(spec.shape)
             continue
         std = 0.02
         if spec.name.endswith(("o_proj.weight", "down_proj.weight")):

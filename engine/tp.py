@@ -64,16 +64,18 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x @ W[rows of this rank]^T; output stays sharded along the feature dim."""
+    """y_local = x @ W[rows of this rank]^T (+ b[rows of this rank]); output stays sharded along the feature dim."""
 
-    def __init__(self, in_features: int, out_features: int, group=None, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, group=None, dtype=torch.float32, device=None,
+                 bias: bool = False):
         super().__init__()
         self.group = group
         lo, hi = split(out_features, _size(group), _rank(group))
         self.weight = nn.Parameter(torch.empty(hi - lo, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(hi - lo, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(copy_to_tp(x, self.group), self.weight)
+        return torch.nn.functional.linear(copy_to_tp(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
