@@ -88,8 +88,9 @@ class CheckpointMeta:
     """Driver-side position of the run at the checkpoint."""
 
     step: int              # RL steps completed; the generation is gen-<step> and a resumed run starts at it
-    data_pos: int          # prompts the driver's data stream has consumed
+    data_pos: int          # prompts the driver's data stream has consumed (in epoch `data_epoch`)
     policy_version: int    # weight version rollout and inference hold
+    data_epoch: int = 0    # epoch of a data-file stream (built-in tasks: always 0)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,20 @@ class PromptRecord:
 
 
 @dataclass(frozen=True)
+class PromptLabel:
+    """What the verifier needs of a prompt: it travels with its group (also across migrations) to the scorer."""
+
+    uid: str
+    """Stable sample id (`file:row`, or `task:index` for a built-in task): named when a reward function fails."""
+    answer: str
+    """Ground truth text."""
+    data_source: str = ""
+    """verl's `data_source` (the file stem otherwise): the first argument of a custom reward function."""
+    extra_info: str = "{}"
+    """verl's `extra_info`, as JSON text."""
+
+
+@dataclass(frozen=True)
 class DataSpec:
     files: tuple[str, ...]
     prompt_key: str = "prompt"  # dotted path allowed

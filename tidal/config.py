@@ -70,6 +70,10 @@ class ClusterConfig(Section):
 
 
 class ModelConfig(Section):
+    path: str | None = Field(
+        None, description="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files): the "
+                          "architecture, weights and tokenizer come from it, so the keys below except max_seq_len "
+                          "must stay unset. None: Tidal's own model, built from the keys below.")
     vocab_size: int | None = Field(None, ge=2, description="None: the task tokenizer's size.")
     hidden_size: int = Field(128, ge=8, description="Model width.")
     num_layers: int = Field(4, ge=1, description="Decoder layers.")
@@ -90,6 +94,11 @@ class ModelConfig(Section):
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("head dim (hidden_size / num_heads) must be even for RoPE")
         return self
+
+
+#: ModelConfig keys that config.json gives when model.path is set
+ARCH_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+             "rope_theta", "norm_eps", "tie_embeddings")
 
 
 class ActorConfig(Section):
@@ -133,10 +142,42 @@ class AlgorithmConfig(Section):
 
 
 class DataConfig(Section):
-    task: str = Field("addition", description="Verifiable-reward task (see `tidal tasks`).")
+    task: str = Field("addition", description="Built-in verifiable-reward task, used when train_files is empty.")
+    train_files: list[str] = Field(
+        default_factory=list, description="Prompt files (.jsonl, .parquet) of the RL stream, e.g. GSM8K's train "
+                                          "split or a verl-layout parquet. Empty: the built-in `task`.")
+    val_files: list[str] = Field(
+        default_factory=list, description="Held-out prompt files for the accuracy evaluation (needed with "
+                                          "train_files); the first eval_size prompts are scored.")
+    prompt_key: str = Field("prompt", min_length=1, description="Column of the prompt: text, or a list of "
+                            "chat messages as in verl's `prompt`. Dotted paths reach into nested columns.")
+    answer_key: str = Field("answer", min_length=1, description="Column of the ground truth, e.g. `answer` "
+                            "(GSM8K) or `reward_model.ground_truth` (verl).")
+    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens (after the chat template); "
+                                   "longer ones are filtered (counted in the summary) or an error (truncation).")
+    max_response_length: int | None = Field(
+        None, ge=1, description="Response length cap in tokens (verl's name for rollout.max_new_tokens; set one).")
+    truncation: Literal["filter", "error"] = Field(
+        "filter", description="Prompts over max_prompt_length: filter drops and counts them, error stops the run.")
+    shuffle: bool = Field(True, description="Shuffle the prompt files' rows each epoch (seeded by data.seed).")
+    apply_chat_template: bool | None = Field(
+        None, description="Render each prompt as a user message with the generation prompt through the "
+                          "tokenizer's chat template. None: on when the tokenizer has a template.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3.")
     rollout_batch_size: int = Field(16, ge=1, description="Prompts per RL step (RLinf key).")
     eval_size: int = Field(256, ge=1, description="Held-out prompts per evaluation.")
-    seed: int = Field(0, description="Seed of the train/held-out splits.")
+    seed: int = Field(0, description="Seed of the train/held-out splits and of the files' shuffle.")
+
+
+class RewardConfig(Section):
+    function: str | None = Field(
+        None, description="Verifier: gsm8k (#### N, else the last number), gsm8k_strict, math (last \\boxed{} "
+                          "by symbolic equivalence, math-verify), exact, or `module.path:function` with verl's "
+                          "signature compute_score(data_source, solution_str, ground_truth, extra_info=None). "
+                          "None: the built-in task's verifier, or gsm8k with data files.")
+    timeout_s: float = Field(10.0, gt=0, le=3600, description="Longest one reward call may take; one that "
+                             "takes longer scores 0 and is counted (reward/timeouts).")
 
 
 class WarmStartConfig(Section):
@@ -177,6 +218,10 @@ class RunConfig(Section):
     output_dir: str = Field("runs", description="Parent of the run's output folder.")
     eval_every: int = Field(1, ge=1, description="Evaluate held-out accuracy every N steps.")
     checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0: only at the end.")
+    save_hf: bool = Field(False, description="Also write the model as a Hugging Face directory (hf/ beside each "
+                          "checkpoint and at the end): config.json, safetensors, tokenizer, generation_config.")
+    save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of save_hf's weights; auto: that of model.path's checkpoint (fp32 otherwise).")
 
 
 class TrackingConfig(Section):
@@ -196,6 +241,7 @@ class TidalConfig(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     data: DataConfig = DataConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+    reward: RewardConfig = RewardConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tracking: TrackingConfig = TrackingConfig()
 
@@ -203,6 +249,23 @@ class TidalConfig(Section):
     def placement(self) -> Placement:
         return parse_placement(self.cluster.component_placement, self.cluster.num_devices,
                                self.cluster.auto_scheduler)
+
+    @property
+    def response_length(self) -> int:
+        """Response cap in tokens: data.max_response_length if set, else rollout.max_new_tokens."""
+        return self.data.max_response_length or self.rollout.max_new_tokens
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + response: model.max_seq_len, or with a checkpoint and data files and no explicit
+        model.max_seq_len, data.max_prompt_length + response_length."""
+        if self.model.path and self.data.train_files and "max_seq_len" not in self.model.model_fields_set:
+            return self.data.max_prompt_length + self.response_length
+        return self.model.max_seq_len
+
+    @property
+    def uses_files(self) -> bool:
+        return bool(self.data.train_files)
 
     @property
     def sequences_per_iter(self) -> int:
@@ -230,10 +293,38 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("algorithm.n_minibatches", cfg.algorithm.n_minibatches,
                           f"does not divide the step's {total} sequences (rollout_batch_size x group_size)",
                           "use a divisor so every iter has the same global batch")
-    if cfg.rollout.max_new_tokens >= m.max_seq_len:
-        raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
-                          f"leaves no room for the prompt within model.max_seq_len={m.max_seq_len}",
+    if m.path is not None:
+        clash = [k for k in ARCH_KEYS if k in m.model_fields_set]
+        if clash:
+            raise ConfigError(f"model.{clash[0]}", getattr(m, clash[0]),
+                              f"contradicts model.path={m.path!r}, whose config.json gives the architecture",
+                              f"drop model.{', model.'.join(clash)} (or model.path to build Tidal's own model)")
+    d = cfg.data
+    if d.max_response_length is not None and "max_new_tokens" in cfg.rollout.model_fields_set \
+            and cfg.rollout.max_new_tokens != d.max_response_length:
+        raise ConfigError("data.max_response_length", d.max_response_length,
+                          f"contradicts rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the same cap)",
+                          "set only one of them")
+    if cfg.response_length >= cfg.max_seq_len:
+        raise ConfigError("rollout.max_new_tokens", cfg.response_length,
+                          f"leaves no room for the prompt within model.max_seq_len={cfg.max_seq_len}",
                           "lower max_new_tokens or raise model.max_seq_len")
+    if d.train_files and "task" in d.model_fields_set:
+        raise ConfigError("data.task", d.task, "is the built-in task, but data.train_files gives the prompts",
+                          "drop data.task, or data.train_files to train on the built-in task")
+    if d.train_files and not d.val_files:
+        raise ConfigError("data.val_files", [], "is empty: held-out accuracy needs its own prompts",
+                          "add the held-out split, e.g. data.val_files: [gsm8k/test.parquet]")
+    if d.val_files and not d.train_files:
+        raise ConfigError("data.val_files", d.val_files, "needs data.train_files (the built-in task holds its "
+                          "own held-out split)", "add data.train_files or drop data.val_files")
+    if d.train_files and not cfg.model.path:
+        raise ConfigError("data.train_files", d.train_files, "needs model.path: text data needs a real tokenizer",
+                          "set model.path to a Hugging Face checkpoint directory (with its tokenizer)")
+    if d.train_files and d.max_prompt_length >= cfg.max_seq_len:
+        raise ConfigError("data.max_prompt_length", d.max_prompt_length,
+                          f"leaves no room for a response within model.max_seq_len={cfg.max_seq_len}",
+                          "lower data.max_prompt_length or raise model.max_seq_len")
     if cfg.cluster.use_pre_process_policy and not cfg.cluster.auto_scheduler:
         raise ConfigError("cluster.use_pre_process_policy", True, "needs dynamic scheduling",
                           "set cluster.auto_scheduler: true or drop the flag")

@@ -32,11 +32,11 @@ from tidal.engine.layout import Layout
 from tidal.workers.gc_pauses import GcPauses
 from tidal.engine.model import ModelArgs, Transformer
 from tidal.engine.optim import OptimConfig
+from tidal.engine.evaluation import EvalItem, greedy_accuracy
+from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.records import RolloutGroup, ScoredGroup
-from tidal.engine.rl_tasks import get_task
-from tidal.engine.tokenizer import CharTokenizer
-from tidal.engine.warmstart import greedy_accuracy
-from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
+from tidal.engine.verifier import Verifier
+from tidal.workers.rollout_instance import GroupQueue, RolloutInstance
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,12 @@ class RunSpec:
     micro_batch_size: int
     clip_eps: float
     kl_coef: float
-    task: str
-    tokenizer_chars: str
+    tokenizer: TokenizerSpec
+    reward: str | None
+    """`reward.function` (None: the built-in tasks' exact verifier on the label's answer)."""
+    reward_timeout_s: float
+    vocab_limit: int | None
+    """Generation samples ids below this (the tokenizer's size) when the embedding is padded past it."""
     seed: int
 
 
@@ -77,7 +81,8 @@ def setup(ctx, spec: RunSpec) -> int:
     # a new driver numbers its slices from 0 again: interrupts left by an earlier one must not end them
     ctx.interrupt_upto.clear()
     ctx.state["run"] = spec
-    ctx.state["tok"] = CharTokenizer(spec.tokenizer_chars)
+    ctx.state["tok"] = spec.tokenizer.build()
+    ctx.state["verifier"] = Verifier(spec.reward, spec.reward_timeout_s)
     # Warm-up: the first model built on the meta device imports torch's meta kernels, seconds of CPU that a
     # capped device would otherwise spend inside the first reshard that brings it into the actor (measured:
     # 7 s of a 7.3 s reshard at 0.25 core).
@@ -247,7 +252,8 @@ def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) 
         engine = old["engine"]
     else:
         engine = NativeEngine(_model_with(spec, weights, ctx.device),
-                              EngineConfig(max_running_requests=spec.max_running_requests), policy_version=version)
+                              EngineConfig(max_running_requests=spec.max_running_requests,
+                                           vocab_limit=spec.vocab_limit), policy_version=version)
     queue = GroupQueue([])
     out: list = []
     inst = RolloutInstance(instance_id, engine, queue, out.append, spec.sampling, spec.group_size, spec.seed, step)
@@ -256,9 +262,8 @@ def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) 
     return instance_id
 
 
-def _to_record(g, task, tok, step: int) -> RolloutGroup:
-    prompt = tok.decode(g.prompt_ids[1:])  # without <bos>
-    rewards = tuple(task.reward(prompt, tok.decode(s.token_ids)) for s in g.samples)
+def _to_record(g, verifier: Verifier, tok, step: int) -> RolloutGroup:
+    rewards = tuple(verifier.score(g.label, tok.response_text(s.token_ids)) for s in g.samples)
     return RolloutGroup(g.group_id, step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
                         tuple(torch.tensor(s.logprobs, dtype=torch.float32) for s in g.samples), rewards,
                         g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples))
@@ -291,8 +296,9 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
         if r["out"] and time.perf_counter() - t0 > budget_s / 4:
             break
     finished, r["out"][:] = list(r["out"]), []
-    task, tok = get_task(spec.task), ctx.state["tok"]
-    records = [_to_record(g, task, tok, r["step"]) for g in finished]
+    verifier, tok = ctx.state["verifier"], ctx.state["tok"]
+    timeouts0 = verifier.num_timeouts
+    records = [_to_record(g, verifier, tok, r["step"]) for g in finished]
     s = inst.signals()
     eng = r["engine"]  # tokens generated so far by unfinished requests (what the scheduler's length model needs)
     progress = sum(len(eng._live[rid].tokens) for rid in eng.request_ids()) if hasattr(eng, "_live") else 0
@@ -301,7 +307,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
                      "emitted": s.groups_emitted, "queued": r["queue"].remaining(),
                      "busy_s": time.perf_counter() - t0, "pumps": pumps, "mean_batch": batch / max(1, pumps),
                      "gc_s": GcPauses.install().take()[0],
-                     "call_tokens": s.tokens_generated - tokens0}
+                     "call_tokens": s.tokens_generated - tokens0,
+                     "reward_timeouts": verifier.num_timeouts - timeouts0}
 
 
 def rollout_export(ctx, count: int | None = None) -> dict:
@@ -336,8 +343,8 @@ def rollout_import(ctx, package: Any) -> int:
     states: list[RequestState] = package["states"]
     if states:
         r["engine"].import_state(states)
-    for gid, (prompt_ids, results) in package["open"].items():
-        inst.adopt_group(PromptGroup(gid, tuple(prompt_ids)), results)
+    for group, results in package["open"].values():
+        inst.adopt_group(group, results)
     r["queue"].extend(package["queued"])
     inst.reopen()
     return len(states)
@@ -471,7 +478,8 @@ def inference_release(ctx) -> None:
     ctx.state.pop("inference", None)
 
 
-def evaluate(ctx, prompts: list[str]) -> float:
+def evaluate(ctx, items: list[EvalItem]) -> float:
     """Greedy held-out accuracy with this worker's inference weights."""
     spec: RunSpec = ctx.state["run"]
-    return greedy_accuracy(ctx.state["inference"]["model"], get_task(spec.task), ctx.state["tok"], prompts)
+    return greedy_accuracy(ctx.state["inference"]["model"], items, ctx.state["tok"], ctx.state["verifier"],
+                           spec.sampling.max_new_tokens, spec.max_running_requests)

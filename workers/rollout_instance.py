@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from tidal.engine.generation.migration import migrate
 from tidal.engine.generation.protocol import GenerationEngine, GenerationError
+from tidal.engine.datasets import PromptLabel
 from tidal.engine.generation.requests import Request, RequestResult, SamplingParams, derive_seed
 from tidal.errors import TidalError
 
@@ -47,6 +48,7 @@ class PromptGroup:
 
     group_id: int
     prompt_ids: tuple[int, ...]
+    label: PromptLabel | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class RolloutGroup:
     prompt_ids: tuple[int, ...]
     samples: tuple[RequestResult, ...]
     policy_version: int
+    label: PromptLabel | None = None
 
     @property
     def response_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -181,7 +184,7 @@ class RolloutInstance:
             samples = tuple(g.results[i] for i in range(self.group_size))
             versions = {s.policy_version for s in samples}
             assert len(versions) == 1, f"group {gid} mixes policy versions {versions}"
-            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, versions.pop()))
+            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, versions.pop(), g.group.label))
             self._emitted += 1
 
     def done(self) -> bool:
@@ -205,10 +208,10 @@ class RolloutInstance:
         """New work arrived in the queue after it ran dry (the driver feeds it, or a migration)."""
         self._queue_empty = False
 
-    def group_snapshot(self, gid: int) -> tuple[tuple[int, ...], dict[int, RequestResult]]:
-        """(prompt ids, finished samples) of an open group, for moving it to another process."""
+    def group_snapshot(self, gid: int) -> tuple[PromptGroup, dict[int, RequestResult]]:
+        """(the group, its finished samples) of an open group, for moving it to another process."""
         g = self._groups[gid]
-        return g.group.prompt_ids, dict(g.results)
+        return g.group, dict(g.results)
 
     def adopt_group(self, group: PromptGroup, results: dict[int, RequestResult]) -> None:
         """Take over an open group whose running samples were imported into this engine."""
@@ -222,7 +225,8 @@ class RolloutInstance:
         if len(g.results) == self.group_size:
             del self._groups[gid]
             samples = tuple(g.results[i] for i in range(self.group_size))
-            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, samples[0].policy_version))
+            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, samples[0].policy_version,
+                                   g.group.label))
             self._emitted += 1
 
     def drop_group(self, gid: int) -> None:

@@ -74,12 +74,17 @@ class EngineConfig:
     """How a KV-less imported request rebuilds its KV (see module doc)."""
     cuda_graph: bool = True
     """On CUDA (TP 1), replay one captured CUDA graph per decode step instead of launching each kernel."""
+    vocab_limit: int | None = None
+    """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
+    rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise TidalError("rollout.max_running_requests", self.max_running_requests, "must be >= 1", "e.g. 64")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise TidalError("kv_budget_bytes", self.kv_budget_bytes, "must be positive", "omit it for no cap")
+        if self.vocab_limit is not None and self.vocab_limit < 2:
+            raise TidalError("vocab_limit", self.vocab_limit, "must be >= 2", "the tokenizer's size, or None")
         if self.reprefill not in ("replay", "single_pass"):
             raise TidalError("reprefill", self.reprefill, "unknown mode", 'use "replay" or "single_pass"')
 
@@ -112,6 +117,10 @@ class NativeEngine(GenerationEngine):
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), policy_version: int = 0):
         self.model, self.config, self._version = model, config, int(policy_version)
         self.args = model.args
+        if config.vocab_limit is not None and config.vocab_limit > self.args.vocab_size:
+            raise TidalError("vocab_limit", config.vocab_limit, f"exceeds the model's {self.args.vocab_size} rows",
+                             "use a tokenizer no larger than the model's embedding")
+        self._vocab = config.vocab_limit or self.args.vocab_size
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.tp = _size(model.tp_group)
@@ -258,7 +267,7 @@ class NativeEngine(GenerationEngine):
     def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
         pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
         h = self.model.hidden(ids_1T, pos_1T, None, writer)
-        return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1].float()
+        return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1, :self._vocab].float()
 
     def _graph_prefill(self, ids_1T: torch.Tensor, slot: int) -> torch.Tensor:
         """CUDA: one captured graph per prompt length (LRU, at most PREFILL_GRAPHS), slot as a device index."""
@@ -320,7 +329,7 @@ class NativeEngine(GenerationEngine):
         """The fixed-shape decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
         decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], self.cache.decode_mask(pos_R), decoder)
-        logits = self.model.full_logits(logits_local)[:, -1].float()
+        logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R)
         return tok, sampler.logprobs(logits, tok)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, Manifest, begin, check_model, commit,
                                      latest, verify)
+from tidal.engine.datasets import DataPosition
 from tidal.engine.model import param_specs
 
 log = logging.getLogger("tidal.checkpoint")
@@ -42,7 +43,8 @@ def save(pipe, dir: str | Path, step: int, keep_last: int = 2) -> Path:
     _idle(pipe, "checkpoint")
     dir = Path(dir)
     layout = pipe.cluster.actor_layout
-    meta = CheckpointMeta(step=step, data_pos=pipe.data_pos, policy_version=pipe.version)
+    meta = CheckpointMeta(step=step, data_pos=pipe.data_pos.offset, policy_version=pipe.version,
+                          data_epoch=pipe.data_pos.epoch)
     t0 = pipe.clock()
     begin(dir, step)
     g = pipe.group
@@ -85,10 +87,10 @@ def resume(pipe, dir: str | Path) -> int:
     t0 = pipe.clock()
     g = pipe.group
     g.gather(g.submit_all(f"{ROLES_CKPT}:actor_load", dir=str(gen), layout=layout))
-    pipe.version, pipe.data_pos = m.meta.policy_version, m.meta.data_pos
+    pipe.version, pipe.data_pos = m.meta.policy_version, DataPosition(m.meta.data_epoch, m.meta.data_pos)
     pipe._load_generation(ray.put(pipe.global_weights()), m.meta.step)
     pipe.cluster.record("resume", step=m.meta.step, path=str(gen), saved_layout=str(m.layout),
-                        layout=str(layout), version=pipe.version, data_pos=pipe.data_pos,
+                        layout=str(layout), version=pipe.version, data_pos=pipe.data_pos.to_json(),
                         seconds=pipe.clock() - t0)
     log.info("resumed from %s (saved at %s, loaded at %s): next step %d", gen, m.layout, layout, m.meta.step)
     return m.meta.step

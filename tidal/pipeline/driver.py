@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from tidal.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
+from tidal.engine.datasets import DataPosition
 from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
@@ -197,16 +198,14 @@ class Cluster:
 class Pipeline:
     """A training run's driver. `policy(state, signals, now) -> actions` is consulted at actor iter boundaries."""
 
-    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict, policy, sched_state,
+    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict, policy, sched_state, source,
                  clock: Callable[[], float] | None = None, on_event: Callable[[dict], None] | None = None):
-        from tidal.engine.rl_tasks import get_task
-        from tidal.engine.tokenizer import CharTokenizer
         t0 = time.monotonic()
         self.clock = clock or (lambda: time.monotonic() - t0)
         self.cfg, self.group, self.spec = cfg, group, spec
         self.policy, self.sched_state = policy, sched_state
         self.on_event = on_event or (lambda ev: None)
-        self.task, self.tok = get_task(cfg.data.task), CharTokenizer(spec.tokenizer_chars)
+        self.source = source   # engine.prompt_source: the RL stream and the held-out prompts
         p = cfg.placement
         tp = cfg.actor.tensor_parallel_size
         self.initial_layout = Layout(tp, len(p.actor) // tp, p.actor)
@@ -215,7 +214,7 @@ class Pipeline:
         self.cluster = Cluster(group, self.ledger, self.timeline, self.clock, self.initial_layout, p.rollout,
                                p.inference)
         self.version = 0
-        self.data_pos = 0
+        self.data_pos = DataPosition()
         self._weights = weights
         #: devices whose worker kept a copy of the current generation weights (`sync_weights`), and the step-end
         #: calls that keep the next ones
@@ -284,8 +283,8 @@ class Pipeline:
         """Stream one step; `sync=False` leaves the weight sync to the caller (`sync_weights`, e.g. a flow task)."""
         cfg, c = self.cfg, self.cluster
         t_start = self.clock()
-        prompts = self.task.train_prompts(cfg.data.rollout_batch_size, cfg.data.seed, self.data_pos)
-        groups = [PromptGroup(i, tuple(self.task.prompt_ids(p, self.tok))) for i, p in enumerate(prompts)]
+        prompts, self._next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
+        groups = [PromptGroup(i, ids, label) for i, (ids, label) in enumerate(prompts)]
         if self._keeping:   # our invariant: the caller of run_step(sync=False) syncs before the next step
             raise RuntimeError("run_step: the previous step's weights were never synced (call sync_weights after "
                                "run_step(sync=False))")
@@ -312,7 +311,7 @@ class Pipeline:
         self.reconciler.consult("step_end")
         if sync:
             self.sync_weights(step)
-        self.data_pos += cfg.data.rollout_batch_size
+        self.data_pos = self._next_pos
         metrics = step_metrics(list(st.scored.values()))
         for m in st.actor_metrics:
             for k, v in m.items():
@@ -549,8 +548,9 @@ class Pipeline:
         c.record("weight_sync", step=step, version=self.version, seconds=self.clock() - t0,
                  local=sorted(set(c.rollout + c.inference) & self.kept), remote=remote)
 
-    def evaluate(self, prompts: list[str]) -> float:
-        return float(self.group.call(self.cluster.inference[0], f"{ROLES}:evaluate", prompts=prompts))
+    def evaluate(self, items: list) -> float:
+        """Greedy held-out accuracy of `items` (`EvalItem`s) under the weights inference holds."""
+        return float(self.group.call(self.cluster.inference[0], f"{ROLES}:evaluate", items=items))
 
     def global_weights(self) -> dict:
         """Current actor weights in global coordinates (for checks and checkpoints of the driver)."""

@@ -119,16 +119,19 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
     return weights, meta
 
 
-def run_spec(cfg: TidalConfig, args, tok):
+def run_spec(cfg: TidalConfig, inputs):
     from tidal.engine.generation.requests import SamplingParams
     from tidal.engine.optim import OptimConfig
     from tidal.workers.roles import RunSpec
     total_iters = cfg.run.num_steps * cfg.algorithm.n_minibatches
-    return RunSpec(args=args, optim=OptimConfig.from_actor(cfg.actor, total_iters),
-                   sampling=SamplingParams.from_config(cfg.rollout, (tok.eos_id,)),
-                   max_running_requests=cfg.rollout.max_running_requests, group_size=cfg.algorithm.group_size,
+    r = cfg.rollout
+    return RunSpec(args=inputs.args, optim=OptimConfig.from_actor(cfg.actor, total_iters),
+                   sampling=SamplingParams(r.temperature, r.top_p, r.top_k, cfg.response_length,
+                                           inputs.tok.stop_ids),
+                   max_running_requests=r.max_running_requests, group_size=cfg.algorithm.group_size,
                    micro_batch_size=cfg.actor.micro_batch_size, clip_eps=cfg.algorithm.clip_eps,
-                   kl_coef=cfg.algorithm.kl_coef, task=cfg.data.task, tokenizer_chars=tok.chars, seed=cfg.run.seed)
+                   kl_coef=cfg.algorithm.kl_coef, tokenizer=inputs.tokenizer_spec, reward=inputs.reward,
+                   reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed)
 
 
 class TrainingRun:
@@ -150,33 +153,34 @@ class TrainingRun:
         self.next_step = 0
 
     def open(self, resume_from: str | Path | None = None) -> "TrainingRun":
-        from tidal.engine.model import ModelArgs
-        from tidal.engine.rl_tasks import get_task
-        from tidal.engine.tokenizer import check_compatible, default_tokenizer
         from tidal.pipeline.driver import Pipeline
+        from tidal.pipeline.inputs import read_inputs
         from tidal.scheduler.costs_cpu import cpu_e2e
         from tidal.scheduler.policies import get_policy
         from tidal.scheduler.state import PolicyParams, SchedState
         from tidal.workers.runtime import WorkerGroup
         cfg = self.cfg
         check_runnable(cfg)
-        tok = default_tokenizer()
-        task = get_task(cfg.data.task)
-        task.check_tokenizer(tok)
-        args = ModelArgs.from_config(cfg.model, tok.vocab_size)
-        check_compatible(tok, args.vocab_size)
+        self.inputs = inputs = read_inputs(cfg)
+        args = inputs.args
         if resume_from is not None:  # fail before any worker starts: marker, checksums, model fields
             from tidal.pipeline.checkpointing import check_resumable
             check_resumable(resume_from, args)
-        if task.max_response_tokens > cfg.rollout.max_new_tokens:
-            raise ConfigError("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+        task = getattr(inputs.source, "task", None)
+        if task is not None and inputs.hf is None and task.max_response_tokens > cfg.response_length:
+            raise ConfigError("rollout.max_new_tokens", cfg.response_length,
                               f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
                               f"set rollout.max_new_tokens >= {task.max_response_tokens}")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.t_run = time.monotonic()
-        weights, self.ws_meta = prepare_weights(cfg, args, task, tok, Path(cfg.run.output_dir) / ".warmstart",
-                                                self.log_fn)
-        self.heldout = task.heldout_prompts(cfg.data.eval_size, cfg.data.seed)
+        weights = inputs.initial_weights()
+        if weights is not None:
+            self.ws_meta = {"source": str(cfg.model.path)}
+        else:
+            weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok.char,
+                                                    Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
+        self.ws_meta["data"] = inputs.source.summary()
+        self.heldout = inputs.source.heldout(cfg.data.eval_size)
         self.kind = device_kind(cfg)
         cores = cfg.cluster.cpu_device_core_ids
         if self.kind == "cpu" and cores and cores[-1] >= (os.cpu_count() or 1):
@@ -190,9 +194,9 @@ class TrainingRun:
                                        ray_address=cfg.cluster.ray_address,
                                        cpu_cores=cfg.cluster.cpu_device_core_ids if self.kind == "cpu" else None)
         try:
-            self.pipe = Pipeline(cfg, self.group, run_spec(cfg, args, tok), weights, self.policy or
+            self.pipe = Pipeline(cfg, self.group, run_spec(cfg, inputs), weights, self.policy or
                                  get_policy(self.policy_name),
-                                 SchedState(PolicyParams.from_config(cfg), costs=cpu_e2e()))
+                                 SchedState(PolicyParams.from_config(cfg), costs=cpu_e2e()), source=inputs.source)
             self.pipe.start()
             if resume_from is not None:  # tidal/pipeline/checkpointing.py: the actor, data position, version
                 from tidal.pipeline.checkpointing import resume
