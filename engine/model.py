@@ -12,7 +12,7 @@ The families differ in three switches of `ModelArgs`, each a parameter set or a 
 Tensor parallelism (see `engine/tp.py`): q/k/v and gate/up are column-parallel (heads and SwiGLU width split),
 o/down are row-parallel, the embedding and the output head are vocab-parallel; norms are replicated. A q/k/v
 bias is split with its heads (TP dim 0, as the weight's rows); the q/k norms act on one head's dim and are
-replicated. With `tp_group=None` it is the plain single-process model, used as the reference in tests.
+replicated, their gradients summed over the TP group (each rank normalizes only its own heads). With `tp_group=None` it is the plain single-process model, used as the reference in tests.
 
 Shapes: B batch, T query tokens, S key tokens, H heads (local), D head dim, V vocab (local shard).
 
@@ -111,15 +111,18 @@ class KVCache(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype=torch.float32, device=None):
+    """`grad_group`: the TP group of a norm that acts on one rank's heads only (Qwen3's q/k norms): its weight is
+    replicated, but each rank sees part of the heads, so its gradient is summed over the group (`copy_to_tp`)."""
+
+    def __init__(self, dim: int, eps: float, dtype=torch.float32, device=None, grad_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.grad_group = eps, grad_group
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return copy_to_tp(self.weight, self.grad_group) * xf.to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
@@ -169,8 +172,8 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, args.num_kv_heads * self.d, group, dtype, device, bias=bias)
         self.o_proj = RowParallelLinear(args.num_heads * self.d, h, group, dtype, device)
         if args.qk_norm:
-            self.q_norm = RMSNorm(self.d, args.norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.d, args.norm_eps, dtype, device)
+            self.q_norm = RMSNorm(self.d, args.norm_eps, dtype, device, grad_group=group)
+            self.k_norm = RMSNorm(self.d, args.norm_eps, dtype, device, grad_group=group)
         self.qk_norm = args.qk_norm
 
     def forward(self, x, cos, sin, mask_BTS, kv_cache, layer):

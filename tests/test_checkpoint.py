@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
 from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, check_model, generations, latest,
                                      load_actor, load_moves, read_manifest, save_actor, verify)
+from tidal.engine.datasets import DataPosition
 from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs, param_specs
@@ -380,6 +381,6 @@ def test_pipeline_resume_equals_uninterrupted(tmp_path):
     assert [p.name for p in ck.iterdir()] == ["gen-1"]
     for cfg in (_run_cfg(tmp_path / "o", "0", "1", "2", 3), _run_cfg(tmp_path / "o", "0-1", "2", "3", 4)):
         start, v, pos, w = run(cfg, resume=ck)
-        assert (start, v, pos) == (1, v_a, pos_a) == (1, 2, 8)
+        assert (start, v, pos) == (1, v_a, pos_a) == (1, 2, DataPosition(0, 8))
         bad = {k: (w[k] - w_a[k]).abs().max().item() for k in w_a if not torch.equal(w[k], w_a[k])}
         assert not bad, f"{cfg.placement.actor}: {bad}"

@@ -8,6 +8,7 @@ costs ~20 s on the 2-core machine, the cases themselves well under a second each
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ import pytest
 # 4 heads and 4 kv heads: TP 1, 2, 4; vocab 23 and SwiGLU width 40 split unevenly; tiny so 8 ranks fit 2 cores.
 ARGS = ModelArgs(vocab_size=23, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=4,
                  intermediate_size=40, max_seq_len=12)
+# the families' parameter sets: Qwen2's q/k/v biases (TP-split with their heads), Qwen3's q/k norms (replicated)
+FAMILIES = {"llama": ARGS, "qwen2": replace(ARGS, qkv_bias=True), "qwen3": replace(ARGS, qk_norm=True, head_dim=6)}
 HP = OptimConfig(lr=1e-2, warmup_iters=1, total_iters=8, grad_clip=0.5, weight_decay=0.01)
 SEED = 3
 
@@ -35,11 +38,11 @@ def iter_data(it: int, n_mb: int = 5):
     return mbs, sum(m.shape[0] * (m.shape[1] - 1) for m in mbs)
 
 
-def train(shard: ActorShard, its, store=None):
+def train(shard: ActorShard, its, store=None, key: str = ""):
     out = []
     for it in its:
         mbs, n = iter_data(it)
-        q = SharedQueue(mbs, store=store, key=f"it{it}") if store is not None else SharedQueue(mbs)
+        q = SharedQueue(mbs, store=store, key=f"{key}it{it}") if store is not None else SharedQueue(mbs)
         r = shard.train_iter(q, nll_loss, n)
         out.append(None if r is None else (r.loss, r.grad_norm, r.clipped))
     return out
@@ -50,13 +53,13 @@ def _equal_dicts(a: dict, b: dict) -> list[str]:
     return bad + [k for k in a if k in b and not torch.equal(a[k], b[k])]
 
 
-def roundtrips(rank, world, pairs, k):
-    """For each (A, B): train k iters at A, A -> B -> A. Returns per pair the tensors that differ (none: ok)."""
+def roundtrips(rank, world, pairs, k, families=("llama",)):
+    """For each family and (A, B): train k iters at A, A -> B -> A. Returns per case the tensors that differ."""
     groups = GroupCache()
     out = []
-    for a_text, b_text in pairs:
+    for family, (a_text, b_text) in [(f, p) for f in families for p in pairs]:
         a, b = Layout.parse(a_text), Layout.parse(b_text)
-        s = ActorShard(ARGS, HP, a, rank, seed=SEED, groups=groups)
+        s = ActorShard(FAMILIES[family], HP, a, rank, seed=SEED, groups=groups)
         train(s, range(k))
         ga = s.state_dict_global()
         before = s.local_tensors()
@@ -76,13 +79,13 @@ def roundtrips(rank, world, pairs, k):
         s.reshard(a)
         bad += [f"A:{key}" for key in _equal_dicts(before, s.local_tensors())]
         s.free()
-        out.append((a_text, b_text, bad))
+        out.append((f"{family}: {a_text}", b_text, bad))
     return out
 
 
-def reference_state(its) -> dict[str, torch.Tensor]:
+def reference_state(its, args=ARGS) -> dict[str, torch.Tensor]:
     """Uninterrupted single-process training (tp=1, dp=1 on this rank alone: no collectives)."""
-    s = ActorShard(ARGS, HP, Layout(1, 1, (dist.get_rank(),)), dist.get_rank(), seed=SEED, groups=GroupCache())
+    s = ActorShard(args, HP, Layout(1, 1, (dist.get_rank(),)), dist.get_rank(), seed=SEED, groups=GroupCache())
     train(s, its)
     st = s.state
     out = {}
@@ -100,16 +103,17 @@ def train_through_reshard(rank, world, cases, k, port):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     groups = GroupCache()
     out = []
-    for n, (a_text, b_text, dynamic) in enumerate(cases):
-        s = ActorShard(ARGS, HP, Layout.parse(a_text), rank, seed=SEED, groups=groups)
+    for n, (a_text, b_text, dynamic, family) in enumerate(cases):
+        args = FAMILIES[family]
+        s = ActorShard(args, HP, Layout.parse(a_text), rank, seed=SEED, groups=groups)
         st = store if dynamic else None
-        train(s, range(k), st)
+        train(s, range(k), st, f"case{n}/")   # each case claims from its own shared queues
         s.reshard(Layout.parse(b_text))
-        train(s, range(k, 2 * k), st)
+        train(s, range(k, 2 * k), st, f"case{n}/")
         g = s.state_dict_global()
         s.free()
         if rank == 0:
-            ref = reference_state(range(2 * k))
+            ref = reference_state(range(2 * k), args)
             diffs = {key: (g[key].double() - ref[key].double()).abs().max().item() for key in ref}
             worst = max(diffs, key=diffs.get)
             out.append((a_text, b_text, all(torch.equal(g[key], ref[key]) for key in ref), diffs[worst], worst))
@@ -173,37 +177,43 @@ PAIRS_8 = [
 ]
 
 
-def _check_roundtrips(world, pairs, k=1):
-    per_rank = run_ranks(world, roundtrips, pairs, k)
-    for case in range(len(pairs)):
+def _check_roundtrips(world, pairs, k=1, families=("llama",)):
+    per_rank = run_ranks(world, roundtrips, pairs, k, families)
+    assert len(per_rank[0]) == len(pairs) * len(families)
+    for case in range(len(per_rank[0])):
         bad = sorted({b for r in per_rank for b in r[case][2]})
-        assert not bad, f"{pairs[case][0]} -> {pairs[case][1]}: differs in {bad[:8]}"
+        a, b = per_rank[0][case][:2]
+        assert not bad, f"{a} -> {b}: differs in {bad[:8]}"
 
 
 def test_roundtrip_identity_world2():
-    _check_roundtrips(2, PAIRS_2)
+    _check_roundtrips(2, PAIRS_2, families=("llama", "qwen2", "qwen3"))
 
 
 def test_roundtrip_identity_world4():
-    _check_roundtrips(4, PAIRS_4)
+    _check_roundtrips(4, PAIRS_4, families=("llama", "qwen2", "qwen3"))
 
 
 @pytest.mark.slow
 def test_roundtrip_identity_world8():
-    _check_roundtrips(8, PAIRS_8)
+    _check_roundtrips(8, PAIRS_8, families=("llama", "qwen3"))
 
 
 def test_training_through_reshard_equals_single_process():
-    cases = [("tp=1,dp=2", "tp=1,dp=3,devices=1-3", False),   # DP 2 -> 3: bit-exact
-             ("tp=1,dp=4", "tp=1,dp=1,devices=2", True),      # dynamic shared queue, DP 4 -> 1: bit-exact
-             ("tp=2,dp=2", "tp=4,dp=1", False)]               # TP changes: fp32 round-off only
+    cases = [("tp=1,dp=2", "tp=1,dp=3,devices=1-3", False, "llama"),   # DP 2 -> 3: bit-exact
+             ("tp=1,dp=4", "tp=1,dp=1,devices=2", True, "llama"),      # dynamic shared queue, DP 4 -> 1: bit-exact
+             ("tp=1,dp=2", "tp=1,dp=4", False, "qwen2"),               # with q/k/v biases: bit-exact
+             ("tp=1,dp=3", "tp=1,dp=2,devices=2-3", True, "qwen3"),    # with q/k norms: bit-exact
+             ("tp=2,dp=2", "tp=4,dp=1", False, "llama"),               # TP changes: fp32 round-off only
+             ("tp=2,dp=1", "tp=4,dp=1", False, "qwen2"),
+             ("tp=4,dp=1", "tp=2,dp=2", False, "qwen3")]
     res = run_ranks(4, train_through_reshard, cases, 2, free_port())[0]
-    for a, b, exact, diff, worst in res[:2]:
+    for a, b, exact, diff, worst in res[:4]:
         assert exact, f"{a} -> {b}: not bit-exact (max diff {diff:.3g} in {worst})"
-    a, b, exact, diff, worst = res[2]
-    # TP splits matmul reductions differently; Adam divides by sqrt(v), so round-off in tiny grads can move a
-    # weight by far more than the round-off itself -- measured 7.2e-6 here (lr 1e-2, 4 steps).
-    assert diff < 2e-5, f"{a} -> {b}: max diff {diff:.3g} in {worst}"
+    for a, b, exact, diff, worst in res[4:]:
+        # TP splits matmul reductions differently; Adam divides by sqrt(v), so round-off in tiny grads can move a
+        # weight by far more than the round-off itself -- measured 7.2e-6 here (lr 1e-2, 4 steps).
+        assert diff < 2e-5, f"{a} -> {b}: max diff {diff:.3g} in {worst}"
 
 
 def test_fault_at_each_phase_rolls_back():
