@@ -60,6 +60,10 @@ def _stop_ids_of(path: Path, tok) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+#: files of which a Hugging Face tokenizer directory has at least one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 class HFTokenizer:
     """A checkpoint directory's tokenizer (see module doc)."""
 
@@ -68,6 +72,10 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
+        # transformers builds an empty tokenizer for a folder without tokenizer files: refuse that here
+        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+            raise TidalError("model.path", str(path), f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                             "save the tokenizer into the checkpoint directory (tokenizer.save_pretrained(dir))")
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as err:

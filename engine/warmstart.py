@@ -11,7 +11,8 @@ Measured here (3-digit addition, 0.8M parameters): clean sets are all-or-nothing
 `plateaued(history)` is the rule the learning test checks: held-out accuracy rose by less than `tol` over the
 last quarter of training (final value against the best one reached by three quarters).
 
-    history = warm_start(model, task, tok, WarmStartSpec(num_examples=1000, iters=1200))
+    examples = [(tok.prompt_ids(e.prompt), tok.encode(e.response) + [eos]) for e in task_examples(task, spec)]
+    history = warm_start(model, examples, lambda m: greedy_accuracy(m, heldout, tok, verifier, 8), spec, pad_id)
     history[-1].heldout_accuracy   # e.g. 0.3
 """
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from tidal.engine.grpo import pack_sequences
 from tidal.engine.model import Transformer
 from tidal.engine.rl_tasks import SFTExample, Task
-from tidal.engine.tokenizer import CharTokenizer
 
 
 @dataclass(frozen=True)
@@ -57,33 +58,6 @@ class EvalPoint:
     seconds: float
 
 
-@torch.no_grad()
-def greedy_accuracy(model: Transformer, task: Task, tok: CharTokenizer, prompts: list[str],
-                    max_new_tokens: int | None = None, batch_size: int = 256) -> float:
-    """Fraction of `prompts` the model answers exactly under greedy decoding (single process, no TP)."""
-    was_training = model.training
-    model.eval()
-    steps = max_new_tokens or task.max_response_tokens
-    correct = 0.0
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        enc = [task.prompt_ids(p, tok) for p in chunk]
-        by_len: dict[int, list[int]] = {}
-        for j, e in enumerate(enc):  # equal-length prompts decode as one dense batch
-            by_len.setdefault(len(e), []).append(j)
-        for _, idx in sorted(by_len.items()):
-            x = torch.tensor([enc[j] for j in idx])
-            out = []
-            for _ in range(steps):
-                nxt = model.full_logits(model(x)[:, -1]).argmax(-1)
-                out.append(nxt)
-                x = torch.cat([x, nxt[:, None]], dim=1)
-            toks = torch.stack(out, 1).tolist()
-            correct += sum(task.reward(chunk[j], tok.decode(t)) for j, t in zip(idx, toks))
-    model.train(was_training)
-    return correct / max(len(prompts), 1)
-
-
 def noisy(examples: list[SFTExample], fraction: float, seed: int) -> list[SFTExample]:
     """`fraction` of the examples with one character of the response replaced by another digit (seeded)."""
     if fraction <= 0:
@@ -101,32 +75,35 @@ def noisy(examples: list[SFTExample], fraction: float, seed: int) -> list[SFTExa
     return out
 
 
-def warm_start(model: Transformer, task: Task, tok: CharTokenizer, spec: WarmStartSpec,
+def warm_start(model: Transformer, examples: list[tuple[list[int], list[int]]],
+               evaluate: Callable[[Transformer], float], spec: WarmStartSpec, pad_id: int,
                log=None) -> list[EvalPoint]:
-    """Train `model` in place on the labelled set; return the evaluation history."""
-    examples = noisy(task.sft_examples(spec.num_examples, spec.seed), spec.label_noise, spec.seed)
-    prompts = [task.prompt_ids(e.prompt, tok) for e in examples]
-    responses = [tok.encode(e.response, add_eos=True) for e in examples]
-    ids_BT, mask_BT = pack_sequences(prompts, responses, tok.pad_id)
-    heldout = task.heldout_prompts(spec.eval_size, spec.seed)
+    """Train `model` in place on (prompt ids, response ids) pairs (responses end with the stop token); return the
+    evaluation history (`evaluate(model)`: held-out accuracy, e.g. `evaluation.greedy_accuracy`)."""
+    ids_BT, mask_BT = pack_sequences([p for p, _ in examples], [r for _, r in examples], pad_id)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(spec.seed)
     t0 = time.perf_counter()
-    history = [EvalPoint(0, float("nan"), greedy_accuracy(model, task, tok, heldout), 0.0)]
+    history = [EvalPoint(0, float("nan"), evaluate(model), 0.0)]
     model.train()
     for it in range(1, spec.iters + 1):
-        idx = torch.randint(0, len(prompts), (spec.batch_size,), generator=g)
+        idx = torch.randint(0, len(examples), (spec.batch_size,), generator=g)
         mask = mask_BT[idx]
         loss = -(model.token_logprobs(ids_BT[idx]) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if it % spec.eval_every == 0 or it == spec.iters:
-            point = EvalPoint(it, float(loss.detach()), greedy_accuracy(model, task, tok, heldout), time.perf_counter() - t0)
+            point = EvalPoint(it, float(loss.detach()), evaluate(model), time.perf_counter() - t0)
             history.append(point)
             if log:
                 log(point)
     return history
+
+
+def task_examples(task: Task, spec: WarmStartSpec) -> list[SFTExample]:
+    """The labelled set of `task`: `spec.num_examples` train prompts, `spec.label_noise` of them mislabelled."""
+    return noisy(task.sft_examples(spec.num_examples, spec.seed), spec.label_noise, spec.seed)
 
 
 def plateaued(history: list[EvalPoint], tol: float = 0.02) -> bool:

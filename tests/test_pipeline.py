@@ -90,8 +90,8 @@ def _check_kept_weights(run):
         assert pipe.weights_for(min(pipe.kept)) == "kept"
 
 
-def _run(tmp_path, name, overrides, policy=None):
-    cfg = build_config(TINY, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
+def _run(tmp_path, name, overrides, policy=None, base=TINY):
+    cfg = build_config(base, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, tmp_path / name)
     run.policy = policy
     try:
@@ -110,14 +110,24 @@ def _run(tmp_path, name, overrides, policy=None):
         run.close()
 
 
-def test_dynamic_run_equals_static_run(tmp_path):
+#: Tidal's own model on the built-in task, and Hugging Face checkpoints (Qwen2: q/k/v biases; Qwen3: q/k norms,
+#: explicit head_dim) trained from GSM8K-format files through model.path and data.train_files, as a user's run
+FAMILIES = ["own", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     # 4 slots per instance: its 8 groups run one after another, so a move mid-rollout finds requests in flight
     # (with every sequence admitted at once, an instance can finish all of them within one call; with 4 groups
     # each, instances often finished before the moves once scoring stopped waiting for the policy's actions)
     waves = ["rollout.max_running_requests=4", "data.rollout_batch_size=32"]
-    static, s_sum, s_scored, s_versions = _run(tmp_path, "static", waves)
+    base = TINY
+    if family != "own":
+        base = {k: v for k, v in TINY.items() if k != "model"}
+        waves += hf_run_inputs(family)
+    static, s_sum, s_scored, s_versions = _run(tmp_path, "static", waves, base=base)
     dynamic, d_sum, d_scored, d_versions = _run(tmp_path, "dynamic", ["cluster.auto_scheduler=true", *waves],
-                                                 scripted)
+                                                 scripted, base=base)
     # every group of every step arrived whole and once, in both runs
     assert s_scored == d_scored == [list(range(32))] * 2
     assert s_versions == d_versions == [1, 2]

@@ -4,10 +4,15 @@ Checked against the native engine on the same weights: greedy tokens equal, log-
 sampled log-probs equal the actor's teacher-forced log-probs; abort; migration (abort + re-prefill) vLLM -> vLLM,
 vLLM -> native, native -> vLLM completes requests with the unmigrated greedy output (and, vLLM -> vLLM, the
 unmigrated sampled output: the generator state moves); weight updates; release/resume; clear errors.
+The other families are served from the same directory format: a Qwen2-style model (q/k/v biases, config
+generated from `ModelArgs`) and a Qwen3-style one (q/k norms, explicit head_dim, served from a checkpoint
+directory's own config.json with padded vocab and llama3 RoPE) give the native engine's greedy tokens.
 
 One server per module (startup is the expensive part); `scripts/setup_vllm` makes the environment (CI runs it).
 """
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,8 @@ import torch
 from tidal.engine.generation import (EngineBusyError, EngineConfig, GenerationError, NativeEngine, Request,
                                      SamplingParams, UnknownRequestError)
 from tidal.engine.generation.migration import migrate
-from tidal.engine.model import ModelArgs, Transformer, init_global_weights
+from tidal.engine.hf_checkpoint import HFModel, hf_config_for, load_hf_weights, read_hf_config, save_hf
+from tidal.engine.model import ModelArgs, RopeScaling, Transformer, init_global_weights
 from tidal.engine.tokenizer import CharTokenizer
 from tidal.errors import TidalError
 
@@ -34,14 +40,23 @@ ARGS = ModelArgs(vocab_size=TOK.vocab_size, hidden_size=128, num_layers=2, num_h
 GREEDY = SamplingParams(0.0, max_new_tokens=12)
 
 
-def weights(seed: int) -> dict[str, torch.Tensor]:
+def weights(seed: int, args: ModelArgs = ARGS, perturb: bool = False) -> dict[str, torch.Tensor]:
     """Random weights, matrices 5x the 0.02-std init: sharper logits, so greedy argmaxes are far from ties and
-    greedy sequences vary with the prompt instead of repeating one token."""
-    return {k: w if k.endswith("norm.weight") else w * 5 for k, w in init_global_weights(ARGS, seed).items()}
+    greedy sequences vary with the prompt instead of repeating one token. `perturb`: random biases and norm
+    weights too (the init's are 0 and 1), so a bias or a q/k norm vLLM dropped would change the tokens."""
+    out = {k: w if k.endswith("norm.weight") else w * 5 for k, w in init_global_weights(args, seed).items()}
+    if perturb:
+        g = torch.Generator().manual_seed(1000 + seed)
+        for k, w in out.items():
+            if k.endswith(".bias"):
+                out[k] = torch.randn(w.shape, generator=g) * 0.5
+            elif k.endswith("norm.weight"):
+                out[k] = 1 + torch.randn(w.shape, generator=g) * 0.3
+    return out
 
 
-def native(w, width=4) -> NativeEngine:
-    m = Transformer(ARGS)
+def native(w, width=4, args: ModelArgs = ARGS) -> NativeEngine:
+    m = Transformer(args)
     m.load_global(w)
     return NativeEngine(m, EngineConfig(width))
 
@@ -268,3 +283,96 @@ def test_update_weights_changes_outputs_and_records_the_version(vllm_engine):
     again = run(vllm_engine, reqs)
     assert {k: v.token_ids for k, v in again.items()} == {k: v.token_ids for k, v in before.items()}
     assert all(r.policy_version == 2 for r in again.values())
+
+
+# ---- other families: Qwen2 (q/k/v bias) and Qwen3 (q/k norms) ------------------------------------------------
+LONG_GREEDY = SamplingParams(0.0, max_new_tokens=20)
+QWEN2 = dataclasses.replace(ARGS, qkv_bias=True, rope_theta=1e6)
+# Qwen3: explicit head_dim 64 != hidden 96 // 2 heads, embedding padded past the tokenizer (32 rows for 19 ids)
+QWEN3 = ModelArgs(vocab_size=32, hidden_size=96, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=192,
+                  max_seq_len=48, head_dim=64, qk_norm=True, rope_theta=1e6,
+                  rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, 16))
+
+
+def assert_greedy_equal_native(engine, args, w, n=5, seed=5):
+    reqs = [Request(f"q{i}", p, LONG_GREEDY, seed=i) for i, p in enumerate(prompts(n, seed=seed))]
+    got, want = run(engine, reqs), run(native(w, args=args), reqs)
+    assert set(got) == set(want)
+    for rid in want:
+        assert len(want[rid].token_ids) == LONG_GREEDY.max_new_tokens
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        torch.testing.assert_close(torch.tensor(got[rid].logprobs), torch.tensor(want[rid].logprobs),
+                                   atol=1e-4, rtol=0)
+    assert len({r.token_ids for r in want.values()}) > 1  # the prompts matter: not one repeated sequence
+
+
+def test_generated_configs_name_the_family(vllm_engine):
+    from tidal.engine.generation.vllm_backend import architecture_for, hf_config
+    assert vllm_engine.architecture == "LlamaForCausalLM" == vllm_engine.info["model_class"]
+    cfg = hf_config(ARGS, "float32")
+    assert (cfg["architectures"], cfg["model_type"], cfg["head_dim"]) == (["LlamaForCausalLM"], "llama", 64)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"], cfg["dtype"]) == (1, 2, 0, "float32")
+    assert hf_config(ARGS, "bfloat16", bos_id=5, eos_ids=(6, 7), pad_id=None)["eos_token_id"] == [6, 7]
+    assert architecture_for(QWEN2) == "Qwen2ForCausalLM" and architecture_for(QWEN3) == "Qwen3ForCausalLM"
+    q2, q3 = hf_config(QWEN2, "float32"), hf_config(QWEN3, "float32")
+    assert (q2["model_type"], q3["model_type"], q3["head_dim"]) == ("qwen2", "qwen3", 64)
+    llama3 = dataclasses.replace(ARGS, rope_theta=5e5, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16))
+    assert hf_config(llama3, "float32")["rope_parameters"] == {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}
+    from tidal.engine.generation.vllm_backend import VLLMConfig, VLLMEngine
+    with pytest.raises(TidalError, match="whole number of GiB"):
+        VLLMConfig(kv_cache_gib=0.5)
+    with pytest.raises(TidalError, match="cannot express"):
+        VLLMEngine(QWEN2, weights(0, QWEN2), VLLMConfig(python=str(VENV_PY)), architecture="LlamaForCausalLM")
+    with pytest.raises(TidalError, match="describes another model"):   # a config that is not the weights' model
+        VLLMEngine(ARGS, weights(0), VLLMConfig(python=str(VENV_PY)), hf_config=hf_config(QWEN2, "float32"))
+    odd = dataclasses.replace(QWEN2, head_dim=32)   # vLLM's Qwen2 ignores head_dim: refused, not served wrong
+    with pytest.raises(TidalError, match="hidden_size // num_heads"):
+        VLLMEngine(odd, weights(0, odd), VLLMConfig(python=str(VENV_PY)))
+
+
+def test_qwen2_bias_model_greedy_tokens_equal_native_engine():
+    from tidal.engine.generation.vllm_backend import VLLMConfig, VLLMEngine
+    w = weights(0, QWEN2, perturb=True)
+    engine = VLLMEngine(QWEN2, w, VLLMConfig(max_running_requests=8, num_threads=1, kv_cache_gib=1))
+    try:
+        cfg = json.loads((engine.model_dir / "config.json").read_text())
+        assert (cfg["architectures"], cfg["model_type"]) == (["Qwen2ForCausalLM"], "qwen2")
+        assert engine.info["model_class"] == "Qwen2ForCausalLM" and engine.info["max_model_len"] == 48
+        assert_greedy_equal_native(engine, QWEN2, w)
+        # the biases matter: without them the native engine's tokens differ from what vLLM served
+        no_bias = {k: torch.zeros_like(v) if k.endswith(".bias") else v for k, v in w.items()}
+        reqs = [Request(f"b{i}", p, LONG_GREEDY) for i, p in enumerate(prompts(5, seed=5))]
+        assert ({k: r.token_ids for k, r in run(engine, reqs).items()}
+                != {k: r.token_ids for k, r in run(native(no_bias, args=QWEN2), reqs).items()})
+    finally:
+        engine.close()
+
+
+def test_qwen3_checkpoint_dir_config_served_as_is(tmp_path):
+    """`model.path`-style: a checkpoint's own config.json (vocab padded, max_position_embeddings beyond the
+    run, llama3 RoPE, its own eos ids) is what vLLM loads; the weights still come as global tensors."""
+    from tidal.engine.generation.vllm_backend import VLLMConfig, VLLMEngine
+    user_cfg = hf_config_for(QWEN3, "Qwen3ForCausalLM", bos_id=1, eos_ids=(2, 3), pad_id=0)
+    user_cfg.update(max_position_embeddings=4096, dtype="bfloat16")
+    src = HFModel(str(tmp_path / "none"), "Qwen3ForCausalLM", QWEN3, "bfloat16", 4096, user_cfg)
+    ckpt = save_hf(tmp_path / "ckpt", weights(0, QWEN3, perturb=True), src, dtype="float32")
+    hf = read_hf_config(ckpt, 48)
+    w = load_hf_weights(hf)
+    assert hf.args == QWEN3 and hf.config["max_position_embeddings"] == 4096
+    engine = VLLMEngine(hf.args, w, VLLMConfig(max_running_requests=8, num_threads=1, kv_cache_gib=1),
+                        hf_config=hf)
+    try:
+        served = json.loads((engine.model_dir / "config.json").read_text())
+        assert served == {**hf.config, "dtype": "float32"}
+        assert engine.info["model_class"] == "Qwen3ForCausalLM"
+        assert engine.info["max_model_len"] == 48   # the run's max_seq_len, not the checkpoint's 4096
+        assert_greedy_equal_native(engine, QWEN3, w, seed=6)
+        # weights still arrive through update_weights (global tensors), the config stays the checkpoint's
+        w1 = weights(1, QWEN3, perturb=True)
+        engine.update_weights(w1, version=1)
+        assert json.loads((engine.model_dir / "config.json").read_text()) == served
+        assert_greedy_equal_native(engine, QWEN3, w1, seed=7)
+    finally:
+        engine.close()

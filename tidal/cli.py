@@ -21,6 +21,7 @@ from tidal.errors import TidalError
 #: Sub-commands whose body lives in another package are imported only when used (fast `--help`).
 COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("tidal.cli:validate_main", "check a config and print its placement"),
+    "convert": ("tidal.cli:convert_main", "convert another framework's config: `tidal convert rlinf FILE`"),
 }
 
 
@@ -36,8 +37,11 @@ def _optional(name: str, target: str, help_text: str) -> None:
         register(name, target, help_text)
 
 
+_optional("model", "tidal.model_check:model_main", "inspect a Hugging Face checkpoint: `tidal model check DIR`")
 _optional("reshard-check", "tidal.reshard_check:main", "self-test: reshard an actor between layouts, verify bytes")
 _optional("train", "tidal.train:main", "run an RL training job from a config")
+_optional("warm-start", "tidal.pipeline.task_checkpoint:main",
+          "a built-in task as a Hugging Face checkpoint + GSM8K-format prompt files (the main job's model)")
 _optional("simulate", "tidal.scheduler.sim_cli:main", "simulate a run's scheduling at any scale")
 _optional("sweep", "tidal.sweep:main", "Optuna sweep of scheduler policy settings")
 _optional("compare", "tidal.tracking:compare_main", "side-by-side table of MLflow runs")
@@ -90,6 +94,67 @@ def validate_main(argv: list[str]) -> int:
                       f"use_wait_before_last_iter_policy={cfg.cluster.use_wait_before_last_iter_policy}")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
+    return 0
+
+
+#: `tidal convert SOURCE FILE`: source framework -> "module:function" (path -> Conversion) and its help
+CONVERTERS: dict[str, tuple[str, str]] = {
+    "rlinf": ("tidal.convert_rlinf:convert_file", "an RLinf experiment YAML (Hydra/OmegaConf) -> a Tidal config"),
+}
+
+
+def convert_main(argv: list[str]) -> int:
+    """`tidal convert rlinf FILE [-o PATH]`: the Tidal config as YAML on stdout (or in PATH); every key that could
+    not be carried, with its reason, on stderr. Exit 0; a file that cannot be read or converted: TidalError."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tidal convert SOURCE FILE [-o PATH]\n\nsources:")
+        for name, (_, text) in CONVERTERS.items():
+            print(f"  {name:<8} {text}")
+        print("\n`tidal convert SOURCE --help` for the options.")
+        return 0 if argv else 2
+    source, rest = argv[0], argv[1:]
+    if source not in CONVERTERS:
+        raise TidalError("tidal convert", source, "is not a config format Tidal converts",
+                         f"use one of: {', '.join(CONVERTERS)} (e.g. tidal convert rlinf FILE)")
+    ap = argparse.ArgumentParser(prog=f"tidal convert {source}",
+                                 description=f"Convert {CONVERTERS[source][1].split(' -> ')[0]} to a Tidal config. "
+                                             "The YAML goes to stdout (or -o PATH), the keys that could not be "
+                                             "carried to stderr.")
+    ap.add_argument("file", help="the config file to convert")
+    ap.add_argument("-o", "--output", metavar="PATH", help="write the Tidal YAML here instead of stdout")
+    args = ap.parse_args(rest)
+    from pathlib import Path
+
+    from tidal.config import build_config
+    from tidal.convert_rlinf import to_yaml
+
+    conv = _resolve(CONVERTERS[source][0])(args.file)
+    text = to_yaml(conv)
+    if args.output:
+        out = Path(args.output)
+        try:
+            out.write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise TidalError("-o", args.output, f"cannot be written ({err.strerror})", "pass a writable path") \
+                from None
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    log = sys.stderr
+    for note in conv.notes:
+        print(f"note: {note}", file=log)
+    if conv.dropped:
+        print(f"not carried ({len(conv.dropped)} {source} keys):", file=log)
+        width = min(max(len(d.key) for d in conv.dropped), 48)
+        for d in conv.dropped:
+            print(f"  {d.key:<{width}}  {d.reason}", file=log)
+    try:
+        build_config(conv.config)
+        verdict = "it validates"
+    except TidalError as bad:
+        verdict = f"warning: it does not validate yet: {bad}"
+    where = f"wrote {args.output}" if args.output else "converted"
+    print(f"{where}: {len(conv.carried)} keys carried, {len(conv.dropped)} not carried; {verdict}", file=log)
     return 0
 
 

@@ -383,9 +383,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value = raw
         node, default = data, defaults
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             default = default.get(part) if isinstance(default, dict) else None
-            child = node.get(part, default)  # a missing section starts from its defaults
+            # a missing section starts empty (its fields keep their defaults and count as unset); a missing
+            # mapping value such as component_placement starts from its default mapping
+            is_section = _model_at(tuple(parts[:i + 1])) is not None
+            child = node.get(part, None if is_section else default)
             child = dict(child) if isinstance(child, dict) else {}
             node[part] = child
             node = child

@@ -9,10 +9,15 @@ vLLM does not co-install with Prefect 3.9 (fastapi pin), so it runs in its own e
     update_weights(w, v)  writes  <tmp 0700>/model/{config.json, model.safetensors}  ──"reload"──> reload_weights
 
 Every call is synchronous: one command, one answer (the server is single-threaded, so no interleaving). The
-private temp dir holds the HF-format model directory (a LlamaForCausalLM `config.json` from our `ModelArgs`, our
-parameter names prefixed with `model.`, `lm_head.weight` as is) and the server's log (`server.log`, vLLM's
-output; its tail is quoted in every error about the server). No pickle: commands are JSON, weights are
-safetensors, generator states are base64 bytes.
+private temp dir holds the HF-format model directory and the server's log (`server.log`, vLLM's output; its tail
+is quoted in every error about the server). The model directory is the format `engine/hf_checkpoint.py` reads
+and writes: our parameter names prefixed with `model.` (`lm_head.weight` as is) and a `config.json` that is
+either the checkpoint's own (`hf_config=`: a `model.path` run serves the user's exact config, vocab padding and
+RoPE settings included; only the dtype follows `VLLMConfig.dtype`) or one built from `ModelArgs` through
+transformers' config classes (`hf_config()` -> `hf_checkpoint.hf_config_for`): Qwen3ForCausalLM for q/k norms,
+Qwen2ForCausalLM for q/k/v biases, LlamaForCausalLM otherwise (default, linear or llama3 RoPE). Either way the
+config is read back with `read_hf_config` and must give exactly the engine's `ModelArgs`. No pickle: commands
+are JSON, weights are safetensors, generator states are base64 bytes.
 
 What the client keeps (the server knows only vLLM's view): per request its tokens and log-probs so far, the
 policy version, whether it is frozen by a migration, and its exported generator state. That is what makes the
@@ -42,6 +47,8 @@ them itself for `tensor_parallel_size` > 1. Versions and the idle rule are those
 Example::
 
     engine = VLLMEngine(args, weights, VLLMConfig(max_running_requests=8))
+    # a model.path run: serve the checkpoint's own config.json (hf = read_hf_config(path, max_seq_len))
+    engine = VLLMEngine(hf.args, load_hf_weights(hf), VLLMConfig(), hf_config=hf)
     engine.add(Request("a", (1, 5, 7), SamplingParams(temperature=0.0, max_new_tokens=8)))
     while engine.has_work():
         for ev in engine.step():
@@ -71,6 +78,7 @@ from safetensors.torch import save_file
 from tidal.engine.generation.protocol import (EngineStatus, GenerationEngine, GenerationError,
                                               IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
+from tidal.engine.hf_checkpoint import HFModel, hf_config_for, read_hf_config
 from tidal.engine.model import ModelArgs, param_specs
 from tidal.errors import TidalError
 
@@ -92,7 +100,7 @@ class VLLMConfig:
     python: str | None = None
     """Interpreter of the vLLM environment; None: $TIDAL_VLLM_PYTHON, else `<repo>/.venv-vllm/bin/python`."""
     kv_cache_gib: float = 1.0
-    """CPU KV cache size (`VLLM_CPU_KVCACHE_SPACE`); vLLM reserves it up front."""
+    """CPU KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, an integer); vLLM reserves it up front."""
     tensor_parallel_size: int = 1
     """vLLM's own TP inside the server (it splits the global weights itself)."""
     num_threads: int | None = None
@@ -113,6 +121,9 @@ class VLLMConfig:
             raise TidalError("vllm.dtype", self.dtype, "unknown dtype", 'use "float32", "bfloat16" or "float16"')
         if not self.kv_cache_gib > 0:
             raise TidalError("vllm.kv_cache_gib", self.kv_cache_gib, "must be positive", "e.g. 1")
+        if self.kv_cache_gib != int(self.kv_cache_gib):  # vLLM parses VLLM_CPU_KVCACHE_SPACE with int()
+            raise TidalError("vllm.kv_cache_gib", self.kv_cache_gib, "must be a whole number of GiB (vLLM's "
+                             "VLLM_CPU_KVCACHE_SPACE is an integer)", "e.g. 1")
         if self.tensor_parallel_size < 1:
             raise TidalError("vllm.tensor_parallel_size", self.tensor_parallel_size, "must be >= 1", "e.g. 1")
 
@@ -124,20 +135,65 @@ class VLLMConfig:
         return path
 
 
-def hf_config(args: ModelArgs, dtype: str) -> dict:
-    """A Hugging Face `config.json` of a LlamaForCausalLM equal to our model (ids of the repo tokenizer)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": args.vocab_size, "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim, "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
+#: token ids written into a generated config.json unless the caller names others (the repo tokenizer's)
+DEFAULT_BOS_ID, DEFAULT_EOS_IDS, DEFAULT_PAD_ID = 1, (2,), 0
+
+
+def architecture_for(args: ModelArgs) -> str:
+    """The Hugging Face family that expresses `args`: Qwen3 (q/k norms), Qwen2 (q/k/v bias), else Llama."""
+    if args.qkv_bias and args.qk_norm:
+        raise TidalError("model", "qkv_bias=True, qk_norm=True", "no supported Hugging Face family has both q/k/v "
+                         "biases and q/k norms", "use qkv_bias (Qwen2) or qk_norm (Qwen3), not both")
+    return "Qwen3ForCausalLM" if args.qk_norm else "Qwen2ForCausalLM" if args.qkv_bias else "LlamaForCausalLM"
+
+
+def hf_config(args: ModelArgs, dtype: str, architecture: str | None = None, *, bos_id: int | None = DEFAULT_BOS_ID,
+              eos_ids: Sequence[int] = DEFAULT_EOS_IDS, pad_id: int | None = DEFAULT_PAD_ID) -> dict:
+    """A Hugging Face `config.json` equal to our model, built by transformers' config class
+    (`hf_checkpoint.hf_config_for`): `architecture` (default `architecture_for(args)`), `dtype` of the weights
+    file, and token ids (default those of the repo tokenizer: bos 1, eos 2, pad 0)."""
+    arch = architecture or architecture_for(args)
+    try:
+        cfg = hf_config_for(args, arch, bos_id=bos_id, eos_ids=tuple(eos_ids), pad_id=pad_id)
+    except ValueError as e:
+        raise TidalError("vllm architecture", arch, str(e), "leave architecture unset (derived from the model), "
+                         "or pass the config.json of model.path") from None
+    cfg["torch_dtype"] = cfg["dtype"] = dtype
+    return cfg
+
+
+def served_config(args: ModelArgs, dtype: str, config: Mapping | None = None,
+                  architecture: str | None = None) -> dict:
+    """What the server loads: `config` (a checkpoint's config.json, e.g. `HFModel.config`) as is with only the
+    dtype updated to the weights file's, else `hf_config(args, dtype, architecture)`."""
+    if config is None:
+        return hf_config(args, dtype, architecture)
+    cfg = json.loads(json.dumps(dict(config)))  # a deep copy; fails here if it is not JSON
+    archs = cfg.get("architectures")
+    if architecture is not None and archs != [architecture]:
+        raise TidalError("vllm architecture", architecture, f"differs from the config's architectures {archs}",
+                         "leave architecture unset when passing a config")
+    for key in ("torch_dtype", "dtype"):
+        if key in cfg or key == "dtype":
+            cfg[key] = dtype
+    return cfg
+
+
+def check_served_config(model_dir: Path, args: ModelArgs) -> None:
+    """The written config.json must describe exactly `args` (read back the way `model.path` is read), and be a
+    model vLLM 0.32 builds the same way."""
+    path = model_dir / "config.json"
+    got = read_hf_config(model_dir, args.max_seq_len)
+    if got.args != args:
+        diff = {k: (getattr(got.args, k), getattr(args, k)) for k in args.__dataclass_fields__
+                if getattr(got.args, k) != getattr(args, k)}
+        raise TidalError("vllm config", diff, f"{path} describes another model than the weights' "
+                         "(config value, model value)", "pass the args read from that config.json "
+                         "(read_hf_config(model.path).args) with it")
+    if got.architecture == "Qwen2ForCausalLM" and args.head_dim != args.hidden_size // args.num_heads:
+        # vLLM's Qwen2 derives head_dim = hidden_size // num_heads and ignores config.json's head_dim
+        raise TidalError("model.head_dim", args.head_dim, f"vLLM's Qwen2ForCausalLM always uses hidden_size // "
+                         f"num_heads = {args.hidden_size // args.num_heads}", "use the native engine for this model")
 
 
 def check_global_weights(args: ModelArgs, weights: Mapping[str, torch.Tensor]) -> None:
@@ -154,8 +210,10 @@ def check_global_weights(args: ModelArgs, weights: Mapping[str, torch.Tensor]) -
                              "pass rollout_shard(args, actor_shards, 1, 0); vLLM splits them for its own TP")
 
 
-def write_hf_model(model_dir: Path, args: ModelArgs, weights: Mapping[str, torch.Tensor], dtype: str) -> None:
-    """`config.json` + `model.safetensors` with HF names; the file is replaced atomically (rename)."""
+def write_hf_model(model_dir: Path, args: ModelArgs, weights: Mapping[str, torch.Tensor], dtype: str,
+                   config: Mapping | None = None) -> None:
+    """`config.json` (`config`, default `hf_config(args, dtype)`) + `model.safetensors` with HF names; the
+    weights file is replaced atomically (rename)."""
     check_global_weights(args, weights)
     model_dir.mkdir(mode=0o700, exist_ok=True)
     tdtype = getattr(torch, dtype)
@@ -164,7 +222,8 @@ def write_hf_model(model_dir: Path, args: ModelArgs, weights: Mapping[str, torch
     tmp = model_dir / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, model_dir / "model.safetensors")
-    (model_dir / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=1))
+    cfg = hf_config(args, dtype) if config is None else config
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
 
 
 class _Server:
@@ -251,14 +310,24 @@ class _Req:
 
 
 class VLLMEngine(GenerationEngine):
+    """`hf_config`: the config.json to serve, e.g. a `model.path` checkpoint's (`HFModel` or its `.config`),
+    kept as is (vocab padding, RoPE settings, token ids; only the dtype follows `config.dtype`); it must describe
+    `args` exactly (read back with `read_hf_config`, else a TidalError). None: one generated from `args` by
+    `hf_config` (family `architecture`, default `architecture_for(args)`: Qwen3 for q/k norms, Qwen2 for q/k/v
+    bias, else Llama). Weights always arrive as global tensors (here and in `update_weights`)."""
+
     def __init__(self, args: ModelArgs, weights: Mapping[str, torch.Tensor], config: VLLMConfig = VLLMConfig(),
-                 policy_version: int = 0):
+                 policy_version: int = 0, *, hf_config: HFModel | Mapping | None = None,
+                 architecture: str | None = None):
         self.args, self.config, self._version = args, config, int(policy_version)
         python = config.interpreter()
+        base = hf_config.config if isinstance(hf_config, HFModel) else hf_config
+        self.hf_config = served_config(args, config.dtype, base, architecture)
+        self.architecture = self.hf_config.get("architectures", ["?"])[0]
         self.tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))  # 0700: weights and log are private
         self.model_dir = self.tmp / "model"
         env = dict(os.environ)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}", "VLLM_NO_USAGE_STATS": "1",
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(int(config.kv_cache_gib)), "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PYTHONNOUSERSITE": "1"})
         env.pop("PYTHONPATH", None)  # the server must see only .venv-vllm's packages
         if config.num_threads is not None:
@@ -266,7 +335,8 @@ class VLLMEngine(GenerationEngine):
                         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
         env.update(config.env)
         try:
-            write_hf_model(self.model_dir, args, weights, config.dtype)
+            write_hf_model(self.model_dir, args, weights, config.dtype, self.hf_config)
+            check_served_config(self.model_dir, args)
             self._server = _Server(python, env, self.tmp / "server.log", config.startup_timeout_s)
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -281,7 +351,8 @@ class VLLMEngine(GenerationEngine):
     def _load(self) -> dict:
         c = self.config
         return self._server.call("load", c.startup_timeout_s, model_dir=str(self.model_dir), dtype=c.dtype,
-                                 max_num_seqs=c.max_running_requests, seed=c.seed, tp=c.tensor_parallel_size)
+                                 max_num_seqs=c.max_running_requests, seed=c.seed, tp=c.tensor_parallel_size,
+                                 max_model_len=self.args.max_seq_len)
 
     def close(self) -> None:
         """Stop the server and delete the temp dir (also done at garbage collection / exit)."""
@@ -475,7 +546,7 @@ class VLLMEngine(GenerationEngine):
         self._need_ready("update_weights")
         self._need_idle("update_weights")
         self._check_version(version)
-        write_hf_model(self.model_dir, self.args, weights, self.config.dtype)
+        write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
         self._server.call("reload", self.config.op_timeout_s, model_dir=str(self.model_dir))
         self._version = version
 
@@ -503,7 +574,7 @@ class VLLMEngine(GenerationEngine):
                                   "(and version=...), or release with release_memory(offload=True)")
         if weights is not None:
             self._check_version(version)
-            write_hf_model(self.model_dir, self.args, weights, self.config.dtype)
+            write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
         self.info = self._load()
         if version is not None:
             self._version = version

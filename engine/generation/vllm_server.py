@@ -12,7 +12,8 @@ never travel on the wire: weights are a safetensors file in a private (0700) dir
 generator state is base64 of `torch.Generator.get_state()` bytes. No pickle anywhere.
 
     op          fields                                          answer
-    load        model_dir, dtype, max_num_seqs, seed, tp        vllm/torch versions, max_model_len
+    load        model_dir, dtype, max_num_seqs, seed, tp,       vllm/torch versions, max_model_len,
+                max_model_len?  (default: the config's)         architectures, model_class
     reload      model_dir  (weights only; same config)          seconds
     add         id, prompt_ids, temperature, top_p, top_k,      -
                 max_tokens, stop_token_ids, seed, gen_state?
@@ -96,6 +97,13 @@ def _runner(worker):
     return runner
 
 
+def _model_class(worker) -> str:
+    """The class vLLM built the model as (e.g. Qwen2ForCausalLM, not a generic Transformers fallback)."""
+    runner = _runner(worker)
+    model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+    return type(model).__name__
+
+
 class Server:
     def __init__(self):
         self.llm: LLM | None = None
@@ -105,21 +113,24 @@ class Server:
 
     # ---- model -----------------------------------------------------------------------------------------------
     def op_load(self, model_dir: str, dtype: str = "float32", max_num_seqs: int = 8, seed: int = 0, tp: int = 1,
-                max_num_batched_tokens: int | None = None) -> dict:
+                max_num_batched_tokens: int | None = None, max_model_len: int | None = None) -> dict:
         if self.llm is not None:
             raise ProtocolError("load: a model is already loaded; release first")
         self.load_args = dict(model_dir=model_dir, dtype=dtype, max_num_seqs=max_num_seqs, seed=seed, tp=tp,
-                              max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         t0 = time.perf_counter()
-        extra = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+        extra = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
+                                   ("max_model_len", max_model_len)) if v is not None}
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed, tensor_parallel_size=tp,
                        max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=False,
                        async_scheduling=False, logprobs_mode="raw_logprobs", max_logprobs=1,
                        generation_config="vllm", **extra)
         self.llm.collective_rpc(self._install_hook)
+        model_class = self.llm.collective_rpc(_model_class)[0]
         cfg = self.llm.llm_engine.model_config
         return {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
-                "max_model_len": cfg.max_model_len, "dtype": str(cfg.dtype), "seconds": time.perf_counter() - t0}
+                "max_model_len": cfg.max_model_len, "architectures": list(cfg.architectures or []),
+                "model_class": model_class, "dtype": str(cfg.dtype), "seconds": time.perf_counter() - t0}
 
     def _install_hook(self, worker) -> None:
         """Wrap the runner's `_update_states` so imported requests get their saved generator state."""

@@ -72,11 +72,15 @@ def weights_sha(weights: dict[str, torch.Tensor]) -> str:
 
 
 def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=None) -> tuple[dict, dict]:
-    """Warm-start weights (global, fp32) and a description of how they were made."""
+    """Warm-start weights (global, fp32) of Tidal's own model on a built-in task and a description of how they were
+    made. `tok`: the task's `CharPromptTokenizer`."""
     from safetensors.torch import load_file, save_file
 
+    from tidal.engine.evaluation import greedy_accuracy
     from tidal.engine.model import Transformer, init_global_weights
-    from tidal.engine.warmstart import WarmStartSpec, plateaued, warm_start
+    from tidal.engine.prompt_source import TaskSource
+    from tidal.engine.verifier import Verifier
+    from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
     ws = cfg.warm_start
     if ws.checkpoint:
         path = Path(ws.checkpoint)
@@ -106,7 +110,13 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
     torch.manual_seed(cfg.run.seed)
     model = Transformer(args)
     model.load_global(init_global_weights(args, cfg.run.seed))
-    history = warm_start(model, task, tok, spec, log=log_fn)
+    heldout = TaskSource(task, tok, spec.seed).heldout(spec.eval_size)
+    examples = [(tok.prompt_ids(e.prompt), tok.encode(e.response) + list(tok.stop_ids))
+                for e in task_examples(task, spec)]
+    verifier = Verifier(None)
+    history = warm_start(model, examples, lambda m: greedy_accuracy(m, heldout, tok, verifier,
+                                                                    task.max_response_tokens),
+                         spec, tok.pad_id, log=log_fn)
     weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     meta = {"source": "warm start", "examples": ws.num_examples, "iters": ws.iters,
             "history": [asdict(h) for h in history], "plateaued": plateaued(history),
@@ -177,7 +187,7 @@ class TrainingRun:
         if weights is not None:
             self.ws_meta = {"source": str(cfg.model.path)}
         else:
-            weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok.char,
+            weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok,
                                                     Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
         self.ws_meta["data"] = inputs.source.summary()
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
