@@ -304,6 +304,7 @@ def assert_greedy_equal_native(engine, args, w, n=5, seed=5):
         torch.testing.assert_close(torch.tensor(got[rid].logprobs), torch.tensor(want[rid].logprobs),
                                    atol=1e-4, rtol=0)
     assert len({r.token_ids for r in want.values()}) > 1  # the prompts matter: not one repeated sequence
+    return reqs, {k: r.token_ids for k, r in got.items()}
 
 
 def test_generated_configs_name_the_family(vllm_engine):
@@ -340,12 +341,10 @@ def test_qwen2_bias_model_greedy_tokens_equal_native_engine():
         cfg = json.loads((engine.model_dir / "config.json").read_text())
         assert (cfg["architectures"], cfg["model_type"]) == (["Qwen2ForCausalLM"], "qwen2")
         assert engine.info["model_class"] == "Qwen2ForCausalLM" and engine.info["max_model_len"] == 48
-        assert_greedy_equal_native(engine, QWEN2, w)
+        reqs, got = assert_greedy_equal_native(engine, QWEN2, w)
         # the biases matter: without them the native engine's tokens differ from what vLLM served
         no_bias = {k: torch.zeros_like(v) if k.endswith(".bias") else v for k, v in w.items()}
-        reqs = [Request(f"b{i}", p, LONG_GREEDY) for i, p in enumerate(prompts(5, seed=5))]
-        assert ({k: r.token_ids for k, r in run(engine, reqs).items()}
-                != {k: r.token_ids for k, r in run(native(no_bias, args=QWEN2), reqs).items()})
+        assert got != {k: r.token_ids for k, r in run(native(no_bias, args=QWEN2), reqs).items()}
     finally:
         engine.close()
 
@@ -368,7 +367,13 @@ def test_qwen3_checkpoint_dir_config_served_as_is(tmp_path):
         assert served == {**hf.config, "dtype": "float32"}
         assert engine.info["model_class"] == "Qwen3ForCausalLM"
         assert engine.info["max_model_len"] == 48   # the run's max_seq_len, not the checkpoint's 4096
-        assert_greedy_equal_native(engine, QWEN3, w, seed=6)
+        reqs, got = assert_greedy_equal_native(engine, QWEN3, w, seed=6)
+        # the q/k norms and the llama3 RoPE matter: without either the native engine gives other tokens
+        no_norm = {k: torch.ones_like(v) if k.endswith(("q_norm.weight", "k_norm.weight")) else v
+                   for k, v in w.items()}
+        plain_rope = dataclasses.replace(QWEN3, rope_scaling=RopeScaling())
+        for args, ws in ((QWEN3, no_norm), (plain_rope, w)):
+            assert got != {k: r.token_ids for k, r in run(native(ws, args=args), reqs).items()}
         # weights still arrive through update_weights (global tensors), the config stays the checkpoint's
         w1 = weights(1, QWEN3, perturb=True)
         engine.update_weights(w1, version=1)

@@ -293,6 +293,9 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("algorithm.n_minibatches", cfg.algorithm.n_minibatches,
                           f"does not divide the step's {total} sequences (rollout_batch_size x group_size)",
                           "use a divisor so every iter has the same global batch")
+    if cfg.run.save_hf and m.path is None:
+        raise ConfigError("run.save_hf", True, "exports need model.path: its config.json names the architecture "
+                          "and its tokenizer travels with the model", "set model.path, or drop run.save_hf")
     if m.path is not None:
         clash = [k for k in ARCH_KEYS if k in m.model_fields_set]
         if clash:

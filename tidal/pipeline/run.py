@@ -275,9 +275,29 @@ class TrainingRun:
         return m
 
     def checkpoint(self, dir: str | Path | None = None) -> Path:
-        """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints)."""
+        """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints), and
+        with `run.save_hf` the model as a Hugging Face directory beside it (`export_hf`)."""
         from tidal.pipeline.checkpointing import save
-        return save(self.pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
+        path = save(self.pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
+        if self.cfg.run.save_hf:
+            self.export_hf()
+        return path
+
+    def export_hf(self, keep_last: int = 2) -> Path:
+        """The actor's weights as a Hugging Face directory `<run folder>/hf/step-<N>`: model.path's config.json
+        (its architecture), safetensors in `run.save_hf_dtype`, the tokenizer and generation_config.json, which
+        `transformers` and vLLM load. The newest `keep_last` exports are kept."""
+        import shutil
+
+        from tidal.engine.hf_checkpoint import save_hf
+        dtype = None if self.cfg.run.save_hf_dtype == "auto" else self.cfg.run.save_hf_dtype
+        root = self.out_dir / "hf"
+        out = save_hf(root / f"step-{self.next_step:06d}", self.pipe.global_weights(), self.inputs.hf, dtype,
+                      tokenizer=self.inputs.tok)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+            shutil.rmtree(old)
+        self.pipe.cluster.record("export_hf", step=self.next_step, path=str(out))
+        return out
 
     def finish(self) -> RunSummary:
         """Timeline picture, events, summary (the workers stay up until `close`)."""
