@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("config", help="a config with Tidal's own model.* keys, data.task and warm_start.*")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
     ap.add_argument("--out", required=True, help="output directory (model/ and data/ inside)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path is not None:
         raise ConfigError("model.path", cfg.model.path, "the warm start builds Tidal's own model",
