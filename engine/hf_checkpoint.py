@@ -122,7 +122,9 @@ def read_hf_config(path: str | Path, max_seq_len: int) -> HFModel:
     root = Path(path)
     if not root.is_dir():
         raise _bad("model.path", str(path), "is not a directory",
-                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors)")
+                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors); the "
+                   "main job's is made by ./scripts/main (tidal warm-start experiments/warmstart_addition.yaml "
+                   "--out runs/warmstart/addition)")
     cfg = _read_json(root / CONFIG_FILE, "model.path")
     where = str(root / CONFIG_FILE)
     archs = cfg.get("architectures") or []

@@ -203,7 +203,7 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
     try:
         # 1. a short real training run (rlinf policy: it reshards the actor)
         fr = _run_deployment(api, "rl-training", {"request": {
-            "config": "experiments/rlinf_dynamic.yaml",
+            "config": "experiments/addition_dynamic.yaml",
             "overrides": ["run.num_steps=2", "warm_start.iters=20", "data.eval_size=32", "scheduler.policy=rlinf",
                           "run.name=rest-run", *tracking]}}, 900, serve, log)
         names = _task_names(api, fr["id"])

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from tidal.cli import main
 
-CONFIG = str(Path(__file__).resolve().parents[1] / "experiments" / "rlinf_dynamic.yaml")
+CONFIG = str(Path(__file__).resolve().parents[1] / "experiments" / "addition_dynamic.yaml")
 
 
 def _train(tmp_path, *overrides):

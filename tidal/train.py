@@ -102,6 +102,9 @@ def main(argv: list[str]) -> int:
     t.add_row("time per phase (device-s)", ", ".join(f"{k} {v:.1f}" for k, v in summary.phase_seconds.items()))
     t.add_row("device idle fraction", f"{summary.device_idle_fraction:.2f}")
     t.add_row("reshards, migrations", f"{summary.reshards}, {summary.migrations}")
+    if "train" in summary.data:   # data files: what the length filter kept
+        t.add_row("prompts kept, too long", ", ".join(f"{k} {v['kept']}, {v['too_long']}"
+                                                      for k, v in summary.data.items() if isinstance(v, dict)))
     t.add_row("timeline", str(out_dir / "timeline.png"))
     console.print(t)
     if args.json:
@@ -111,5 +114,6 @@ def main(argv: list[str]) -> int:
             "eval_accuracy_end": summary.eval_accuracy_end, "reward_per_step": summary.reward_per_step,
             "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
             "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
-            "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha}, indent=1))
+            "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
+            "data": summary.data}, indent=1))
     return 0

@@ -46,6 +46,8 @@ class RunSummary:
     migrations: int = 0
     warm_start: dict = field(default_factory=dict)
     final_weights_sha: str = ""
+    data: dict = field(default_factory=dict)
+    """Where the prompts came from; for data files, prompts kept and filtered as too long (train and val)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -189,7 +191,6 @@ class TrainingRun:
         else:
             weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok,
                                                     Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
-        self.ws_meta["data"] = inputs.source.summary()
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
         self.kind = device_kind(cfg)
         cores = cfg.cluster.cpu_device_core_ids
@@ -314,7 +315,7 @@ class TrainingRun:
                              self.evals[-1][1], self.rewards, self.evals, self.phase, idle, self.step_s,
                              self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
                              {k: v for k, v in self.ws_meta.items() if k != "history"},
-                             weights_sha(self.final_weights))
+                             weights_sha(self.final_weights), self.inputs.source.summary())
         (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
         return summary
 
