@@ -209,44 +209,88 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(model: HFModel) -> dict[str, torch.Tensor]:
-    """Global fp32 weights named as `param_specs(model.args)`; every parameter exactly once, nothing left over."""
+@dataclass(frozen=True)
+class WeightInventory:
+    """What a checkpoint's files hold, read from the safetensors headers only (no tensor data)."""
+
+    files: tuple[Path, ...]
+    location: dict[str, tuple[Path, str]]   # parameter name (as `param_specs`) -> (file, key in it)
+    tied_head: tuple[Path, str] | None      # a stored lm_head.weight of a tied model (must equal the embedding)
+    dtypes: dict[str, int]                  # dtype on disk -> tensors
+    nbytes: int                             # bytes of the weight files
+
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def weight_inventory(model: HFModel) -> WeightInventory:
+    """Every parameter of `model.args` exactly once with its shape, nothing left over (CheckpointError naming
+    the tensor otherwise); reads headers only."""
     from safetensors import safe_open
 
     specs = {s.name: s for s in param_specs(model.args)}
-    out: dict[str, torch.Tensor] = {}
-    stored_head = None
-    for f in weight_files(model.path):
+    location: dict[str, tuple[Path, str]] = {}
+    tied_head, dtypes, nbytes = None, {}, 0
+    files = weight_files(model.path)
+    for f in files:
+        nbytes += f.stat().st_size
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 name = key[len("model."):] if key.startswith("model.") else key
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and model.args.tie_embeddings:
-                    stored_head = st.get_tensor(key)
+                    tied_head = (f, key)
                     continue
                 spec = specs.get(name)
                 if spec is None:
                     raise _bad("model.path", key, f"tensor in {f.name} is not a parameter of this "
                                f"{model.architecture} (Tidal cannot use it, so the model would differ)",
                                "use a checkpoint of a supported family without extra modules")
-                if name in out:
+                if name in location:
                     raise _bad("model.path", key, f"is stored twice (again in {f.name})", "restore the checkpoint")
-                t = st.get_tensor(key)
-                if tuple(t.shape) != spec.shape:
-                    raise _bad("model.path", key, f"has shape {tuple(t.shape)}, config.json implies {spec.shape}",
+                sl = st.get_slice(key)
+                shape = tuple(sl.get_shape())
+                if shape != spec.shape:
+                    raise _bad("model.path", key, f"has shape {shape}, config.json implies {spec.shape}",
                                "use the config.json saved with these weights")
-                out[name] = t.to(torch.float32)
-    missing = [n for n in specs if n not in out]
+                dt = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                dtypes[dt] = dtypes.get(dt, 0) + 1
+                location[name] = (f, key)
+    missing = [n for n in specs if n not in location]
     if missing:
         what = "bias" if missing[0].endswith(".bias") else "tensor"
         raise _bad("model.path", "model." + missing[0], f"{what} missing from the checkpoint "
                    f"({len(missing)} missing in all); {model.architecture} needs it",
                    "use a complete checkpoint (every shard of the index present)")
-    if stored_head is not None and not torch.equal(stored_head.to(torch.float32), out["embed_tokens.weight"]):
-        raise _bad("model.path", "lm_head.weight", "differs from embed_tokens.weight while tie_word_embeddings "
-                   "is true", "set tie_word_embeddings: false in config.json, or drop the stored lm_head")
-    return out
+    odd = sorted(set(dtypes) - set(_DTYPES))
+    if odd:
+        raise _bad("model.path", odd, "tensors of an unsupported dtype", "use float32, bfloat16 or float16 weights")
+    return WeightInventory(tuple(files), location, tied_head, dtypes, nbytes)
+
+
+def load_hf_weights(model: HFModel) -> dict[str, torch.Tensor]:
+    """Global fp32 weights named as `param_specs(model.args)` (checked by `weight_inventory` first)."""
+    from safetensors import safe_open
+
+    inv = weight_inventory(model)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (f, key) in inv.location.items():
+        by_file.setdefault(f, []).append((name, key))
+    out: dict[str, torch.Tensor] = {}
+    for f, entries in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            for name, key in entries:
+                out[name] = st.get_tensor(key).to(torch.float32)
+    if inv.tied_head is not None:
+        f, key = inv.tied_head
+        with safe_open(str(f), framework="pt") as st:
+            head = st.get_tensor(key).to(torch.float32)
+        if not torch.equal(head, out["embed_tokens.weight"]):
+            raise _bad("model.path", "lm_head.weight", "differs from embed_tokens.weight while "
+                       "tie_word_embeddings is true", "set tie_word_embeddings: false in config.json, or drop "
+                       "the stored lm_head")
+    return {s.name: out[s.name] for s in param_specs(model.args)}
 
 
 def hf_config_for(args: ModelArgs, architecture: str = "Qwen2ForCausalLM", *, bos_id: int | None = None,

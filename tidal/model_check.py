@@ -48,9 +48,6 @@ DEFAULT_MAX_SEQ_LEN = 4096
 #: files one of which a Hugging Face tokenizer directory holds (transformers 5 otherwise builds an empty tokenizer)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
                    "tokenizer_config.json")
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
-
 
 def _bad(field: str, value: object, problem: str, fix: str) -> TidalError:
     from tidal.engine.checkpoint import CheckpointError
@@ -96,51 +93,12 @@ def tp_sizes(args) -> list[int]:
 
 
 def _weight_inventory(hf) -> dict[str, Any]:
-    """The safetensors headers against `param_specs` (names, shapes; the rules of `load_hf_weights`, no data
-    read). CheckpointError on a tensor Tidal cannot use, a missing one or a wrong shape."""
-    from safetensors import safe_open
+    """The safetensors headers against `param_specs` (`hf_checkpoint.weight_inventory`: the rules of
+    `load_hf_weights`, no tensor data read)."""
+    from tidal.engine.hf_checkpoint import weight_inventory
 
-    from tidal.engine.hf_checkpoint import _IGNORED_SUFFIXES, weight_files
-    from tidal.engine.model import param_specs
-
-    specs = {s.name: s for s in param_specs(hf.args)}
-    seen: set[str] = set()
-    dtypes: dict[str, int] = {}
-    files = weight_files(hf.path)
-    nbytes = 0
-    for f in files:
-        nbytes += f.stat().st_size
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                name = key[len("model."):] if key.startswith("model.") else key
-                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and hf.args.tie_embeddings):
-                    continue
-                spec = specs.get(name)
-                if spec is None:
-                    raise _bad("model.path", key, f"tensor in {f.name} is not a parameter of this "
-                               f"{hf.architecture} (Tidal cannot use it, so the model would differ)",
-                               "use a checkpoint of a supported family without extra modules")
-                if name in seen:
-                    raise _bad("model.path", key, f"is stored twice (again in {f.name})", "restore the checkpoint")
-                seen.add(name)
-                sl = st.get_slice(key)
-                shape = tuple(sl.get_shape())
-                if shape != spec.shape:
-                    raise _bad("model.path", key, f"has shape {shape}, config.json implies {spec.shape}",
-                               "use the config.json saved with these weights")
-                dt = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
-                dtypes[dt] = dtypes.get(dt, 0) + 1
-    missing = [n for n in specs if n not in seen]
-    if missing:
-        what = "bias" if missing[0].endswith(".bias") else "tensor"
-        raise _bad("model.path", "model." + missing[0], f"{what} missing from the checkpoint "
-                   f"({len(missing)} missing in all); {hf.architecture} needs it",
-                   "use a complete checkpoint (every shard of the index present)")
-    for dt in dtypes:
-        if dt not in ("float32", "bfloat16", "float16"):
-            raise _bad("model.path", dt, "tensors stored in this dtype are not supported (quantized checkpoint?)",
-                       "use a float32, bfloat16 or float16 checkpoint")
-    return {"files": len(files), "tensors": len(seen), "bytes": nbytes, "dtypes": sorted(dtypes)}
+    inv = weight_inventory(hf)
+    return {"files": len(inv.files), "tensors": len(inv.location), "bytes": inv.nbytes, "dtypes": sorted(inv.dtypes)}
 
 
 def _tokenizer(path: Path, prompt: str, model_vocab: int) -> tuple[Any, dict[str, Any]]:
