@@ -61,7 +61,8 @@ def _stop_ids_of(path: Path, tok) -> tuple[int, ...]:
 
 
 #: files of which a Hugging Face tokenizer directory has at least one
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
+                   "tokenizer_config.json")
 
 
 class HFTokenizer:

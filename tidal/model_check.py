@@ -35,6 +35,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tidal.engine.hf_tokenizer import TOKENIZER_FILES
 from tidal.errors import TidalError
 
 DEFAULT_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -45,9 +46,7 @@ PARITY_TOKENS = 128
 DEFAULT_TOLERANCE = 1e-3
 #: longest run length assumed when --max-seq-len is not given (capped by max_position_embeddings)
 DEFAULT_MAX_SEQ_LEN = 4096
-#: files one of which a Hugging Face tokenizer directory holds (transformers 5 otherwise builds an empty tokenizer)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
-                   "tokenizer_config.json")
+
 
 def _bad(field: str, value: object, problem: str, fix: str) -> TidalError:
     from tidal.engine.checkpoint import CheckpointError
