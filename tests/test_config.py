@@ -151,3 +151,26 @@ def test_random_yaml_text_never_traceback(text):
         assert err.field and err.fix
     finally:
         Path(f.name).unlink()
+
+
+def test_rlinf_cluster_section_is_accepted_verbatim():
+    """RLinf's `cluster:` keys as RLinf spells them: `num_gpus_per_node` and the placement value `all`."""
+    cfg = build_config({"cluster": {"num_nodes": 1, "num_gpus_per_node": 4,
+                                    "component_placement": {"actor,rollout,inference": "all"}}})
+    assert cfg.cluster.num_devices == 4 and cfg.placement.actor == (0, 1, 2, 3)
+    with pytest.raises(ConfigError, match="num_gpus_per_node=4 contradicts num_devices_per_node=8"):
+        build_config({"cluster": {"num_gpus_per_node": 4, "num_devices_per_node": 8}})
+
+
+def test_model_path_and_architecture_keys_are_exclusive():
+    with pytest.raises(ConfigError, match="model.hidden_size.*contradicts model.path"):
+        build_config({"model": {"path": "/models/qwen", "hidden_size": 64}})
+    with pytest.raises(ConfigError, match="data.val_files"):
+        build_config({"model": {"path": "/m"}, "data": {"train_files": ["t.jsonl"]}})
+    with pytest.raises(ConfigError, match="data.train_files.*needs model.path"):
+        build_config({"data": {"train_files": ["t.jsonl"], "val_files": ["v.jsonl"]}})
+    with pytest.raises(ConfigError, match="data.max_response_length.*contradicts rollout.max_new_tokens"):
+        build_config({"data": {"max_response_length": 32}, "rollout": {"max_new_tokens": 16}})
+    cfg = build_config({"model": {"path": "/m"}, "data": {"train_files": ["t.jsonl"], "val_files": ["v.jsonl"],
+                                                          "max_prompt_length": 100, "max_response_length": 28}})
+    assert cfg.max_seq_len == 128 and cfg.response_length == 28

@@ -137,10 +137,10 @@ def test_env_resolver_with_and_without_default(monkeypatch):
     ({"c": "pre-${nope.deeper}"}, ["'nope.deeper'"]),
     ({"c": "${eval:1+1}"}, ["'eval'", "resolver"]),
     ({"c": "${hydra:runtime.cwd}"}, ["'hydra'"]),
-    ({"c": "${a.b"}, ["unterminated"]),
+    ({"c": "${a.b"}, ["not a valid interpolation", "'${a.b'"]),      # OmegaConf's grammar error
     ({"c": "${subtract:1}"}, ["two numbers"]),
     ({"c": "${subtract:a,1}"}, ["two numbers"]),
-    ({"c": "${...x}"}, ["climbs above"]),
+    ({"c": "${...x}"}, ["'...x'", "not set"]),                       # climbs above the top (OmegaConf's wording)
     ({"a": "???", "c": "${a}"}, ["'???'"]),
 ])
 def test_interpolation_errors_name_the_reference(doc, needles):

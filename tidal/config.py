@@ -33,6 +33,8 @@ class Section(BaseModel):
 class ClusterConfig(Section):
     num_nodes: int = Field(1, ge=1, description="Nodes in the cluster (RLinf key).")
     num_devices_per_node: int = Field(8, ge=1, description="Devices (GPUs or CPU virtual devices) per node.")
+    num_gpus_per_node: int | None = Field(
+        None, ge=1, description="RLinf's name for num_devices_per_node (accepted as RLinf configs spell it; set one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA if enough GPUs for the placement, else CPU virtual devices.")
     cpu_compute_share: float | None = Field(
@@ -57,6 +59,15 @@ class ClusterConfig(Section):
     use_wait_before_last_iter_policy: bool = Field(
         False, description="Before the last actor iter wait for rollout and inference to finish (RLinf key).")
     ray_address: str | None = Field(None, description="Ray cluster address; None starts an embedded local Ray.")
+
+    @model_validator(mode="after")
+    def _rlinf_devices_per_node(self) -> "ClusterConfig":
+        if self.num_gpus_per_node is not None:
+            if "num_devices_per_node" in self.model_fields_set and self.num_devices_per_node != self.num_gpus_per_node:
+                raise ValueError(f"num_gpus_per_node={self.num_gpus_per_node} contradicts num_devices_per_node="
+                                 f"{self.num_devices_per_node} (the same count; set one)")
+            object.__setattr__(self, "num_devices_per_node", self.num_gpus_per_node)
+        return self
 
     @property
     def num_devices(self) -> int:

@@ -95,7 +95,9 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
     taken: dict[int, str] = {}  # device -> entry key: entries are disjoint; sharing is said with "a,b" keys
     for key, spec in raw.items():
         names = [n.strip() for n in str(key).split(",")]
-        ids = parse_device_ids(spec, f"{field}.{key}")
+        # RLinf's `all`: every device of the cluster
+        ids = tuple(range(num_devices)) if isinstance(spec, str) and spec.strip() == "all" else \
+            parse_device_ids(spec, f"{field}.{key}")
         for name in names:
             if name in AUTO_REFUSED:
                 if auto_scheduler:
