@@ -1,5 +1,6 @@
 """`tidal convert rlinf`: interpolation resolution, the RLinf -> Tidal key mapping, dropped keys, YAML output."""
 
+import datetime
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import yaml
 
 from tidal.config import TidalConfig, build_config
 from tidal.convert_rlinf import Conversion, convert, convert_file, resolve_interpolations, to_yaml
+from tidal.convert_rlinf_interpolation import register_resolvers
 from tidal.errors import TidalError
 
 DATA = Path(__file__).resolve().parent / "data" / "rlinf"
@@ -156,6 +158,32 @@ def test_interpolation_error_names_the_key_holding_it():
         resolve_interpolations({"runner": {"logger": {"log_path": "${runner.out}/x"}}}, field="exp.yaml")
     assert e.value.field == "exp.yaml: runner.logger.log_path"
     assert e.value.value == "${runner.out}"
+
+
+def test_rlinf_resolvers_can_be_registered_again():
+    register_resolvers()
+    register_resolvers()          # replace=True: a second registration (or RLinf's own) is harmless
+    doc = {"a": 6, "b": "${int_div:${a},4}", "c": "${multiply:${a},2.5}", "d": "${int_div:${a},0}"}
+    assert resolve_interpolations({k: v for k, v in doc.items() if k != "d"}) == {"a": 6, "b": 1, "c": 15.0}
+    with pytest.raises(TidalError, match="divides by zero") as e:
+        resolve_interpolations(doc)
+    assert e.value.field == "rlinf config: d"
+
+
+def test_yaml_values_omegaconf_does_not_type_are_kept():
+    doc = yaml.safe_load("run:\n  day: 2024-01-02\n  same: ${run.day}\n  text: on ${run.day}\n")
+    assert resolve_interpolations(doc) == {"run": {"day": datetime.date(2024, 1, 2), "same": datetime.date(2024, 1, 2),
+                                                   "text": "on 2024-01-02"}}
+
+
+def test_a_malformed_interpolation_is_an_error_of_its_own_key():
+    conv = convert({"hydra": {"run": {"dir": "out/${now:%H"}}, "algorithm": {"group_size": 4}})
+    reasons = {d.key: d.reason for d in conv.dropped}
+    assert "could not be resolved (is not a valid interpolation" in reasons["hydra.run.dir"]
+    assert conv.config["algorithm"] == {"group_size": 4}
+    with pytest.raises(TidalError, match="not a valid interpolation") as e:
+        convert({"algorithm": {"group_size": "${x"}})
+    assert e.value.field == "rlinf config: algorithm.group_size" and e.value.value == "${x"
 
 
 @pytest.mark.parametrize("bad", [None, "text", [1, 2], 3])

@@ -116,3 +116,21 @@ def test_export_loads_in_transformers_and_resume_reads_the_same_prompts(tmp_path
     with torch.no_grad():
         diff = (model(ids).logits - ours.full_logits(ours(ids))).abs().max().item()
     assert diff < 1e-5, diff
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_stops_the_run_naming_the_sample(tmp_path, hf_run_inputs):
+    """`json:loads` has no verl signature: called with four arguments it raises TypeError in the reward child
+    process of the worker that scores (here the first held-out evaluation, as the run opens); the run stops with
+    the sample id, the function and the error."""
+    cfg = _cfg(tmp_path, hf_run_inputs("qwen2") + ["reward.function=json:loads", "run.name=raises"])
+    run = TrainingRun(cfg, tmp_path / "raises")
+    try:
+        with pytest.raises(Exception) as info:
+            run.open()
+            run.step()
+        text = str(info.value)
+        assert "RewardError" in text and "json:loads" in text and "TypeError" in text, text
+        assert "sample 'val:0'" in text, text   # the sample id: file stem and row
+    finally:
+        run.close()

@@ -31,8 +31,7 @@ from tidal.errors import ConfigError
 
 def _numbers(name: str, args: tuple) -> tuple:
     if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
-        raise ValueError(f"{name} needs two numbers (got {list(args)!r}); write ${{{name}:x,y}} with numbers or "
-                         "references to numbers")
+        raise ValueError(f"{name} needs two numbers, ${{{name}:x,y}} (got {list(args)!r})")
     return args
 
 
@@ -55,7 +54,7 @@ def _int_div(*args: Any) -> Any:
 
 def _not(*args: Any) -> bool:
     if len(args) != 1:
-        raise ValueError(f"not takes one argument (got {list(args)!r}); write ${{not:${{a.b}}}}")
+        raise ValueError(f"not takes one argument, ${{not:x}} (got {list(args)!r})")
     return not bool(args[0])
 
 
@@ -108,8 +107,8 @@ def resolve_interpolations(doc: dict, field: str = "rlinf config") -> dict:
     if not isinstance(doc, dict):
         raise _not_a_mapping(doc, field)
     tree = _Tree(doc, field)
-    for err in tree.invalid.values():
-        raise err
+    if tree.invalid:
+        raise next(iter(tree.invalid.values()))
     try:
         return OmegaConf.to_container(tree.cfg, resolve=True)
     except OmegaConfBaseException as err:
@@ -152,8 +151,9 @@ class _Tree:
             # allow_objects: yaml.safe_load may give dates, which OmegaConf would refuse as values
             self.cfg = OmegaConf.create(self.screen(doc, ()), flags={"allow_objects": True})
         except OmegaConfBaseException as err:
-            raise ConfigError(field, type(doc).__name__, f"cannot be read as an OmegaConf config ({_detail(err)})",
-                              "use text keys and plain YAML values") from None
+            where = f"{field}: {err.full_key}" if getattr(err, "full_key", None) else field
+            raise ConfigError(where, type(doc).__name__, f"cannot be read as an OmegaConf config ({_detail(err)})",
+                              "use text, number or boolean keys and plain YAML values") from None
 
     def screen(self, node: Any, path: tuple) -> Any:
         if isinstance(node, dict):

@@ -20,7 +20,7 @@ _TOKENIZER = "tokenizer option; Tidal loads the tokenizer from model.path"
 _ARCH = "architecture tag; Tidal reads the architecture from model.path's config.json"
 _DYN = "RLinf dynamic-scheduler knob; Tidal's scheduler (scheduler.*) has no equivalent"
 NODE_GROUPS = ("heterogeneous node groups are not supported: Tidal's devices are cluster.num_nodes x "
-                "cluster.num_devices_per_node")
+               "cluster.num_devices_per_node")
 NULL = "null (not set): Tidal's default applies"
 NO_EQUIV = "no Tidal equivalent"
 
