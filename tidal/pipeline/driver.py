@@ -129,6 +129,7 @@ class StepState:
     rollout_call_s: float = 0.0
     rollout_gap_s: float = 0.0
     rollout_gc_s: float = 0.0    # the instances' garbage-collector pauses, summed
+    reward_timeouts: int = 0     # reward calls cut by reward.timeout_s (scored 0)
     waiting_since: dict[int, float] = field(default_factory=dict)   # instance -> since when it holds work, no call
     last_result: dict[int, float] = field(default_factory=dict)     # instance -> when its last call came back
 
@@ -327,6 +328,7 @@ class Pipeline:
         metrics["rollout/call_overhead_s"] = st.rollout_call_s - st.rollout_busy_s
         metrics["rollout/gap_s"] = st.rollout_gap_s
         metrics["rollout/gc_s"] = st.rollout_gc_s
+        metrics["reward/timeouts"] = float(st.reward_timeouts)
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
@@ -475,6 +477,7 @@ class Pipeline:
             st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
             st.rollout_busy_s += sig.get("busy_s", 0.0)
             st.rollout_gc_s += sig.get("gc_s", 0.0)
+            st.reward_timeouts += sig.get("reward_timeouts", 0)
             st.rollout_call_s += now - t0
             if st.given[f.device] and not c.calls(f.device, "rollout"):
                 st.waiting_since[f.device] = now
