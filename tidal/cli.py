@@ -92,6 +92,12 @@ def validate_main(argv: list[str]) -> int:
                       f"{lo}..{hi} (any size; tp={tp}); RLinf's rule would allow only {rlinf}")
         console.print(f"flags: use_pre_process_policy={cfg.cluster.use_pre_process_policy}, "
                       f"use_wait_before_last_iter_policy={cfg.cluster.use_wait_before_last_iter_policy}")
+    if cfg.model.path:   # the checkpoint, its tokenizer and the prompt files, read as `tidal train` reads them
+        from tidal.pipeline.inputs import read_inputs
+        inputs = read_inputs(cfg)
+        console.print(f"model: {inputs.hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
+                      f"parameters; tokenizer {inputs.tok.vocab_size} tokens; reward {inputs.reward}; "
+                      f"prompts {inputs.source.summary()}")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
     return 0
