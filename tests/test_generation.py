@@ -226,3 +226,18 @@ def test_tp2_rollout_from_tp4_actor_matches_actor_logprobs():
         assert version == 2
         want = actor.token_logprobs(torch.tensor([list(r.prompt_ids) + list(toks)]))[0, len(r.prompt_ids) - 1:]
         torch.testing.assert_close(torch.tensor(lps), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_vocab_limit_never_emits_padding_rows():
+    """An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens): with `vocab_limit` the engine
+    samples and argmaxes only below it, even where a padding row has the largest logit."""
+    m = model()
+    with torch.no_grad():   # make the padding rows the most likely tokens everywhere
+        m.lm_head.weight[20:] = m.lm_head.weight[:17] * 50
+    reqs = requests(12)
+    free = run(NativeEngine(m, EngineConfig(max_running_requests=4)), reqs)
+    assert any(t >= 20 for r in free.values() for t in r.token_ids)   # without the limit they are emitted
+    limited = run(NativeEngine(m, EngineConfig(max_running_requests=4, vocab_limit=20)), reqs)
+    assert all(t < 20 for r in limited.values() for t in r.token_ids)
+    with pytest.raises(TidalError, match="vocab_limit"):
+        NativeEngine(m, EngineConfig(vocab_limit=ARGS.vocab_size + 1))
