@@ -29,6 +29,12 @@ def _spark(values: list[float]) -> str:
     return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in values)
 
 
+def _source(cfg) -> str:
+    model = f"model {cfg.model.path}" if cfg.model.path else "Tidal's own model"
+    data = f"prompts {', '.join(cfg.data.train_files)}" if cfg.data.train_files else f"task {cfg.data.task}"
+    return f"{model}, {data}"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="tidal train", description="Run an RL training job from a config.")
     ap.add_argument("config")
@@ -62,7 +68,7 @@ def main(argv: list[str]) -> int:
     policy = policy_name(cfg)
     console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
                   f"{cfg.cluster.num_devices} devices, policy [bold]{policy}[/], {cfg.run.num_steps} steps, "
-                  f"task {cfg.data.task}; output {out_dir}")
+                  f"{_source(cfg)}; output {out_dir}")
     where = ("the machine" if cfg.cluster.cpu_device_cores is None
              else f"cores {cfg.cluster.cpu_device_cores} (devices pinned there)")
     if cfg.cluster.cpu_compute_share:

@@ -5,8 +5,9 @@ device, dtype, weights=...). What it builds, for layout (tp, dp)::
 
     parallel_state      megatron-core's TP/DP groups (PP = 1) over the world; the layout must be the whole world
                         in rank order (devices 0..n-1), which is how megatron-core numbers ranks: rank = d*tp + t
-    GPTModel            local layer spec (no Transformer Engine), TransformerConfig from our ModelArgs
-                        (`megatron_map.transformer_config`), calculate_per_token_loss=True (see grads below)
+    GPTModel            local layer spec (no Transformer Engine; q/k_layernorm with qk_norm), TransformerConfig
+                        from our ModelArgs (`megatron_map.transformer_config`: head_dim, qkv_bias, qk_norm, RoPE
+                        scaling), calculate_per_token_loss=True (see grads below)
     weights             our global weights (HF names) -> `to_megatron` (fused QKV, [gate; up], padded vocab) ->
                         `megatron_tp_shard`; the fp32 main params are then set from the fp32 weights (not from the
                         bf16-rounded params), as ActorShard initializes its masters
@@ -14,7 +15,8 @@ device, dtype, weights=...). What it builds, for layout (tp, dp)::
                         overlap_grad_reduce=False): grads accumulate in an fp32 flat buffer over micro-batches and
                         are reduce-scattered once per iter; with calculate_per_token_loss and
                         average_in_collective=False the DP reduction is a plain sum (no 1/dp scaling), which is our
-                        loss convention: each micro-batch's loss is summed over its tokens / num_tokens_in_iter
+                        loss convention: each micro-batch's loss is summed over its tokens / num_tokens_in_iter;
+                        at TP > 1 the q/k_layernorm grads are then summed over TP (each rank saw its heads only)
     optimizer           get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...)): DistributedOptimizer over
                         torch AdamW (decoupled weight decay), fp32 main params, grad clip by global L2 norm
     LR / weight decay   set on every param group before each step from our OptimConfig: `lr_at(hp, step)`
@@ -108,11 +110,9 @@ class _Stack:
         tp = layout.tp
         cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
         with mc.cpu_shim():
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
             from megatron.core.models.gpt.gpt_model import GPTModel
-            from tidal.engine.backends.megatron_map import gpt_model_kwargs
-            model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                             **gpt_model_kwargs(args, padded_vocab))
+            from tidal.engine.backends.megatron_map import gpt_layer_spec, gpt_model_kwargs
+            model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
         model.to(device)
         local = None
         if weights is not None:
@@ -128,7 +128,7 @@ class _Stack:
         with mc.optimizer_shim():
             self.ddp = DistributedDataParallel(cfg, ddp_cfg, model)
             self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
-        self.model = model
+        self.model, self.cfg = model, cfg
         self.dopts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
         tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
         self.dp_group = ps.get_data_parallel_group() if layout.dp > 1 else None
@@ -263,6 +263,11 @@ class MegatronBackend:
             losses.append(loss.detach().double())
         with mc.optimizer_shim():
             st.ddp.finish_grad_sync()
+            if st.tp_group is not None and self.args.qk_norm:
+                # q/k_layernorm weights are TP-replicated but each rank normalizes only its own heads: sum their
+                # grads over TP, as Megatron-LM's finalize_model_grads does (ours: RMSNorm(grad_group=tp))
+                from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+                _allreduce_non_tensor_model_parallel_grads([st.ddp], st.cfg, st.tp_group)
         return float(torch.stack(losses).sum()) if losses else 0.0, len(losses)
 
     def train_iter(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> IterReport:

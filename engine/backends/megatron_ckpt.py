@@ -12,6 +12,8 @@ writes main replicas only, so every element is stored once)::
     embed_tokens / lm_head rows [lo, hi)    embedding.word_embeddings / output_layer      rows [lo, hi); the last
                                                                                           TP rank adds [V, Vp) = 0
     q_t, k_t, v_t (kv groups [g0, g1))      decoder.layers.self_attention.linear_qkv      (i, g0 * (r+2) D, 0)
+    q/k/v biases (qkv_bias, same groups)    ...self_attention.linear_qkv.bias             (i, g0 * (r+2) D)
+    q/k norms (qk_norm; t = 0 writes)       ...self_attention.{q,k}_layernorm.weight      (i, 0)
     gate_t / up_t (rows [lo, hi) of F)      decoder.layers.mlp.linear_fc1                 (i, lo, 0) / (i, F + lo, 0)
     o_proj / down_proj (cols [lo, hi))      ...linear_proj / ...linear_fc2                (i, 0, lo)
     norms (replicated over TP: t = 0 writes) ...layer_norm_weight / final_layernorm       (i, 0) / (0,)
@@ -40,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.backends.megatron_cpu import cpu_shim, import_megatron
-from tidal.engine.backends.megatron_map import (EXTRA_STATE_LINEARS, FC1, QKV, QKVShape, fuse_qkv, padded_vocab_size,
-                                                split_qkv)
+from tidal.engine.backends.megatron_map import (EXTRA_STATE_LINEARS, FC1, QK_NORMS, QKV, QKV_BIAS, QKVShape,
+                                                check_megatron_args, fuse_qkv, padded_vocab_size, split_qkv)
 from tidal.engine.layout import split
 from tidal.engine.model import ModelArgs, check_tp
 from tidal.errors import TidalError
@@ -49,6 +51,12 @@ from tidal.errors import TidalError
 EMB, OUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
 _NORM_KEYS = {"input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
               "post_attention_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
+
+
+#: checkpoint key (after `decoder.layers.`) of a model switch -> (the switch, what the tensor is)
+_SWITCH = {QKV_BIAS: ("model.qkv_bias", "q/k/v biases"),
+           **{key: ("model.qk_norm", "q/k norms") for key in QK_NORMS.values()}}
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 class MegatronCheckpointError(TidalError):
@@ -59,8 +67,8 @@ class MegatronCheckpointError(TidalError):
 class Chunk:
     """One region of one checkpoint key that a rank writes or reads.
 
-    `name` is unique within a rank's plan: our parameter name, or `layers.<i>.self_attn.qkv` for the fused
-    attention block. `offset` is the global offset including the stacked-layer axis when `layered`."""
+    `name` is unique within a rank's plan: our parameter name, or `layers.<i>.self_attn.qkv` (and `.qkv_bias`)
+    for the fused attention block. `offset` is the global offset including the stacked-layer axis when `layered`."""
 
     name: str
     key: str
@@ -74,6 +82,7 @@ class Chunk:
 def plan_chunks(args: ModelArgs, padded_vocab: int, tp: int, t: int) -> list[Chunk]:
     """The chunks native TP rank t of tp holds (pure; the same plan serves writing and reading)."""
     check_tp(args, tp)
+    check_megatron_args(args)
     if padded_vocab < args.vocab_size:
         raise MegatronCheckpointError("padded_vocab", padded_vocab, f"is smaller than model.vocab_size="
                                       f"{args.vocab_size}", "use padded_vocab_size(vocab_size, tp)")
@@ -97,6 +106,13 @@ def plan_chunks(args: ModelArgs, padded_vocab: int, tp: int, t: int) -> list[Chu
         rows = qs.groups * qs.rows_per_group
         out.append(Chunk(p + "self_attn.qkv", "decoder.layers." + QKV, (L, rows, h),
                          (i, g0 * qs.rows_per_group, 0), ((g1 - g0) * qs.rows_per_group, h), True, False))
+        if args.qkv_bias:
+            out.append(Chunk(p + "self_attn.qkv_bias", "decoder.layers." + QKV_BIAS, (L, rows),
+                             (i, g0 * qs.rows_per_group), ((g1 - g0) * qs.rows_per_group,), True, False))
+        if args.qk_norm:
+            for ours, key in QK_NORMS.items():
+                out.append(Chunk(p + "self_attn." + ours, "decoder.layers." + key, (L, qs.head_dim), (i, 0),
+                                 (qs.head_dim,), True, True))
         out.append(Chunk(p + "self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight",
                          (L, h, hd), (i, 0, c0), (h, c1 - c0), True, False))
         fc1 = "decoder.layers." + FC1
@@ -117,6 +133,9 @@ def pack(local: dict[str, torch.Tensor], args: ModelArgs, chunks: list[Chunk]) -
         if c.name.endswith(".self_attn.qkv"):
             a = c.name.removesuffix("qkv")
             w = fuse_qkv(local[a + "q_proj.weight"], local[a + "k_proj.weight"], local[a + "v_proj.weight"], qs)
+        elif c.name.endswith(".self_attn.qkv_bias"):
+            a = c.name.removesuffix("qkv_bias")
+            w = fuse_qkv(local[a + "q_proj.bias"], local[a + "k_proj.bias"], local[a + "v_proj.bias"], qs)
         elif c.key in (EMB, OUT):
             w = local[c.name]
             w = torch.cat([w, w.new_zeros(c.shape[0] - w.shape[0], w.shape[1])]) if c.shape[0] > w.shape[0] else w
@@ -135,6 +154,9 @@ def unpack(data: dict[str, torch.Tensor], args: ModelArgs, tp: int, t: int) -> d
         if name.endswith(".self_attn.qkv"):
             a = name.removesuffix("qkv")
             out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = split_qkv(w, qs)
+        elif name.endswith(".self_attn.qkv_bias"):
+            a = name.removesuffix("qkv_bias")
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = split_qkv(w, qs)
         elif name in ("embed_tokens.weight", "lm_head.weight"):
             out[name] = w[:hi - lo].contiguous()
         else:
@@ -207,15 +229,35 @@ def check_checkpoint(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, torch.
     want = {c.key: c.global_shape for c in plan_chunks(args, max(vp, args.vocab_size), 1, 0)}
     for key, shape in want.items():
         if key not in meta:
-            fix = "tie_embeddings=true" if key == OUT else "a checkpoint of this architecture"
-            raise MegatronCheckpointError("checkpoint", str(ckpt_dir), f"has no tensor {key}", f"use {fix}")
+            switch = _SWITCH.get(key.removeprefix("decoder.layers."))
+            if switch is not None:
+                raise MegatronCheckpointError(switch[0], True, f"{ckpt_dir} has no {switch[1]} ({key})",
+                                              f"set {switch[0]}=false")
+            fix = "set model.tie_embeddings=true" if key == OUT else "use a checkpoint of this architecture"
+            raise MegatronCheckpointError("checkpoint", str(ckpt_dir), f"has no tensor {key}", fix)
         got = tuple(meta[key].global_shape)
         if got != shape:
             raise MegatronCheckpointError(
                 "model", str(ckpt_dir), f"{key} has shape {got} in the checkpoint, the model needs {shape} "
                 f"(model: vocab_size={args.vocab_size}, hidden_size={args.hidden_size}, num_layers="
-                f"{args.num_layers}, num_heads={args.num_heads}, num_kv_heads={args.num_kv_heads}, "
-                f"intermediate_size={args.intermediate_size})", "set the model config the checkpoint was written with")
+                f"{args.num_layers}, num_heads={args.num_heads}, num_kv_heads={args.num_kv_heads}, head_dim="
+                f"{args.head_dim}, intermediate_size={args.intermediate_size})",
+                "set the model config the checkpoint was written with")
+    # a model tensor of the checkpoint that we would not read is an architecture mismatch, never a silent drop
+    extra = sorted(k for k in meta if k.startswith(_MODEL_PREFIXES) and k not in want)
+    if extra:
+        key = extra[0]
+        switch = _SWITCH.get(key.removeprefix("decoder.layers."))
+        if switch is not None:
+            raise MegatronCheckpointError(switch[0], False, f"{ckpt_dir} has {switch[1]} ({key})",
+                                          f"set {switch[0]}=true")
+        if key == OUT:
+            raise MegatronCheckpointError("model.tie_embeddings", True, f"{ckpt_dir} has an untied {OUT}",
+                                          "set model.tie_embeddings=false")
+        raise MegatronCheckpointError("checkpoint", str(ckpt_dir), f"has tensors the model has no parameter for: "
+                                      f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} (another "
+                                      "architecture, e.g. biases on every linear or LayerNorm biases)",
+                                      "use a checkpoint of this architecture")
     if not args.tie_embeddings and OUT not in meta:
         raise MegatronCheckpointError("model.tie_embeddings", False, f"{ckpt_dir} has no {OUT}",
                                       "set model.tie_embeddings=true")

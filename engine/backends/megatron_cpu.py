@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from tidal.engine.backends.megatron_map import gpt_model_kwargs, transformer_config
+from tidal.engine.backends.megatron_map import gpt_layer_spec, gpt_model_kwargs, transformer_config
 from tidal.engine.model import ModelArgs
 
 
@@ -137,15 +137,13 @@ def init_parallel(tp: int) -> None:
 
 
 def build_gpt(args: ModelArgs, tp: int, padded_vocab: int, dtype: torch.dtype = torch.float32, **config_overrides):
-    """megatron-core GPTModel (local layer spec: no Transformer Engine) for our model at TP = tp. Call
-    `init_parallel(tp)` first."""
+    """megatron-core GPTModel (local layer spec: no Transformer Engine; q/k_layernorm with `qk_norm`) for our
+    model at TP = tp. Call `init_parallel(tp)` first."""
     import_megatron()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     cfg = transformer_config(args, tp, dtype, **config_overrides)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    return GPTModel(cfg, spec, **gpt_model_kwargs(args, padded_vocab))
+    return GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
 
 
 def causal_mask(t: int, device=None) -> torch.Tensor:

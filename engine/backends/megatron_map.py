@@ -10,6 +10,10 @@ Three namespaces for the same weights::
                                                                                       linear_qkv.layer_norm_weight [L, h]
     layers.i.self_attn.{q,k,v}_proj       decoder.layers.i.self_attention.          decoder.layers.self_attention.
                                             linear_qkv.weight (fused, see below)      linear_qkv.weight [L, G(r+2)D, h]
+    layers.i.self_attn.{q,k,v}_proj.bias  ...self_attention.linear_qkv.bias         ...linear_qkv.bias [L, G(r+2)D]
+      (qkv_bias: Qwen2)                     (fused like the weight's rows)
+    layers.i.self_attn.{q,k}_norm.weight  ...self_attention.{q,k}_layernorm.weight  ...{q,k}_layernorm.weight [L, D]
+      (qk_norm: Qwen3)                      (replicated over TP)
     layers.i.self_attn.o_proj.weight      ...self_attention.linear_proj.weight      ...linear_proj.weight [L, h, HD]
     layers.i.post_attention_layernorm     ...pre_mlp_layernorm.weight               decoder.layers.mlp.linear_fc1.
                                                                                       layer_norm_weight [L, h]
@@ -41,6 +45,19 @@ padded rows as zeros and drop them on read; logits of the real vocab are unaffec
 loss sees Vp - V extra zero-weight columns, logit 0; Megatron-LM initializes them randomly instead).
 
 Megatron needs H, G and F divisible by TP (`check_megatron_tp`); our own floor splits do not.
+
+**Model families** (`ModelArgs` switches) and what megatron-core 0.16.1 makes of them (`transformer_config`,
+`gpt_layer_spec`, `gpt_model_kwargs`):
+
+    head_dim         kv_channels (any value: Megatron's attention width is kv_channels * heads, like ours)
+    qkv_bias         add_qkv_bias=True with add_bias_linear=False: a bias on linear_qkv only
+    qk_norm          qk_layernorm=True + the local spec's q/k_layernorm (torch RMSNorm over each head's D,
+                     eps = norm_eps), applied before RoPE as ours; replicated over TP, their grads summed over TP
+                     (megatron-core's `_allreduce_non_tensor_model_parallel_grads`, which the backend calls)
+    rope linear      seq_len_interpolation_factor=factor (positions / factor == inv_freq / factor)
+    rope llama3      rope_scaling=True, rope_scaling_factor=factor; megatron-core hard-codes low_freq_factor=1,
+                     high_freq_factor=4, original_max_position_embeddings=8192 (Llama 3.1 / 3.2's values), so
+                     other values are a `LayoutError` naming the field (`check_megatron_args`)
 """
 
 from __future__ import annotations
@@ -62,7 +79,12 @@ _LAYER_LINEARS = {  # unfused linears: (module suffix, checkpoint suffix, TP dim
     "mlp.down_proj.weight": ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", 1),
 }
 QKV = "self_attention.linear_qkv.weight"
+QKV_BIAS = "self_attention.linear_qkv.bias"
+QK_NORMS = {"q_norm.weight": "self_attention.q_layernorm.weight",   # ours (after self_attn.) -> Megatron's
+            "k_norm.weight": "self_attention.k_layernorm.weight"}
 FC1 = "mlp.linear_fc1.weight"
+#: megatron-core's llama3 RoPE scaling: only `factor` is a parameter (RotaryEmbedding._apply_scaling's defaults)
+MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 EXTRA_STATE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                        "mlp.linear_fc2")
 
@@ -73,6 +95,18 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
         raise LayoutError("megatron.make_vocab_size_divisible_by", divisible_by, "must be >= 1", "use 128 (default)")
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def check_megatron_args(args: ModelArgs) -> None:
+    """Everything of `args` that megatron-core's GPTModel can express, or a LayoutError naming the field."""
+    rs = args.rope_scaling
+    if rs.rope_type == "llama3":
+        for field, fixed in MEGATRON_LLAMA3_FIXED.items():
+            if getattr(rs, field) != fixed:
+                raise LayoutError(f"model.rope_scaling.{field}", getattr(rs, field),
+                                  f"megatron-core 0.16.1's llama3 RoPE scaling fixes {field}={fixed} "
+                                  "(only the factor is configurable)",
+                                  f"use {field}={fixed} or the native backend")
 
 
 def check_megatron_tp(args: ModelArgs, tp: int) -> None:
@@ -144,6 +178,12 @@ def to_megatron(state: dict[str, torch.Tensor], args: ModelArgs, padded_vocab: i
             out[m + mod] = state[p + ours]
         a = p + "self_attn."
         out[m + QKV] = fuse_qkv(state[a + "q_proj.weight"], state[a + "k_proj.weight"], state[a + "v_proj.weight"], qs)
+        if args.qkv_bias:
+            out[m + QKV_BIAS] = fuse_qkv(state[a + "q_proj.bias"], state[a + "k_proj.bias"], state[a + "v_proj.bias"],
+                                         qs)
+        if args.qk_norm:
+            for ours, mod in QK_NORMS.items():
+                out[m + mod] = state[a + ours]
         out[m + FC1] = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
     out["decoder.final_layernorm.weight"] = state["norm.weight"]
     if not args.tie_embeddings:
@@ -164,6 +204,12 @@ def from_megatron(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
         q, k, vv = split_qkv(state[m + QKV], qs)
         out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
         out[p + "self_attn.v_proj.weight"] = vv
+        a = p + "self_attn."
+        if args.qkv_bias:
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = split_qkv(state[m + QKV_BIAS], qs)
+        if args.qk_norm:
+            for ours, mod in QK_NORMS.items():
+                out[a + ours] = state[m + mod]
         fc1 = state[m + FC1]
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
     out["norm.weight"] = state["decoder.final_layernorm.weight"]
@@ -179,7 +225,7 @@ def megatron_tp_shard(state: dict[str, torch.Tensor], args: ModelArgs, tp: int, 
     for name, w in state.items():
         if name.endswith(("layernorm.weight",)) or name == "decoder.final_layernorm.weight":
             out[name] = w
-        elif name.endswith((QKV, "word_embeddings.weight", "output_layer.weight")):
+        elif name.endswith((QKV, QKV_BIAS, "word_embeddings.weight", "output_layer.weight")):
             out[name] = w.chunk(tp, dim=0)[t]  # whole kv groups / equal padded-vocab ranges
         elif name.endswith(FC1):
             gate, up = w.chunk(2, dim=0)
@@ -193,17 +239,19 @@ def megatron_tp_shard(state: dict[str, torch.Tensor], args: ModelArgs, tp: int, 
 
 # ---- megatron-core configuration --------------------------------------------------------------------------
 def transformer_config(args: ModelArgs, tp: int = 1, dtype: torch.dtype = torch.float32, **overrides):
-    """megatron-core `TransformerConfig` for our model: RMSNorm, SwiGLU without biases, GQA, RoPE (rotate-half),
-    no dropout (our model has none). CUDA-only fusions are off so the same config runs on CPU; on GPU pass
+    """megatron-core `TransformerConfig` for our model: RMSNorm, SwiGLU without biases (a qkv bias with
+    `qkv_bias`), GQA, per-head q/k RMSNorm with `qk_norm`, RoPE (rotate-half), no dropout (our model has none). CUDA-only fusions are off so the same config runs on CPU; on GPU pass
     overrides such as `bias_activation_fusion=True`. Imports megatron-core (lazily)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    check_megatron_args(args)
     check_megatron_tp(args, tp)
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_heads,
         num_query_groups=args.num_kv_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=args.norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
@@ -214,13 +262,29 @@ def transformer_config(args: ModelArgs, tp: int = 1, dtype: torch.dtype = torch.
     return TransformerConfig(**fields)
 
 
+def gpt_layer_spec(args: ModelArgs):
+    """The GPTModel layer spec for our model: megatron-core's local spec (no Transformer Engine), RMSNorm, with
+    q/k_layernorm when `qk_norm`. Imports megatron-core (lazily)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
+
+
 def gpt_model_kwargs(args: ModelArgs, padded_vocab: int) -> dict:
-    """The GPTModel constructor arguments that come from our model (besides config and layer spec)."""
+    """The GPTModel constructor arguments that come from our model (besides config and layer spec), RoPE scaling
+    included (module doc); raises LayoutError for what megatron-core cannot express."""
+    check_megatron_args(args)
+    rs = args.rope_scaling
+    rope: dict = {}
+    if rs.rope_type == "linear":
+        rope = dict(seq_len_interpolation_factor=rs.factor)
+    elif rs.rope_type == "llama3":
+        rope = dict(rope_scaling=True, rope_scaling_factor=rs.factor)
     return dict(vocab_size=padded_vocab, max_sequence_length=args.max_seq_len, position_embedding_type="rope",
                 rotary_base=args.rope_theta, rotary_percent=1.0,
-                share_embeddings_and_output_weights=args.tie_embeddings)
+                share_embeddings_and_output_weights=args.tie_embeddings, **rope)
 
 
-__all__ = ["padded_vocab_size", "check_megatron_tp", "QKVShape", "fuse_qkv", "split_qkv", "pad_rows", "to_megatron",
-           "from_megatron", "megatron_tp_shard", "transformer_config", "gpt_model_kwargs", "QKV", "FC1",
-           "EXTRA_STATE_LINEARS"]
+__all__ = ["padded_vocab_size", "check_megatron_args", "check_megatron_tp", "QKVShape", "fuse_qkv", "split_qkv",
+           "pad_rows", "to_megatron", "from_megatron", "megatron_tp_shard", "transformer_config", "gpt_layer_spec",
+           "gpt_model_kwargs", "QKV", "QKV_BIAS", "QK_NORMS", "FC1", "MEGATRON_LLAMA3_FIXED", "EXTRA_STATE_LINEARS"]

@@ -6,6 +6,8 @@ TP-local tensors fit that rule once the inventory is written in Megatron's terms
     spec                                       global shape      TP dim   Megatron TP-local tensor
     embedding.word_embeddings.weight           [Vp, h]           0        rows Vp/tp * [t, t+1)   (padded vocab)
     decoder.layers.i.self_attention.linear_qkv [G(r+2)D, h]      0        whole kv groups (fused, contiguous)
+    ...self_attention.linear_qkv.bias          [G(r+2)D]         0        same groups (qkv_bias)
+    ...self_attention.{q,k}_layernorm.weight   [D]               None     replicated (qk_norm)
     decoder.layers.i.self_attention.linear_proj [h, HD]          1
     decoder.layers.i.mlp.linear_fc1#gate       [F, h]            0        first half of the local linear_fc1
     decoder.layers.i.mlp.linear_fc1#up         [F, h]            0        second half of the local linear_fc1
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tidal.engine.backends.megatron_map import QKVShape, check_megatron_tp
+from tidal.engine.backends.megatron_map import QK_NORMS, QKV_BIAS, QKVShape, check_megatron_tp
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs
 from tidal.engine.reshard import ReshardPlan, plan_reshard
@@ -44,9 +46,14 @@ def megatron_specs(args: ModelArgs, padded_vocab: int) -> tuple[ParamSpec, ...]:
     out = [ParamSpec("embedding.word_embeddings.weight", (padded_vocab, h), 0)]
     for i in range(args.num_layers):
         m = f"decoder.layers.{i}."
+        rows = qs.groups * qs.rows_per_group
         out += [ParamSpec(m + "input_layernorm.weight", (h,), None),
-                ParamSpec(m + "self_attention.linear_qkv.weight", (qs.groups * qs.rows_per_group, h), 0),
-                ParamSpec(m + "self_attention.linear_proj.weight", (h, hd), 1),
+                ParamSpec(m + "self_attention.linear_qkv.weight", (rows, h), 0)]
+        if args.qkv_bias:
+            out.append(ParamSpec(m + QKV_BIAS, (rows,), 0))
+        if args.qk_norm:
+            out += [ParamSpec(m + mod, (qs.head_dim,), None) for mod in QK_NORMS.values()]
+        out += [ParamSpec(m + "self_attention.linear_proj.weight", (h, hd), 1),
                 ParamSpec(m + "pre_mlp_layernorm.weight", (h,), None),
                 ParamSpec(m + FC1 + "#gate", (f, h), 0),
                 ParamSpec(m + FC1 + "#up", (f, h), 0),
