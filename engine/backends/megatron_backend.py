@@ -7,7 +7,9 @@ device, dtype, weights=...). What it builds, for layout (tp, dp)::
                         in rank order (devices 0..n-1), which is how megatron-core numbers ranks: rank = d*tp + t
     GPTModel            local layer spec (no Transformer Engine; q/k_layernorm with qk_norm), TransformerConfig
                         from our ModelArgs (`megatron_map.transformer_config`: head_dim, qkv_bias, qk_norm, RoPE
-                        scaling), calculate_per_token_loss=True (see grads below)
+                        scaling), calculate_per_token_loss=True (see grads below); built without megatron's init
+                        (perform_initialization=False), so the TP attributes its init would set on the split weights
+                        are set by `_set_tp_attributes` (the optimizer's grad norm reads them)
     weights             our global weights (HF names) -> `to_megatron` (fused QKV, [gate; up], padded vocab) ->
                         `megatron_tp_shard`; the fp32 main params are then set from the fp32 weights (not from the
                         bf16-rounded params), as ActorShard initializes its masters
@@ -50,7 +52,8 @@ from torch import nn
 
 from tidal.engine.actor import ExportedWeights, IterReport
 from tidal.engine.backends import megatron_cpu as mc
-from tidal.engine.backends.megatron_map import megatron_tp_shard, padded_vocab_size, to_megatron, transformer_config
+from tidal.engine.backends.megatron_map import (FC1, megatron_tp_shard, padded_vocab_size, to_megatron,
+                                                transformer_config)
 from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
 from tidal.engine.backends.megatron_state_reshard import (StateViews, execute_state, gather_ranges, plan_state,
                                                           split_unit_range)
@@ -114,6 +117,7 @@ class _Stack:
             from tidal.engine.backends.megatron_map import gpt_layer_spec, gpt_model_kwargs
             model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
         model.to(device)
+        _set_tp_attributes(model, args, padded_vocab)
         local = None
         if weights is not None:
             local = megatron_tp_shard(to_megatron(weights, args, padded_vocab), args, tp, self.t)
@@ -409,6 +413,20 @@ class MegatronBackend:
         if reset_optimizer:
             self.step = 0
             st.set_step(0)
+
+
+def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
+    """The `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes megatron-core 0.16.1 sets on
+    TP-split weights only inside its init functions, i.e. not with perform_initialization=False (linear biases do
+    get them). The optimizer reads them (`param_is_not_tensor_parallel_duplicate`): without them every TP-split
+    weight counts in the grad norm on TP rank 0 only, and clipping at TP > 1 uses a wrong norm. Set as megatron-core
+    sets them with initialization (stride 2 for the fused SwiGLU fc1); replicated norms stay unmarked, as there."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    tp_dim = {s.name.partition("#")[0]: s.tp_dim for s in megatron_specs(args, padded_vocab)}
+    for name, p in model.named_parameters():
+        if tp_dim[name] is not None and not getattr(p, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(p, True, tp_dim[name], 2 if name.endswith(FC1) else 1)
 
 
 def _vote(ok: bool, device) -> bool:

@@ -1,6 +1,7 @@
 """Name and layout mapping between our model (HF Llama names) and megatron-core's GPTModel.
 
-Torch only: megatron-core is imported lazily (in `transformer_config` alone), so this module imports without it.
+Torch only: megatron-core is imported lazily (in `transformer_config` and `gpt_layer_spec`), so this module imports
+without it.
 
 Three namespaces for the same weights::
 
@@ -240,8 +241,9 @@ def megatron_tp_shard(state: dict[str, torch.Tensor], args: ModelArgs, tp: int, 
 # ---- megatron-core configuration --------------------------------------------------------------------------
 def transformer_config(args: ModelArgs, tp: int = 1, dtype: torch.dtype = torch.float32, **overrides):
     """megatron-core `TransformerConfig` for our model: RMSNorm, SwiGLU without biases (a qkv bias with
-    `qkv_bias`), GQA, per-head q/k RMSNorm with `qk_norm`, RoPE (rotate-half), no dropout (our model has none). CUDA-only fusions are off so the same config runs on CPU; on GPU pass
-    overrides such as `bias_activation_fusion=True`. Imports megatron-core (lazily)."""
+    `qkv_bias`), GQA, per-head q/k RMSNorm with `qk_norm`, RoPE (rotate-half), no dropout (our model has none).
+    CUDA-only fusions are off so the same config runs on CPU; on GPU pass overrides such as
+    `bias_activation_fusion=True`. Imports megatron-core (lazily)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_megatron_args(args)

@@ -7,8 +7,8 @@
 
 The model is Tidal's own architecture (CONFIG's `model.*` keys) with Qwen2's q/k/v biases, its embedding padded to a
 multiple of 64 rows past the tokenizer (as Qwen pads), supervised on the task's small noisy labelled set
-(`warm_start.*`) to answer in GSM8K's format (`#### N`), held-out accuracy measured through the native engine
-and the `gsm8k` verifier. An RL config then loads it through `model.path` and `data.train_files` exactly as it
+(`warm_start.*`) to answer with the number (the files hold GSM8K's `#### N`; the `gsm8k` verifier reads a
+response's last number), held-out accuracy measured through the native engine and that verifier. An RL config then loads it through `model.path` and `data.train_files` exactly as it
 would a user's Qwen: the main job exercises the same path a user's run does.
 
 The directory is a cache: `DIR/model/tidal_warm_start.json` records the settings' key, and a second call with the
@@ -34,7 +34,7 @@ from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
 from tidal.errors import ConfigError
 
-FORMAT = 1
+FORMAT = 2
 MARKER = "tidal_warm_start.json"
 ARCHITECTURE = "Qwen2ForCausalLM"
 #: train prompts written to train.jsonl (the RL stream draws from them, epoch after epoch)
@@ -80,8 +80,8 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
                          eval_every=max(1, cfg.warm_start.iters // 8), eval_size=cfg.data.eval_size, seed=seed,
                          label_noise=cfg.warm_start.label_noise)
     examples = task_examples(task, spec)
-    chat = [f"<|im_start|>user\n{e.prompt}<|im_end|>\n<|im_start|>assistant\n#### {e.response}<|im_end|>\n"
-            for e in examples]
+    chat = [f"<|im_start|>user\n{e.prompt}<|im_end|>\n<|im_start|>assistant\n{e.response}<|im_end|>\n"
+            for e in examples] + [f"#### {e.response}" for e in examples]
     model_dir = tmp / "model"
     train_bpe_tokenizer(chat, model_dir, vocab_size=300)
     tok = HFTokenizer(model_dir)
@@ -91,7 +91,8 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
     padded = -(-tok.vocab_size // 64) * 64
     args = replace(ModelArgs.from_config(cfg.model, padded), vocab_size=padded, qkv_bias=True)
 
-    pairs = [(tok.prompt_ids(e.prompt), tok.hf.encode(f"#### {e.response}", add_special_tokens=False) + [eos])
+    # the model answers with the number alone; the gsm8k verifier reads the last number of a response
+    pairs = [(tok.prompt_ids(e.prompt), tok.hf.encode(e.response, add_special_tokens=False) + [eos])
              for e in examples]
     heldout = [EvalItem(tuple(tok.prompt_ids(p)), _label(i, task, p)) for i, p in enumerate(val)]
     verifier = Verifier("gsm8k")
