@@ -103,8 +103,8 @@ def train_through_reshard(rank, world, cases, k, port):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     groups = GroupCache()
     out = []
-    for n, (a_text, b_text, dynamic, family) in enumerate(cases):
-        args = FAMILIES[family]
+    for n, (a_text, b_text, dynamic, *family) in enumerate(cases):   # (A, B, dynamic[, family]): llama default
+        args = FAMILIES[family[0] if family else "llama"]
         s = ActorShard(args, HP, Layout.parse(a_text), rank, seed=SEED, groups=groups)
         st = store if dynamic else None
         train(s, range(k), st, f"case{n}/")   # each case claims from its own shared queues
