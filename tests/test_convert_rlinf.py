@@ -9,6 +9,7 @@ import yaml
 
 from tidal.config import TidalConfig, build_config
 from tidal.convert_rlinf import Conversion, convert, convert_file, resolve_interpolations, to_yaml
+from tidal.convert_rlinf_builder import leaves
 from tidal.convert_rlinf_interpolation import register_resolvers
 from tidal.errors import TidalError
 
@@ -65,17 +66,6 @@ def assert_valid(conv: Conversion) -> TidalConfig:
     kept, stripped = _schema_split(conv.config)
     assert stripped <= NEW_KEYS, f"unknown Tidal keys: {sorted(stripped - NEW_KEYS)}"
     return build_config(conv.config if not stripped else kept)
-
-
-def _leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) and v:
-            out.update(_leaves(v, key))
-        else:
-            out[key] = v
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ interpolation
@@ -282,15 +272,15 @@ def test_dynamic_scheduling_mapping(rlinf_env):
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
 def test_every_uncarried_leaf_is_dropped_with_a_reason(path):
     doc = yaml.safe_load(path.read_text())
-    leaves = _leaves({k: v for k, v in resolve_interpolations(doc).items() if k != "defaults"})
+    keys = set(leaves({k: v for k, v in resolve_interpolations(doc).items() if k != "defaults"}))
     conv = convert_file(path)
     carried = {x.key for x in conv.carried}
     dropped = {d.key for d in conv.dropped}
-    assert set(leaves) <= carried | dropped, sorted(set(leaves) - carried - dropped)
-    assert carried <= set(leaves)
+    assert keys <= carried | dropped, sorted(keys - carried - dropped)
+    assert carried <= keys
     defaults = [e for e in doc["defaults"] if e != "_self_"]
-    assert dropped - set(leaves) == {f"defaults[{i}]" for i, e in enumerate(doc["defaults"]) if e != "_self_"}
-    assert len(dropped - set(leaves)) == len(defaults)
+    assert dropped - keys == {f"defaults[{i}]" for i, e in enumerate(doc["defaults"]) if e != "_self_"}
+    assert len(dropped - keys) == len(defaults)
     assert len(dropped) == len(conv.dropped)                       # each key once
     for d in conv.dropped:
         assert d.reason.strip()

@@ -25,6 +25,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def print_usage(usage: str, title: str, entries: dict[str, tuple[str, str]], footer: str, width: int = 8) -> None:
+    """A sub-command table: `usage`, then each entry's name and one-line help (the second item of its value)."""
+    print(f"{usage}\n\n{title}:")
+    for name, (_, text) in entries.items():
+        print(f"  {name:<{width}} {text}")
+    print(f"\n{footer}")
+
+
 def register(name: str, target: str, help_text: str) -> None:
     if name in COMMANDS:
         raise ValueError(f"sub-command {name!r} registered twice")
@@ -113,10 +121,8 @@ def convert_main(argv: list[str]) -> int:
     """`tidal convert rlinf FILE [-o PATH]`: the Tidal config as YAML on stdout (or in PATH); every key that could
     not be carried, with its reason, on stderr. Exit 0; a file that cannot be read or converted: TidalError."""
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tidal convert SOURCE FILE [-o PATH]\n\nsources:")
-        for name, (_, text) in CONVERTERS.items():
-            print(f"  {name:<8} {text}")
-        print("\n`tidal convert SOURCE --help` for the options.")
+        print_usage("usage: tidal convert SOURCE FILE [-o PATH]", "sources", CONVERTERS,
+                    "`tidal convert SOURCE --help` for the options.")
         return 0 if argv else 2
     source, rest = argv[0], argv[1:]
     if source not in CONVERTERS:
@@ -167,10 +173,8 @@ def convert_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tidal COMMAND [ARGS...]\n\nTidal: RL post-training with dynamic scheduling.\n\ncommands:")
-        for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:<14} {help_text}")
-        print("\n`tidal COMMAND --help` for a command's options.")
+        print_usage("usage: tidal COMMAND [ARGS...]\n\nTidal: RL post-training with dynamic scheduling.", "commands",
+                    COMMANDS, "`tidal COMMAND --help` for a command's options.", width=14)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -29,12 +29,12 @@ _INT = re.compile(r"[+-]?\d+(?:_\d+)*")
 _FLOAT = re.compile(r"[+-]?(?:\d+(?:_\d+)*\.\d*|\.\d+|\d+(?:_\d+)*)(?:[eE][+-]?\d+)?|[+-]?(?:inf|nan)", re.I)
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+def leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if isinstance(v, dict) and v:
-            out.update(_leaves(v, key))
+            out.update(leaves(v, key))
         else:
             out[key] = v
     return out
@@ -44,7 +44,7 @@ def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
 class Builder:
     def __init__(self, resolved: dict, field: str):
         self.tree, self.field = resolved, field
-        self.leaves = _leaves({k: v for k, v in resolved.items() if k != "defaults"})
+        self.leaves = leaves({k: v for k, v in resolved.items() if k != "defaults"})
         self.out: dict[str, dict] = {}
         self.carried: list[Carried] = []
         self.reasons: dict[str, str] = {}

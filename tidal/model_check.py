@@ -381,11 +381,10 @@ VERBS = {"check": (main, "check a Hugging Face checkpoint directory: family, siz
 
 def model_main(argv: list[str]) -> int:
     """`tidal model VERB ...`."""
+    from tidal.cli import print_usage
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tidal model VERB [ARGS...]\n\nverbs:")
-        for name, (_, text) in VERBS.items():
-            print(f"  {name:<8} {text}")
-        print("\n`tidal model VERB --help` for a verb's options.")
+        print_usage("usage: tidal model VERB [ARGS...]", "verbs", VERBS,
+                    "`tidal model VERB --help` for a verb's options.")
         return 0 if argv else 2
     if argv[0] not in VERBS:
         raise TidalError("tidal model", argv[0], "is not a verb of `tidal model`",
