@@ -433,20 +433,26 @@ def build_config(data: object, overrides: list[str] | None = None) -> TidalConfi
     return cfg
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> TidalConfig:
-    """Read YAML (`yaml.safe_load`) at `path` and build the config."""
+def read_yaml(path: str | Path, field: str = "config",
+              example: str = "pass a path like experiments/addition_dynamic.yaml") -> object:
+    """The document of a YAML file (`yaml.safe_load`); a missing, unparsable or non-UTF-8 file is a ConfigError
+    naming `field` and, for syntax, the line and column."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("config", str(path), "file not found", "pass a path like experiments/addition_auto.yaml")
+        raise ConfigError(field, str(path), "file not found", example)
     try:
-        data = yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise ConfigError("config", str(path), f"is not valid YAML ({where})", "fix the syntax there") from None
+        raise ConfigError(field, str(path), f"is not valid YAML ({where})", "fix the syntax there") from None
     except UnicodeDecodeError:
-        raise ConfigError("config", str(path), "is not UTF-8 text", "save the file as UTF-8") from None
-    return build_config(data, overrides)
+        raise ConfigError(field, str(path), "is not UTF-8 text", "save the file as UTF-8") from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TidalConfig:
+    """Read YAML (`yaml.safe_load`) at `path` and build the config."""
+    return build_config(read_yaml(path), overrides)
 
 
 def flatten(cfg: TidalConfig) -> dict[str, object]:

@@ -63,7 +63,8 @@ from typing import Any
 import yaml
 
 from tidal.config import (ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, InferenceConfig, ModelConfig,
-                          RolloutConfig, RunConfig, SchedulerConfig, TidalConfig, TrackingConfig, WarmStartConfig)
+                          RolloutConfig, RunConfig, SchedulerConfig, TidalConfig, TrackingConfig, WarmStartConfig,
+                          read_yaml)
 from tidal.convert_rlinf_builder import Builder, Carried, Dropped
 from tidal.convert_rlinf_interpolation import SUPPORTED_RESOLVERS, resolve_interpolations, resolve_lenient
 from tidal.convert_rlinf_mapping import map_keys
@@ -98,18 +99,8 @@ def convert(doc: dict, *, source: str | None = None) -> Conversion:
 
 def convert_file(path: str | Path) -> Conversion:
     """Read an RLinf YAML with `yaml.safe_load` and convert it; `defaults:` files are reported, not followed."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("rlinf config", str(path), "file not found",
-                          "pass the path of an RLinf experiment YAML, e.g. examples/reasoning/config/math/x.yaml")
-    try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise ConfigError("rlinf config", str(path), f"is not valid YAML ({where})", "fix the syntax there") from None
-    except UnicodeDecodeError:
-        raise ConfigError("rlinf config", str(path), "is not UTF-8 text", "save the file as UTF-8") from None
+    doc = read_yaml(path, "rlinf config",
+                    "pass the path of an RLinf experiment YAML, e.g. examples/reasoning/config/math/x.yaml")
     return convert(doc, source=str(path))
 
 
