@@ -30,6 +30,7 @@ def greedy_responses(model, prompts: list[tuple[int, ...]], stop_ids: tuple[int,
     """Greedy token ids of each prompt's response (stop token kept), in order."""
     was_training = model.training
     model.eval()
+    # a fresh engine per evaluation: capturing its CUDA graphs would cost more than the few decode steps it runs
     engine = NativeEngine(model, EngineConfig(max_running_requests=max(1, min(width, len(prompts))),
                                               vocab_limit=vocab_limit, cuda_graph=False))
     params = SamplingParams(0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)

@@ -85,8 +85,7 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
     if isinstance(params, dict) and "full_attention" in params:   # per-layer-type form: one type only here
         params = params["full_attention"]
     scaling = dict(params) if isinstance(params, dict) else dict(cfg.get("rope_scaling") or {})
-    theta = (params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)) if isinstance(params, dict) \
-        else cfg.get("rope_theta", 10000.0)
+    theta = (params if isinstance(params, dict) else cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))
     if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
         raise _bad(f"{where}: rope_theta", theta, "must be a finite number > 0", "fix config.json")
     kind = scaling.get("rope_type", scaling.get("type", "default"))

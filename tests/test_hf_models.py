@@ -173,7 +173,7 @@ def test_transformers_4_rope_keys_are_read(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = {"type" if False else "rope_type": rope.pop("rope_type"), **rope}
+    cfg["rope_scaling"] = {"rope_type": rope.pop("rope_type"), **rope}
     (path / "config.json").write_text(json.dumps(cfg))
     hf, ours = _ours(path)
     assert hf.args.rope_scaling.rope_type == "llama3" and hf.args.rope_theta == 500000.0

@@ -284,7 +284,7 @@ class Pipeline:
         """Stream one step; `sync=False` leaves the weight sync to the caller (`sync_weights`, e.g. a flow task)."""
         cfg, c = self.cfg, self.cluster
         t_start = self.clock()
-        prompts, self._next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
+        prompts, next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
         groups = [PromptGroup(i, ids, label) for i, (ids, label) in enumerate(prompts)]
         if self._keeping:   # our invariant: the caller of run_step(sync=False) syncs before the next step
             raise RuntimeError("run_step: the previous step's weights were never synced (call sync_weights after "
@@ -312,7 +312,7 @@ class Pipeline:
         self.reconciler.consult("step_end")
         if sync:
             self.sync_weights(step)
-        self.data_pos = self._next_pos
+        self.data_pos = next_pos
         metrics = step_metrics(list(st.scored.values()))
         for m in st.actor_metrics:
             for k, v in m.items():

@@ -77,6 +77,10 @@ def _own_model_inputs(cfg: TidalConfig) -> RunInputs:
     char = default_tokenizer()
     task = get_task(cfg.data.task)
     task.check_tokenizer(char)
+    if task.max_response_tokens > cfg.response_length:
+        raise ConfigError("rollout.max_new_tokens", cfg.response_length,
+                          f"is shorter than task {task.name!r}'s answers ({task.max_response_tokens} tokens)",
+                          f"set rollout.max_new_tokens >= {task.max_response_tokens}")
     args = ModelArgs.from_config(cfg.model, char.vocab_size)
     check_compatible(char, args.vocab_size)
     spec = TokenizerSpec("char", chars=char.chars)

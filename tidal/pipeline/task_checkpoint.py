@@ -83,11 +83,8 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
     chat = [f"<|im_start|>user\n{e.prompt}<|im_end|>\n<|im_start|>assistant\n{e.response}<|im_end|>\n"
             for e in examples] + [f"#### {e.response}" for e in examples]
     model_dir = tmp / "model"
-    train_bpe_tokenizer(chat, model_dir, vocab_size=300)
-    tok = HFTokenizer(model_dir)
+    tok = HFTokenizer(train_bpe_tokenizer(chat, tmp / "tokenizer", vocab_size=300))   # saved again with the model
     eos = tok.stop_ids[0]
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": tok.pad_id}))
-    tok = HFTokenizer(model_dir)
     padded = -(-tok.vocab_size // 64) * 64
     args = replace(ModelArgs.from_config(cfg.model, padded), vocab_size=padded, qkv_bias=True)
 
@@ -104,10 +101,8 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
     exported = replace(args, max_seq_len=max(64, args.max_seq_len))
     config = hf_config_for(exported, ARCHITECTURE, eos_ids=(eos,), pad_id=tok.pad_id)
     hf = HFModel(str(model_dir), ARCHITECTURE, exported, "float32", exported.max_seq_len, config)
-    gen = json.loads((model_dir / "generation_config.json").read_text())
-    save_hf(tmp / "model.saved", weights, hf, tokenizer=tok, generation_config=gen)
-    shutil.rmtree(model_dir)
-    (tmp / "model.saved").rename(model_dir)
+    save_hf(model_dir, weights, hf, tokenizer=tok, generation_config={"eos_token_id": eos, "pad_token_id": tok.pad_id})
+    shutil.rmtree(tmp / "tokenizer")
     meta = {"key": key, "task": task.name, "architecture": ARCHITECTURE, "args": asdict(exported),
             "tokenizer_size": tok.vocab_size, "examples": len(examples), "iters": spec.iters,
             "history": [asdict(h) for h in history], "plateaued": bool(history) and plateaued(history),
