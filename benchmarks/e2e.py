@@ -384,8 +384,9 @@ print(forwards_per_second(model, {seconds}))
 def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
     """Forwards/s of the e2e model on the devices' cores, uncapped, nothing else running there (between runs).
 
-    A drift indicator, not a correction: the dev VM's cores change speed by the minute (other tenants on the
-    host; measured 17-84 forwards/s around one run), which is why the policies' steps interleave. Recorded at
+    A drift indicator, not a correction: a shared machine's cores change speed by the minute (other tenants on
+    the host; measured 17-84 forwards/s around one run on a 2-core machine), which is why the policies' steps
+    interleave. Recorded at
     the start of every round."""
     import subprocess
     cores = cores or set(range(os.cpu_count() or 1))
@@ -461,7 +462,7 @@ def main(argv=None) -> int:
     ap.add_argument("--share", type=float, default=0.125,
                     help="cluster.cpu_compute_share per device (a fraction of the device cores)")
     ap.add_argument("--share-period-ms", type=float, default=50.0,
-                    help="cluster.cpu_share_period_ms: the CFS period of the cap (docs/e2e.md, seventh session)")
+                    help="cluster.cpu_share_period_ms: the CFS period of the cap (docs/e2e.md)")
     ap.add_argument("--device-cores", default="auto",
                     help='cluster.cpu_device_cores: the cores the 8 devices are pinned to; the driver and Ray run '
                          'on the others. auto: every core but core 0 (on 2 cores: "1"); "all": no pinning. '

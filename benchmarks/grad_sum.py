@@ -1,12 +1,12 @@
 """The actor's ordered gradient sum on gloo: the exchange overlapped with the iter's compute vs after the last backward.
 
     python benchmarks/grad_sum.py --json out.json                       # dp 2 on this machine's cores, e2e's model
-    python benchmarks/grad_sum.py --dp 2,4 --cores 8-15 --json out.json # the GPU machine's host, one core per rank
+    python benchmarks/grad_sum.py --dp 2,4 --cores 8-15 --json out.json # 8 host cores, one core per rank
 
 The actor sums micro-batch gradients in index order so that an update does not depend on the data-parallel size
 (a dynamic run ends bit-equal to a static one). Each rank owns a ZeRO-1 range and needs every micro-batch's slice
-of it. Before the ninth session every rank sent its slices after its last backward (`ActorShard._ordered_sum`);
-with the claim order known in advance (`SharedQueue` without a store) the receives are posted before the first
+of it. The baseline mode sends every rank's slices after its last backward (`ActorShard._ordered_sum`); with the
+claim order known in advance (`SharedQueue` without a store) the receives are posted before the first
 forward and each micro-batch's slices leave as soon as its backward is done (`engine/actor.py` `_OverlappedSum`).
 
 Per dp, both modes run in one process group, alternating iter by iter (the machine's drift falls on both), on the
