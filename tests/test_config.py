@@ -101,11 +101,19 @@ def test_overrides_apply_and_are_validated():
 
 
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_experiments_validate(path):
+def test_shipped_experiments_validate(path, tmp_path):
     data = yaml.safe_load(path.read_text())
     if "space" in data:  # sweep spaces are checked by the sweep tests
         pytest.skip("sweep space")
-    assert main(["validate", str(path)]) == 0
+    overrides = []
+    if str(data.get("model", {}).get("path", "")).startswith("runs/"):
+        # The checkpoint and files are made by a documented command (tidal warm-start); stand-ins of the same
+        # layout take their place so that validation sees everything else of the shipped file.
+        from conftest import make_gsm8k_files, make_hf_checkpoint
+        ckpt = make_hf_checkpoint(tmp_path / "ckpt", "llama")
+        train, val = make_gsm8k_files(tmp_path / "data")
+        overrides = [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+    assert main(["validate", str(path), *overrides]) == 0
 
 
 def test_cli_bad_config_exit_2(tmp_path, capsys):
