@@ -1,7 +1,7 @@
 """End-to-end scheduling benchmark: the same RL workload and seeds under `static`, `rlinf` and `tidal` on 8 CPU
 virtual devices with fixed compute shares, plus the simulator's figures for RLinf's example.
 
-    python benchmarks/e2e.py --quick --json benchmarks/results/e2e_cpu.json
+    python benchmarks/e2e.py --quick --json benchmarks/results/e2e/<date>_<commit7>_<machine>.json
 
 Real part (one `tidal.pipeline.run.TrainingRun` per policy, same config and seeds, all opened first; then step k
 of each runs back to back, rotating who goes first every round, so the machine's drift over minutes lands on
@@ -11,7 +11,8 @@ every policy alike. `paired_speedup_vs_static` is the median of the per-step rat
     compute     cluster.cpu_device_cores "1" (every core but core 0) and cpu_compute_share 0.125 of it: the 8
                 devices share one core's time by quota (0.125 core each), the driver and Ray run on core 0.
                 An idle device's capacity is lost, as on a GPU, and a busy device's speed does not depend on
-                its neighbours (on this VM two busy vCPUs do about one's work: benchmarks/share.py)
+                its neighbours (on a 2-core VM whose vCPUs share a host core, two busy vCPUs do about one's work:
+                benchmarks/share.py)
     workload    addition task from the random init (warm_start.iters 0): eos is sampled with probability
                 ~1/vocab per token, so response lengths are geometric (mean ~19 tokens) capped at
                 max_new_tokens: a natural long tail (a group ends with its longest sample)
@@ -146,7 +147,7 @@ class PolicyRun:
         timeline = run.pipe.timeline
         calib = {}
         if self.a.calibrate and self.policy == "static":  # on an idle rollout device of the same capped group
-            fn = "tidal.scheduler.costs_cpu:"
+            fn = "tidal.workers.cost_probes:"
             calib["decode"] = run.group.call(2, fn + "measure_decode", batches=[1, 8, 16, 32, 64])
             calib["prefill_per_token_s"] = run.group.call(2, fn + "measure_prefill")
             print(f"  [static] decode (batch, s/step): {calib['decode']}; prefill "
@@ -284,10 +285,13 @@ def fit(runs: dict, cfg_tokens: float, micro_batches: int, groups: int = 0, grou
     score_s = score_group_s(static.get("steps", []), groups)
     fitted = calibrate(cpu_e2e(), cal["decode"], cal["prefill_per_token_s"], iters, cfg_tokens, moves,
                        micro_batches, score_s, group_tokens)
-    pick = lambda c: {"decode": asdict(c.decode), "actor": {k: v for k, v in asdict(c.actor).items()
-                                                             if k in ("train_per_token_s", "iter_fixed_s")},
-                      "inference": asdict(c.inference),
-                      "reshard_fixed_s": c.reshard.fixed_s, "kv_fixed_s": c.kv_fixed_s, "lend_s": c.lend_s}
+
+    def pick(c):
+        return {"decode": asdict(c.decode), "actor": {k: v for k, v in asdict(c.actor).items()
+                                                      if k in ("train_per_token_s", "iter_fixed_s")},
+                "inference": asdict(c.inference),
+                "reshard_fixed_s": c.reshard.fixed_s, "kv_fixed_s": c.kv_fixed_s, "lend_s": c.lend_s}
+
     return ({"samples": {"decode": cal["decode"], "prefill_per_token_s": cal["prefill_per_token_s"],
                          "actor_iters_dp_s": iters, "iter_tokens": cfg_tokens, "score_group_s": score_s,
                          "group_tokens": group_tokens, "moves": {k: sorted(v) for k, v in moves.items()}},
@@ -302,7 +306,7 @@ def predicted(costs, labels: list[str], a: argparse.Namespace, out: Path, measur
     same median, uncorrelated within a group. The policy is asked as often as the driver asks it (`MIN_INTERVAL_S`)."""
     from dataclasses import replace
 
-    from tidal.scheduler.reconciler import MIN_INTERVAL_S
+    from tidal.pipeline.control import MIN_INTERVAL_S
     from tidal.scheduler.simulator import simulate
     from tidal.scheduler.workload import LengthDist, SimSpec
     res = {}
@@ -414,7 +418,7 @@ def table(res: dict) -> None:
                 "actions s/step"):
         t.add_column(col)
     runs = res["runs"]
-    st = runs["static"] if "static" in runs else None
+    st = runs.get("static")
     for k, v in runs.items():
         pr = paired(st["steps"], v["steps"]) if st else {}
         pp = paired(st["steps"], v["steps"], "pumps") if st else {}
@@ -475,7 +479,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="skip the decode / actor measurements on the capped workers after the static run")
-    for k, v in QUICK.items():
+    for k in QUICK:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     a = ap.parse_args(argv)
     base = QUICK if a.quick else FULL
@@ -493,7 +497,7 @@ def main(argv=None) -> int:
     if pinned and len(pinned) < n_cpu:  # the driver, and the Ray processes it starts, off the devices' cores
         os.sched_setaffinity(0, set(range(n_cpu)) - pinned)
     cores = a.share * (len(pinned) or n_cpu)
-    res = {"name": "e2e", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"name": "e2e", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": machine(),
            "config": {"cpu_compute_share": a.share, "cores_per_device": cores,
                       "cpu_share_period_ms": a.share_period_ms,
@@ -507,7 +511,7 @@ def main(argv=None) -> int:
                       "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate},
                       "warm_start_iters": 0, "seed": a.seed}}
     runs, res["core_speed"] = interleave(a.policies.split(","), a, out, pinned)
-    for pol, r in runs.items():
+    for r in runs.values():
         ev = r["_events"]
         steady = [s["seconds"] - group_creation_s(ev, s["step"]) for s in r["steps"][1:]]
         r["steady_step_s"] = sum(steady) / max(1, len(steady))
@@ -548,8 +552,8 @@ def main(argv=None) -> int:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     table(res)
-    print(json.dumps({k: v for k, v in res.items() if k.endswith("_s") or k.startswith("speedup")
-                      or k.startswith("steady")}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k.endswith("_s") or k.startswith(("speedup", "steady"))},
+                     indent=1))
     return 0
 
 

@@ -101,7 +101,7 @@ def parse_cores(text: str | None) -> list[int] | None:
         try:
             out += list(range(int(lo), int(hi or lo) + 1))
         except ValueError:
-            raise SystemExit(f"error: --cores {text!r}: expected a list like 8-15 or 0,1")
+            raise SystemExit(f"error: --cores {text!r}: expected a list like 8-15 or 0,1") from None
     return out
 
 
@@ -119,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dps = [int(x) for x in a.dp.split(",")]
     except ValueError:
-        raise SystemExit(f"error: --dp {a.dp!r}: expected sizes like 2,4")
+        raise SystemExit(f"error: --dp {a.dp!r}: expected sizes like 2,4") from None
     if any(d < 2 for d in dps):
         raise SystemExit("error: --dp: every size must be >= 2 (dp 1 has no exchange)")
     model = {**E2E, "intermediate_size": a.intermediate, "max_seq_len": max(E2E["max_seq_len"], a.seq)}
     cores = parse_cores(a.cores)
-    res = {"name": "grad_sum", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"name": "grad_sum", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                        "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
            "config": {"model": model, "micro_batch": a.micro_batch, "num_mb": a.num_mb, "seq": a.seq,

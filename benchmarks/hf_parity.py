@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     import transformers
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     config = QUICK if args.quick else FAMILIES[args.family][2]
-    out = {"name": "hf_parity", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    out = {"name": "hf_parity", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
            "commit": _commit(), "machine": f"{platform.machine()} torch {torch.__version__} "
            f"threads {torch.get_num_threads()} " + (torch.cuda.get_device_name() if device == "cuda" else "cpu"),
            "transformers": transformers.__version__, "device": device, "family": args.family, "config": config,

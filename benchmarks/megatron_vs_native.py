@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pmb, pn = (int(x) for x in (ns.parity_batch or ("4x2" if cuda else "2x2")).lower().split("x"))
     except ValueError:
-        raise SystemExit(f"error: --parity-batch {ns.parity_batch!r} is not MBxN (e.g. 4x2)")
+        raise SystemExit(f"error: --parity-batch {ns.parity_batch!r} is not MBxN (e.g. 4x2)") from None
     from tidal.reshard_check import run_world
     r = run_world(1, "nccl" if cuda else "gloo", _body, args.__dict__, ns.device, (pmb, pn), mb, n, ns.iters,
                   ns.warmup, timeout=900)[0]
@@ -184,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = n * mb * args.max_seq_len
     flops = 6 * n_matmul * tokens + 12 * args.num_layers * args.hidden_size * args.max_seq_len * tokens
     for name, par in r["parity"].items():
-        print(f"parity {name}: loss {par['loss_native']:.6f} vs {par['loss_megatron']:.6f} (rel {par['loss_rel_diff']:.2e}),"
+        print(f"parity {name}: loss {par['loss_native']:.6f} vs {par['loss_megatron']:.6f} "
+              f"(rel {par['loss_rel_diff']:.2e}),"
               f" grads max abs {par['grad_max_abs_diff']:.2e}, max rel {par['grad_max_rel_diff']:.2e} "
-              f"({par['grad_worst_param']}), weights after one step max abs {par['step']['weight_max_abs_diff_after_step']:.2e}")
+              f"({par['grad_worst_param']}), weights after one step max abs "
+              f"{par['step']['weight_max_abs_diff_after_step']:.2e}")
     for engine, row in r["throughput"].items():
         sec = statistics.median(row["seconds"])
         row.update({"iter_seconds": sec, "tokens_per_iter": tokens, "tokens_per_s": tokens / sec,
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for where, err in r["errors"].items():
         print(f"ERROR in {where}:\n{err}", file=sys.stderr)
     out = {"name": "megatron_vs_native",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{platform.node()} {os.cpu_count()} cpu, {r['device']}, torch {torch.__version__}",
            "megatron_core": _megatron_version(), "model": args.__dict__, "num_params": n_params,
            "peak_tflops": ns.peak_tflops, "micro_batch": mb, "num_mb": n, "iters": ns.iters, "warmup": ns.warmup,

@@ -89,7 +89,7 @@ def _holding_views(shard: ActorShard):
     st, lay = shard.state, shard.layout
     if st is None:
         return
-    t, d = shard.coord
+    t, _d = shard.coord
     for i, spec in enumerate(shard.specs):
         yield "param", spec, shard_box(spec, lay.tp, t), st.param(i)
         lo, hi = st.shape.owned[i]
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"dcp": ns.dcp, "chunk": ns.raw_chunk_mb << 20, "link_gbps": ns.link_gbps,
             "mem_fraction": ns.mem_fraction}
     cases = []
-    head = {"name": "reshard", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    head = {"name": "reshard", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, backend {ns.backend}"
                        + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
                           if ns.backend == "nccl" else ""),

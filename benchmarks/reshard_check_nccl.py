@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                      "num_tensors": res[0]["num_tensors"], "bytes_moved": res[0]["bytes_moved"],
                      "seconds": max(r["seconds"] for r in res)})
         print(f"{a:>22} -> {b:<24} {'ok' if mismatch is None else 'FAILED: ' + mismatch}", flush=True)
-    out = {"name": "reshard_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    out = {"name": "reshard_check", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}"
                       + (f", 2 x {torch.cuda.get_device_name(0)}" if ns.backend == "nccl" else ""),
            "backend": ns.backend, "world": 2, "ok": all(r["ok"] for r in rows), "pairs": rows}

@@ -6,8 +6,8 @@
 Throughput: the same model (our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow
 HF Llama), the same prompts (equal length, no padding), the same batch, greedy, exactly `new_tokens` tokens each
 (no stop tokens), in the same process. Time includes prefill (and, for the native engine on CUDA, capturing its
-CUDA graphs: one decode graph and one prefill graph per prompt length, per engine). If transformers is missing (our CPU machines) the
-HF part is skipped with a note and `hf_tokens_per_s` is null.
+CUDA graphs: one decode graph and one prefill graph per prompt length, per engine). If transformers is missing (our CPU
+machines) the HF part is skipped with a note and `hf_tokens_per_s` is null.
 
 Migration: one request with `context - 8` prompt tokens and 8 generated tokens on engine A, moved to engine B on
 the same device. `kv_move_s`: export_state + import_state + admission (KV written into B's slot), in process;
@@ -77,7 +77,7 @@ def native_generate(m, ids_BT, new_tokens):
 
 
 def hf_model(args, weights, device, dtype):
-    import transformers  # noqa: F401  (only on machines that have it)
+    import transformers  # only on machines that have it
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -122,7 +122,7 @@ def throughput(a, device, dtype, report):
         hf, version = hf_model(args, weights, device, dtype)
     except ImportError:
         report.update(hf_tokens_per_s=None, speedup_vs_hf=None,
-                      hf_note="transformers is not installed here: HF comparison skipped (run on the GPU machine)")
+                      hf_note="transformers is not installed: HF comparison skipped")
         return
     hf_generate(hf, ids[: min(4, a.batch)], 4, device)
     times = []
@@ -252,7 +252,7 @@ def main(argv=None):
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.contexts = [512, 2048, 4096]
     torch.set_num_threads(torch.get_num_threads() if gpu else 1)  # CPU: one thread, like our workers
-    report = {"name": "rollout", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    report = {"name": "rollout", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
               "machine": machine(device), "device": str(device), "dtype": str(dtype), "model": a.model,
               "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
     if gpu:

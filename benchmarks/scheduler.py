@@ -1,6 +1,7 @@
 """Scheduler benchmark: policy decision latency, simulator speed, simulated step times.
 
-    python benchmarks/scheduler.py --json benchmarks/results/scheduler.json [--steps 10] [--big-steps 100]
+    python benchmarks/scheduler.py --json benchmarks/results/scheduler/<date>_<commit7>_<machine>.json \
+        [--steps 10] [--big-steps 100]
 
 1. Decision latency of `rlinf` and `tidal` at 8, 64 and 1,024 devices, `time.perf_counter_ns` around each
    call (wall) and `time.thread_time_ns` (CPU of this thread: what preemption on a shared machine does not
@@ -17,8 +18,8 @@
 3. Robustness: the 8-GPU example on workload seeds 1-3 (5 steps each): static, rlinf with both flags, tidal.
 4. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
 
-The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: the dev machine is
-shared, so wall-clock tails are noisy; CPU times are the robust figure).
+The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: on a shared machine
+wall-clock tails are noisy; CPU times are the robust figure).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from pathlib import Path
 from tidal.devices import Owner
 from tidal.scheduler.costs import gpu_h200_1p5b
 from tidal.scheduler.policies import get_policy
-from tidal.scheduler.signals import (ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal,
-                                     Signals)
+from tidal.scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal, Signals
 from tidal.scheduler.simulator import _Sim, simulate
 from tidal.scheduler.state import SchedState
 from tidal.scheduler.workload import SimSpec, rlinf_example
@@ -151,7 +151,8 @@ def seeds_8(steps: int, seeds: tuple[int, ...] = (1, 2, 3)) -> dict:
     for seed in seeds:
         row = {name: simulate(sp, pol, None, steps, seed=seed, keep_events=False).mean_step_s
                for name, sp, pol in (("static", spec_for(8), "static"),
-                                     ("rlinf_flags", spec_for(8, True, True), "rlinf"), ("tidal", spec_for(8), "tidal"))}
+                                     ("rlinf_flags", spec_for(8, True, True), "rlinf"),
+                                     ("tidal", spec_for(8), "tidal"))}
         row["tidal_vs_static"] = row["static"] / row["tidal"]
         row["tidal_vs_rlinf_flags"] = row["rlinf_flags"] / row["tidal"]
         out[str(seed)] = row
@@ -178,7 +179,7 @@ def machine() -> dict:
     except OSError:
         pass
     return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_avg_start": os.getloadavg(), "note": "shared 2-core dev machine; single-threaded runs"}
+            "load_avg_start": os.getloadavg(), "note": "single-threaded runs"}
 
 
 def main() -> None:
@@ -191,7 +192,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2000, help="decisions timed per (policy, size, kind)")
     a = ap.parse_args()
     m = machine()
-    res = {"name": "scheduler", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
            "sim_8_seeds": seeds_8(5), "sim_1024": sim_figures(1024, a.steps),
            "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
@@ -201,7 +202,7 @@ def main() -> None:
     Path(a.json).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "latency"}, indent=1))
     for k, v in res["latency"].items():
-        print(k, "captured wall p50/p99 %.3f/%.3f ms cpu p99 %.3f; records wall p50/p99 %.3f/%.3f" % (
+        print(k, "captured wall p50/p99 {:.3f}/{:.3f} ms cpu p99 {:.3f}; records wall p50/p99 {:.3f}/{:.3f}".format(
             v["captured"]["wall"]["p50_ms"], v["captured"]["wall"]["p99_ms"], v["captured"]["cpu"]["p99_ms"],
             v["records"]["wall"]["p50_ms"], v["records"]["wall"]["p99_ms"]))
 

@@ -1,6 +1,6 @@
 """Busy-neighbour check of CPU virtual devices: does a capped device slow down when the others work?
 
-    python benchmarks/share.py --json benchmarks/results/share_cpu.json
+    python benchmarks/share.py --json benchmarks/results/share/<date>_<commit7>_<machine>.json
 
 A GPU's speed does not depend on its neighbours. A CPU virtual device capped at a share of the machine
 (`cluster.cpu_compute_share`) is faithful only if its speed is also independent of how many other devices are

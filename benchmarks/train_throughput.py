@@ -50,7 +50,7 @@ def _body(rank, world, args_dict, configs, iters, warmup, backend):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times, losses = [], []
-        for it in range(warmup + iters):
+        for _ in range(warmup + iters):
             mbs = [torch.randint(0, args.vocab_size, (micro_batch, seq), generator=g).to(device)
                    for _ in range(num_mb)]
             if device.type == "cuda":
@@ -76,7 +76,7 @@ def _parse_configs(text: str) -> list[tuple[int, int]]:
             mb, n = (int(x) for x in item.strip().lower().split("x"))
         except ValueError:
             raise SystemExit(f"error: --configs item {item!r} is not MBxN (e.g. 16x8: 16 sequences per "
-                             f"micro-batch, 8 micro-batches per iter)")
+                             f"micro-batch, 8 micro-batches per iter)") from None
         if mb < 1 or n < 1:
             raise SystemExit(f"error: --configs item {item!r}: both numbers must be >= 1")
         configs.append((mb, n))
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f", MFU {rows[-1]['mfu']:.1%}" if cuda else "") + f", iter {sec:.3f} s, "
               f"peak {rows[-1]['max_mem_gb']:.1f} GiB", flush=True)
     best = max(rows, key=lambda row: row["tokens_per_s"])
-    out = {"name": "train_throughput", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    out = {"name": "train_throughput", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{platform.node()} {os.cpu_count()} cpu, {r['device']}, torch {torch.__version__}",
            "model": args.__dict__, "num_params": n_params, "peak_tflops": ns.peak_tflops, "iters": ns.iters,
            "warmup": ns.warmup, "best": f"{best['micro_batch']}x{best['num_mb']}",

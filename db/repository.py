@@ -25,10 +25,30 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tidal.db.checks import (InvalidRecord, check_bool, check_devices, check_float, check_int, check_json_object,
-                             check_nonneg_int, check_one_of, check_phase_seconds, check_str)
-from tidal.db.models import (MIGRATION_MODES, OWNERS, RUN_STATUSES, SCHEDULER_KINDS, DeviceTransition,
-                             MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step)
+from tidal.db.checks import (
+    InvalidRecord,
+    check_bool,
+    check_devices,
+    check_float,
+    check_int,
+    check_json_object,
+    check_nonneg_int,
+    check_one_of,
+    check_phase_seconds,
+    check_str,
+)
+from tidal.db.models import (
+    MIGRATION_MODES,
+    OWNERS,
+    RUN_STATUSES,
+    SCHEDULER_KINDS,
+    DeviceTransition,
+    MigrationEvent,
+    ReshardEvent,
+    Run,
+    SchedulerEvent,
+    Step,
+)
 from tidal.devices import Owner, Transition
 
 FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s != "running")

@@ -53,9 +53,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ class Manifest:
                 "shards": [asdict(r) for r in self.shards]}
 
     @staticmethod
-    def from_json(obj: dict) -> "Manifest":
+    def from_json(obj: dict) -> Manifest:
         lay = obj["layout"]
         return Manifest(CheckpointMeta(**obj["meta"]), dict(obj["model"]),
                         tuple(ParamSpec(n, tuple(s), t) for n, s, t in obj["specs"]),
@@ -408,7 +408,7 @@ def verify(gen: str | Path) -> Manifest:
 
 def latest(root: str | Path) -> Path | None:
     """The newest generation under `root` that has its marker and verifies (broken ones are logged, skipped)."""
-    for step, path, ok in generations(root):
+    for _step, path, ok in generations(root):
         if not ok:
             continue
         try:

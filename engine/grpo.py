@@ -55,8 +55,9 @@ Metrics are floats with slash keys. The ones from `grpo_loss` are token sums div
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -107,7 +108,7 @@ class ScoredSample:
 def _ordered(groups: Iterable[ScoredGroup]) -> list[ScoredGroup]:
     """Groups in (step, group_id) order, whatever order the stream delivered them in."""
     groups = sorted(groups, key=lambda g: (g.step, g.group_id))
-    for a, b in zip(groups, groups[1:]):
+    for a, b in itertools.pairwise(groups):
         if (a.step, a.group_id) == (b.step, b.group_id):
             raise ValueError(f"group {a.group_id} of step {a.step} appears twice")
     return groups

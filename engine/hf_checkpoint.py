@@ -234,7 +234,7 @@ def weight_inventory(model: HFModel) -> WeightInventory:
     for f in files:
         nbytes += f.stat().st_size
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping: keys() but no __iter__
                 name = key[len("model."):] if key.startswith("model.") else key
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
@@ -355,7 +355,7 @@ def save_hf(path: str | Path, weights: dict[str, torch.Tensor], model: HFModel, 
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            wmap.update({k: fname for k in shard})
+            wmap.update(dict.fromkeys(shard, fname))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=2))
     cfg = dict(model.config)

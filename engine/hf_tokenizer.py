@@ -25,9 +25,10 @@ main job's model is then a real HF checkpoint with a real tokenizer.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 from tidal.engine.datasets import Prompt
 from tidal.engine.tokenizer import CharTokenizer

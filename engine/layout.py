@@ -76,7 +76,7 @@ class Layout:
         return f"tp={self.tp},dp={self.dp},devices={format_ids(self.devices)}"
 
     @staticmethod
-    def parse(text: str, field: str = "layout") -> "Layout":
+    def parse(text: str, field: str = "layout") -> Layout:
         """`"tp=2,dp=2"` (devices 0..3) or `"tp=2,dp=2,devices=4-7"`."""
         head, sep, dev = text.partition("devices=")
         kv: dict[str, int] = {}

@@ -12,7 +12,8 @@ The families differ in three switches of `ModelArgs`, each a parameter set or a 
 Tensor parallelism (see `engine/tp.py`): q/k/v and gate/up are column-parallel (heads and SwiGLU width split),
 o/down are row-parallel, the embedding and the output head are vocab-parallel; norms are replicated. A q/k/v
 bias is split with its heads (TP dim 0, as the weight's rows); the q/k norms act on one head's dim and are
-replicated, their gradients summed over the TP group (each rank normalizes only its own heads). With `tp_group=None` it is the plain single-process model, used as the reference in tests.
+replicated, their gradients summed over the TP group (each rank normalizes only its own heads). With
+`tp_group=None` it is the plain single-process model, used as the reference in tests.
 
 Shapes: B batch, T query tokens, S key tokens, H heads (local), D head dim, V vocab (local shard).
 
@@ -30,10 +31,17 @@ import torch
 from torch import nn
 
 from tidal.engine.layout import ParamSpec
+from tidal.engine.tp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _rank,
+    _size,
+    copy_to_tp,
+    gather_vocab,
+    vocab_parallel_logprobs,
+)
 from tidal.errors import LayoutError
-from tidal.engine.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _rank, _size,
-                             copy_to_tp, gather_vocab, vocab_parallel_logprobs)
-
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -90,7 +98,7 @@ class ModelArgs:
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @staticmethod
-    def from_config(model_cfg, vocab_size: int) -> "ModelArgs":
+    def from_config(model_cfg, vocab_size: int) -> ModelArgs:
         """From `tidal.config.ModelConfig`'s architecture keys (vocab from the tokenizer unless pinned). A
         config with `model.path` builds its args from the checkpoint instead (`hf_checkpoint.read_hf_config`)."""
         fields = {k: getattr(model_cfg, k) for k in ARCH_CONFIG_KEYS}

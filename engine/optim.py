@@ -60,7 +60,7 @@ class OptimConfig:
                 raise ConfigError(f"actor.{name}", getattr(self, name), f"must be {rule}", f"set actor.{name} {rule}")
 
     @staticmethod
-    def from_actor(cfg, total_iters: int) -> "OptimConfig":
+    def from_actor(cfg, total_iters: int) -> OptimConfig:
         """From `tidal.config.ActorConfig` (duck-typed) and the run's number of optimizer steps."""
         return OptimConfig(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_iters=cfg.warmup_iters,
                            total_iters=max(1, total_iters), betas=tuple(cfg.betas), eps=cfg.eps,
@@ -95,7 +95,7 @@ class ZeroShape:
 
     @staticmethod
     @lru_cache(maxsize=256)
-    def of(specs: tuple[ParamSpec, ...], tp: int, dp: int, t: int, d: int) -> "ZeroShape":
+    def of(specs: tuple[ParamSpec, ...], tp: int, dp: int, t: int, d: int) -> ZeroShape:
         lay = Layout(tp, dp, tuple(range(tp * dp)))
         p_off, p_n, owned, o_off = [], [], [], []
         p, o = 0, 0
@@ -106,7 +106,7 @@ class ZeroShape:
             p, o = p + n, o + hi - lo
         return ZeroShape(specs, tp, dp, t, d, tuple(p_off), tuple(p_n), tuple(owned), tuple(o_off), p, o)
 
-    def peer(self, d: int) -> "ZeroShape":
+    def peer(self, d: int) -> ZeroShape:
         """The shape of DP rank d of the same TP index."""
         return ZeroShape.of(self.specs, self.tp, self.dp, self.t, d)
 
@@ -146,7 +146,7 @@ class BufferPool:
         self._free.clear()
 
 
-_LIVE: "weakref.WeakSet[ShardState]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ShardState] = weakref.WeakSet()
 
 
 def live_states() -> int:
@@ -173,7 +173,7 @@ class ShardState:
 
     @staticmethod
     def allocate(shape: ZeroShape, dtype: torch.dtype, device: torch.device, pool: BufferPool,
-                 rng: torch.Generator) -> "ShardState":
+                 rng: torch.Generator) -> ShardState:
         take = pool.take
         return ShardState(shape, take(shape.param_total, dtype, device),
                           *(take(shape.opt_total, torch.float32, device) for _ in OPT_KINDS), 0, 0, rng)

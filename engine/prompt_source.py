@@ -18,8 +18,15 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
-from tidal.engine.datasets import (DataPosition, DataSpec, FilterReport, PromptLabel, PromptStream, filter_by_length,
-                                   read_records)
+from tidal.engine.datasets import (
+    DataPosition,
+    DataSpec,
+    FilterReport,
+    PromptLabel,
+    PromptStream,
+    filter_by_length,
+    read_records,
+)
 from tidal.engine.evaluation import EvalItem
 from tidal.engine.rl_tasks import Task
 

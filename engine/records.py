@@ -136,7 +136,7 @@ class RolloutGroup:
                               f"{prompt.group_size} samples)")
 
     def scored(self, old_logprobs: tuple[torch.Tensor, ...], inference_version: int,
-               ref_logprobs: tuple[torch.Tensor, ...] | None = None) -> "ScoredGroup":
+               ref_logprobs: tuple[torch.Tensor, ...] | None = None) -> ScoredGroup:
         """This group plus inference's log-probs."""
         return ScoredGroup(self.group_id, self.step, self.prompt_ids, self.response_ids, self.rollout_logprobs,
                            self.rewards, self.policy_version, self.finish_reasons,

@@ -13,7 +13,7 @@ verifier (`engine/rl_tasks.py`) looks for the literal `<eos>`, so decode respons
 Saved form (`save(dir)` writes `dir/tokenizer.json`) is the `tokenizers` library's JSON: a WordLevel model
 whose vocab is the characters, a `Split` pre-tokenizer on the regex `.` (each character is one piece), a
 `Fuse` decoder (pieces join without spaces) and the specials as `added_tokens`. A checkpoint directory
-therefore carries its tokenizer. Checked on the GPU machine (tokenizers 0.23.2, transformers 5.17):
+therefore carries its tokenizer. Checked with tokenizers 0.23.2 and transformers 5.17:
 `tokenizers.Tokenizer.from_file` and `PreTrainedTokenizerFast(tokenizer_file=...)` give the same ids and
 the same decoded text as this class (space included), and refuse an unknown character.
 `load` accepts only files of that shape where every non-special token is a single character.
@@ -25,8 +25,8 @@ larger, padded embedding is refused too, because sampling could then produce ids
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tidal.errors import TidalError
 
@@ -133,7 +133,7 @@ class CharTokenizer:
         return target
 
     @classmethod
-    def load(cls, path: str | Path) -> "CharTokenizer":
+    def load(cls, path: str | Path) -> CharTokenizer:
         """Read a `tokenizer.json` written by `save` (a directory holding one, or the file itself)."""
         path = Path(path)
         target = path / TOKENIZER_FILE if path.is_dir() else path
@@ -148,7 +148,7 @@ class CharTokenizer:
         return cls.from_json(doc, source=str(target))
 
     @classmethod
-    def from_json(cls, doc: dict, source: str = "<dict>") -> "CharTokenizer":
+    def from_json(cls, doc: dict, source: str = "<dict>") -> CharTokenizer:
         def bad(problem: str) -> TidalError:
             return TidalError("tokenizer", source, problem,
                               "use a character-level WordLevel tokenizer.json as written by CharTokenizer.save")

@@ -22,8 +22,17 @@ from __future__ import annotations
 from prefect import flow
 
 from tidal.tasks.requests import TrainingRequest
-from tidal.tasks.training import (OpenedRun, checkpoint, close_run, evaluate, finish_run, open_run, record_step,
-                                  run_step, sync_weights)
+from tidal.tasks.training import (
+    OpenedRun,
+    checkpoint,
+    close_run,
+    evaluate,
+    finish_run,
+    open_run,
+    record_step,
+    run_step,
+    sync_weights,
+)
 
 
 @flow(name="rl-step", flow_run_name="step-{step}")

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Any
 
 from tidal.errors import TidalError
+
+if TYPE_CHECKING:
+    from prefect import Flow
 
 TELEMETRY_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
                  "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -36,7 +40,8 @@ def deployments(only: tuple[str, ...] = NAMES) -> list:
     from tidal.flows.benchmark import benchmark
     from tidal.flows.policy_sweep import policy_sweep
     from tidal.flows.rl_training import rl_training
-    flows = {"rl-training": rl_training, "policy-sweep": policy_sweep, "benchmark": benchmark}
+    flows: dict[str, Flow[..., Any]] = {"rl-training": rl_training, "policy-sweep": policy_sweep,
+                                        "benchmark": benchmark}
     return [flows[n].to_deployment(name=n, tags=["tidal"], description=(flows[n].description or "").strip(),
                                    entrypoint_type=EntrypointType.MODULE_PATH) for n in only]
 

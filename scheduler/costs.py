@@ -285,8 +285,8 @@ def learn_actor_factor(samples: Sequence[tuple[int, int, float, float]], prior: 
     ratio, clipped to [lo, hi]; None with too few samples.
 
     The range is wide because the factor carries a preset to another machine: the CPU preset was measured on
-    0.125-core devices, and on the GPU machine's host (a core per device, `--intermediate 1536`) the iters took
-    0.23x of it. Clipped at 0.5 (until the ninth session) the policy priced every iter there at twice its time."""
+    0.125-core devices, and with a whole host core per device (`--intermediate 1536`) the iters take 0.23x of
+    it: a floor of 0.5 would price every iter there at twice its time."""
     return _median_ratio([t / m for tp, dp, tok, t in samples
                           if t > 0 and (m := prior.iter_time(tok, tp, dp, micro_batches)) > 0], lo, hi, min_samples)
 
@@ -334,7 +334,7 @@ def learn_moves(events: Sequence[dict], prior: "CostModel", kv: bool) -> "CostMo
     - a lend -> `lend_s`; a return -> `return_s`.
 
     The presets are orders of magnitude for one machine; a move's real price depends on the machine and its load
-    (0.04-0.07 s per migration batch on the GPU machine's host cores, 0.1-0.3 s on the dev VM at 0.125 core).
+    (0.04-0.07 s per migration batch with a whole host core per device, 0.1-0.3 s at 0.125 core per device).
     Terms with no successful action last step keep their value; None when none was measured."""
     acts = [e for e in events if e.get("kind") == "action" and e.get("ok", True) and e.get("seconds") is not None]
 

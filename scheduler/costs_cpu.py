@@ -4,7 +4,8 @@
 (benchmarks/e2e.py: 8 CPU virtual devices pinned to one core at 0.125 core each, hidden 128 x 4 layers,
 ~0.8M params, max_seq_len 64, 16 running requests per instance); docs/e2e.md gives the fit and its samples.
 
-Measurements (every one on a capped device worker, so the caps and the machine's load are those of the run):
+Measurements (every one on a capped device worker, so the caps and the machine's load are those of the run;
+the worker functions are in `tidal.workers.cost_probes`):
 
     decode step vs batch   `measure_decode` (worker): a NativeEngine with b requests running, seconds per
                            `engine.step()` for several b; `fit_decode` -> step_s + per_seq_s * b.
@@ -24,7 +25,6 @@ Model forms are those of costs.py; only the numbers differ.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -36,7 +36,7 @@ from tidal.scheduler.costs import (LEND_ACTIONS, ActorCost, CostModel, DecodeCos
 
 def cpu_e2e() -> CostModel:
     """Measured on the e2e workload as benchmarks/e2e.py runs it (8 devices pinned to one core at 0.125 core each,
-    the driver on the other; docs/e2e.md), 2026-11-30 on the shared 2-core dev VM, whose core speed drifts by
+    the driver on the other; docs/e2e.md) on a shared 2-core machine, whose core speed drifts by
     up to 5x within minutes (the online learning rescales these every step):
 
     - decode: 0.10-0.21 s per step over b in {1, 8, 16, 32, 64}, no trend in b (rows are padded to 64): 0.15 s
@@ -61,63 +61,6 @@ def cpu_e2e() -> CostModel:
         lend_s=0.1, return_s=0.05, sync_fixed_s=0.1, sync_bw=1e9,
         kv_bytes_per_token=4 * 2 * 64 * 4, kv_bw=1e9, kv_fixed_s=0.15,
     )
-
-
-# ---- measurements on a worker (called as "tidal.scheduler.costs_cpu:measure_decode") ---------------------
-def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3) -> list[tuple[int, float]]:
-    """(batch, seconds per decode step) on this device's worker: a fresh NativeEngine with the run's model
-    (random weights of the same shape), `batch` requests that cannot finish early (no stop token, a cap
-    past the steps measured), median of `steps` timed `engine.step()` calls after `warmup`."""
-    import torch
-
-    from tidal.engine.generation.engine import EngineConfig, NativeEngine
-    from tidal.engine.generation.requests import Request, SamplingParams
-    from tidal.engine.model import Transformer, init_global_weights
-    spec = ctx.state["run"]
-    torch.set_num_threads(1)
-    model = Transformer(spec.args, device=ctx.device)
-    model.load_global(init_global_weights(spec.args, 0))
-    model.eval()
-    prompt = (1,) * 9
-    cap = min(spec.args.max_seq_len - len(prompt) - 1, warmup + steps + 2)
-    out = []
-    for b in batches:
-        eng = NativeEngine(model, EngineConfig(max_running_requests=max(batches)))
-        params = SamplingParams(temperature=1.0, max_new_tokens=cap)
-        for i in range(b):
-            eng.add(Request(f"m/g{i}/i0", prompt, params, seed=i))
-        ts = []
-        for k in range(warmup + steps):
-            t0 = time.perf_counter()
-            eng.step()
-            if k >= warmup:
-                ts.append(time.perf_counter() - t0)
-        out.append((b, float(np.median(ts))))
-        eng.abort(eng.request_ids())
-    return out
-
-
-def measure_prefill(ctx, tokens: int = 32, reps: int = 5) -> float:
-    """Seconds per prompt token of a prefill on this worker (one request of `tokens` prompt tokens)."""
-    import torch
-
-    from tidal.engine.generation.engine import EngineConfig, NativeEngine
-    from tidal.engine.generation.requests import Request, SamplingParams
-    from tidal.engine.model import Transformer, init_global_weights
-    spec = ctx.state["run"]
-    torch.set_num_threads(1)
-    model = Transformer(spec.args, device=ctx.device)
-    model.load_global(init_global_weights(spec.args, 0))
-    model.eval()
-    tokens = min(tokens, spec.args.max_seq_len - 2)
-    ts = []
-    for k in range(reps):
-        eng = NativeEngine(model, EngineConfig(max_running_requests=1))
-        eng.add(Request(f"p/g{k}/i0", (1,) * tokens, SamplingParams(max_new_tokens=1), seed=k))
-        t0 = time.perf_counter()
-        eng.admit()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / tokens
 
 
 # ---- samples from a run's records ------------------------------------------------------------------------

@@ -86,14 +86,8 @@ def _pre_process(p: PolicyParams, sig: Signals) -> list[Action]:
 def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
     p = state.params
     if sig.trigger == "start":
-        if not p.use_pre_process_policy:
-            return []
-        devs = sig.actor.layout.devices
-        ids = tuple(devs[k] for k in range(0, len(devs) - len(devs) % p.rollout_tp, p.rollout_tp))
-        return [LendToRollout("pre-process: the actor's devices run rollout until the step's work thins out",
-                              devices=devs[:len(ids) * p.rollout_tp], instance_ids=ids)]
-    cols = sig.cols
-    if cols.lent.any():  # polled every pre_process_check_s (the "tick" trigger) only
+        return _lend_at_start(p, sig)
+    if sig.cols.lent.any():  # polled every pre_process_check_s (the "tick" trigger) only
         return _pre_process(p, sig) if sig.trigger == "tick" else [Wait("pre-process: between polls")]
     if not sig.actor.at_boundary or not (sig.trigger == "boundary" or sig.actor.held):
         return []  # RLinf decides only when an iter finishes (or re-asks while holding the actor)
@@ -105,60 +99,85 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
             return [ReshardActor("step end: actor returns to its initial layout", layout, p.initial_layout)]
         return []
 
-    acts: list[Action] = []
-    free = len(sig.devices.free)
-    holding = False
+    # RLinf's visit order (rollout, inference, actor) with a running count of free devices
     last_wait = p.use_wait_before_last_iter_policy and k == n - 1
     sizes = p.rlinf_sizes()
+    acts, free, holding = _visit_rollout(p, sig, sizes, last_wait)
+    inf_acts, freed, holding = _visit_inference(sig, last_wait, holding)
+    acts += inf_acts
+    free += freed
+    if not holding:
+        acts += _visit_actor(sig, sizes, free, acts)
+    return acts
+
+
+def _lend_at_start(p: PolicyParams, sig: Signals) -> list[Action]:
+    """Step start (pre-process policy): the actor's devices run rollout instances."""
+    if not p.use_pre_process_policy:
+        return []
+    devs = sig.actor.layout.devices
+    ids = tuple(devs[k] for k in range(0, len(devs) - len(devs) % p.rollout_tp, p.rollout_tp))
+    return [LendToRollout("pre-process: the actor's devices run rollout until the step's work thins out",
+                          devices=devs[:len(ids) * p.rollout_tp], instance_ids=ids)]
+
+
+def _visit_rollout(p: PolicyParams, sig: Signals, sizes: tuple[int, ...],
+                   last_wait: bool) -> tuple[list[Action], int, bool]:
+    """1. rollout: release every instance once it is done, or (count based) the lowest ids that the largest
+    valid actor size can absorb; (actions, free devices after, whether the actor is held)."""
+    cols = sig.cols
+    layout = sig.actor.layout
+    acts: list[Action] = []
+    free = len(sig.devices.free)
     live = np.argsort(cols.id, kind="stable")   # positions in id order
+    if not live.size:
+        return acts, free, False
+    running = sig.running
+    if running == 0:
+        acts.append(ReleaseRollout("rollout finished: running_tasks == 0", tuple(cols.id[live].tolist()),
+                                   sig.devices_of_many(live.tolist())))
+        free += int(cols.n_devices.sum())
+    elif last_wait:
+        acts.append(Wait(f"wait before last iter: {running} tasks still running"))
+        return acts, free, True
+    else:
+        needed = math.ceil(running / p.max_running_requests)
+        may_go = live.size - needed
+        target = _largest_size(sizes, layout.size, free + may_go * p.rollout_tp)
+        go = max(0, math.ceil((target - layout.size - free) / p.rollout_tp)) if target > layout.size else 0
+        if go:
+            gone, survivors = live[:go], live[go:]
+            why = (f"running {running} fits in {needed} of {live.size} instances; actor size {target} "
+                   f"absorbs {go} (lowest ids first)")
+            moves = spread(cols.id[gone].tolist(), cols.groups_unfinished[gone].tolist(),
+                           cols.id[survivors].tolist(), why)
+            acts += moves
+            acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), sig.devices_of_many(gone.tolist()),
+                                       migrate_to=tuple(sorted({m.dst for m in moves}))))
+            free += go * p.rollout_tp
+    return acts, free, False
 
-    def devs(idx: np.ndarray) -> tuple[int, ...]:
-        return sig.devices_of_many(idx.tolist())
 
-    # 1. rollout
-    if live.size:
-        running = sig.running
-        if running == 0:
-            acts.append(ReleaseRollout("rollout finished: running_tasks == 0", tuple(cols.id[live].tolist()),
-                                       devs(live)))
-            free += int(cols.n_devices.sum())
-        elif last_wait:
-            acts.append(Wait(f"wait before last iter: {running} tasks still running"))
-            holding = True
-        else:
-            needed = math.ceil(running / p.max_running_requests)
-            may_go = live.size - needed
-            target = _largest_size(sizes, layout.size, free + may_go * p.rollout_tp)
-            go = max(0, math.ceil((target - layout.size - free) / p.rollout_tp)) if target > layout.size else 0
-            if go:
-                gone, survivors = live[:go], live[go:]
-                why = (f"running {running} fits in {needed} of {live.size} instances; actor size {target} "
-                       f"absorbs {go} (lowest ids first)")
-                moves = spread(cols.id[gone].tolist(), cols.groups_unfinished[gone].tolist(),
-                               cols.id[survivors].tolist(), why)
-                acts += moves
-                acts.append(ReleaseRollout(why, tuple(cols.id[gone].tolist()), devs(gone),
-                                           migrate_to=tuple(sorted({m.dst for m in moves}))))
-                free += go * p.rollout_tp
-
-    # 2. inference
+def _visit_inference(sig: Signals, last_wait: bool, holding: bool) -> tuple[list[Action], int, bool]:
+    """2. inference: released only all at once when done; (actions, devices freed, whether the actor is held)."""
     inf = sig.inference
     if inf.devices:
         if inf.done:
-            acts.append(ReleaseInference("inference finished", inf.devices))
-            free += len(inf.devices)
-        elif last_wait and not holding:
-            acts.append(Wait("wait before last iter: inference not finished"))
-            holding = True
+            return [ReleaseInference("inference finished", inf.devices)], len(inf.devices), holding
+        if last_wait and not holding:
+            return [Wait("wait before last iter: inference not finished")], 0, True
+    return [], 0, holding
 
-    # 3. actor
-    if not holding:
-        target = _largest_size(sizes, layout.size, free)
-        if target > layout.size:
-            released = [d for a in acts if isinstance(a, (ReleaseRollout, ReleaseInference)) for d in a.devices]
-            pool = sorted(set(sig.devices.free) | set(released))
-            new = tuple(sorted(layout.devices + tuple(pool[:target - layout.size])))
-            acts.append(ReshardActor(f"largest valid size with {free} free devices is {target}",
-                                     layout, ActorLayout(layout.tp, target // layout.tp, new)))
-    return acts
 
+def _visit_actor(sig: Signals, sizes: tuple[int, ...], free: int, acts: list[Action]) -> list[Action]:
+    """3. actor: grow to the largest valid size the `free` devices reach, onto the lowest ids among the free
+    ones and those `acts` release."""
+    layout = sig.actor.layout
+    target = _largest_size(sizes, layout.size, free)
+    if target <= layout.size:
+        return []
+    released = [d for a in acts if isinstance(a, (ReleaseRollout, ReleaseInference)) for d in a.devices]
+    pool = sorted(set(sig.devices.free) | set(released))
+    new = tuple(sorted(layout.devices + tuple(pool[:target - layout.size])))
+    return [ReshardActor(f"largest valid size with {free} free devices is {target}",
+                         layout, ActorLayout(layout.tp, target // layout.tp, new))]

@@ -33,9 +33,8 @@ Step start: the actor has nothing to train until its first mini-batch is scored;
 rollout when the predicted rollout time they save exceeds lend + return + migration (cost model, not a
 fixed threshold), and takes them back when that mini-batch is generated (`scheduler.return_on_generated`, on: the
 moves run while its last groups are scored; off: once it is scored). At that moment it may also release
-instances and grow the actor (`scheduler.grow_on_return`, on). The fifth session turned this off on the
-simulator's then any-order readiness (CPU e2e workload 17.6 -> 16.6 s/step); on the corrected simulator on is
-better in every case (RLinf's example 184.6 -> 169.9 s, this CPU workload 19.04 -> 18.88 s; docs/e2e.md).
+instances and grow the actor (`scheduler.grow_on_return`, on: in the simulator it shortens RLinf's example
+from 184.6 to 169.9 s per step and the CPU e2e workload from 19.04 to 18.88 s).
 Between boundaries (an instance drained, the actor trains) it rebalances: the most loaded instance hands groups
 to the least loaded when the predicted cut of its remaining time exceeds the migration cost (RLinf never moves
 work between survivors).
@@ -60,9 +59,9 @@ from tidal.scheduler.state import SchedState
 
 # A move must beat doing nothing by `margin(state, base)` predicted seconds on top of its modelled cost: the churn
 # guard, `scheduler.margin_s` + `scheduler.margin_frac` x the predicted time the move improves on. Relative, because
-# the model's error grows with what it predicts: the eighth session's simulations with costs fitted on the GPU
-# machine's host (4 s steps) lost 1.25x -> 1.16x static to the old absolute 0.1 s, while RLinf's example (300 s
-# steps) and this CPU workload on the dev VM read the same with (0, 0.01) as with (0.1, 0) (docs/scheduler.md).
+# the model's error grows with what it predicts: an absolute 0.1 s costs the simulated 4 s steps of the CPU e2e
+# workload (costs fitted with a host core per device) 1.25x -> 1.16x static, while RLinf's example (300 s steps)
+# reads the same with (0, 0.01) as with (0.1, 0) (docs/scheduler.md).
 
 #: instances whose predicted remaining times differ by less than this are equally loaded (release: lowest id first)
 TIE_S = 1.0
@@ -137,9 +136,9 @@ def _timeline(state: SchedState, sig: Signals) -> Timeline:
     """Per remaining iter j, when its mini-batch is generated as a fraction of the rollout time left, from the
     learned readiness curve: how far the rollout is (`f_now`) is the larger of the curve at the generated id
     prefix and the fraction of the step's tokens generated. The prefix alone stalls while one early group runs
-    its tail: on the GPU machine's host, with half the step generated and group 0 still running, the policy
-    read the rollout as not started, put the first mini-batch ~1.5 s away (it came 0.36 s later) and lent the
-    actor's devices for it (ninth session). Computed once per decision."""
+    its tail: with half the step generated and group 0 still running, the prefix reads the rollout as not
+    started and puts the first mini-batch ~1.5 s away when it is 0.36 s away (CPU e2e workload, a host core per
+    device). Computed once per decision."""
     p, c = state.params, state.costs
     mean = state.mean_response_tokens or 1.0
     seq_tokens = state.prompt_tokens + mean
@@ -434,17 +433,71 @@ def _return_inference(state: SchedState, sig: Signals) -> list[Action]:
     return acts
 
 
+class _Candidate(NamedTuple):
+    """One plan of `_plan`: its predicted end of step, what it does (j > 0: release the j least-loaded
+    instances; j < 0: lend or start -j new instances on actor devices; 0: nothing) and the actor's size."""
+
+    end: float
+    j: int
+    size: int
+
+
+class _PlanInputs(NamedTuple):
+    """What every candidate of one `_plan` decision reads (`_plan_inputs`); positions index `sig.cols`."""
+
+    layout: ActorLayout
+    free: list[int]             #: free device ids (inference's among them once it is released)
+    srem: np.ndarray            #: predicted seconds each instance needs (`inst_seconds`)
+    live: np.ndarray            #: positions of the instances not lent
+    lent_idx: np.ndarray        #: positions of the lent instances
+    order: np.ndarray           #: live positions, least loaded first
+    n: int                      #: live instances
+    top: int                    #: tidal sizes: every multiple of tp up to top
+    full: int                   #: actor size on every device
+    remaining: float            #: tokens left to generate
+    running: int                #: sequences running
+    tail: float                 #: tokens of the longest remaining sequence
+    moved_prefix: np.ndarray    #: [j]: tokens (prompt + generated) the first j instances of `order` hold
+    dev_prefix: np.ndarray      #: [j]: devices of the first j instances of `order`
+    lent_moved: float           #: tokens the lent instances hold
+    slowest: float              #: predicted seconds of the most loaded live instance
+    extra: float                #: what delays the actor before any move (the return, when `returning`)
+    tl: Timeline
+
+
+def _fit(n_dev: int, tp: int, top: int) -> int:
+    """The largest tidal actor size on `n_dev` devices (at least tp)."""
+    return max(tp, min(top, n_dev // tp * tp))
+
+
 def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     """An actor boundary (or, `returning`, its lent devices come back): pick the best grow/shrink candidate."""
+    acts, free = _release_done_inference(sig)
+    x = _plan_inputs(state, sig, returning, free)
+    base = _predict_end(state, sig, x.remaining, x.tail, x.n, x.slowest, x.lent_moved, x.layout.size, x.full,
+                        x.extra, timeline=x.tl)
+    guard = margin(state, base)
+    best = _best_grow(state, sig, x, returning, _Candidate(base, 0, x.layout.size), guard)
+    best = _best_shrink(state, sig, x, returning, best, guard)
+    moves, free = _return_and_release(state, sig, x, returning, best, base)
+    return acts + moves + _resize_actor(state, sig, x, returning, best, base, free)
+
+
+def _release_done_inference(sig: Signals) -> tuple[list[Action], list[int]]:
+    """Release inference's devices once it has scored every group of the step; the free devices after."""
+    free = sorted(sig.devices.free)
+    if sig.inference.done and sig.inference.devices:
+        return ([ReleaseInference("inference scored every group of the step", sig.inference.devices)],
+                sorted(free + list(sig.inference.devices)))
+    return [], free
+
+
+def _plan_inputs(state: SchedState, sig: Signals, returning: bool, free: list[int]) -> _PlanInputs:
+    """The loads, sizes and prefix sums every candidate of the decision shares."""
     p, c = state.params, state.costs
     layout = sig.actor.layout
     tp = layout.tp
     cols = sig.cols
-    acts: list[Action] = []
-    free = sorted(sig.devices.free)
-    if sig.inference.done and sig.inference.devices:
-        acts.append(ReleaseInference("inference scored every group of the step", sig.inference.devices))
-        free = sorted(free + list(sig.inference.devices))
     srem = inst_seconds(state, cols)
     lent = cols.lent
     live = np.flatnonzero(~lent)
@@ -458,11 +511,6 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     all_dev = layout.size + len(free) + int(cols.n_devices[live].sum())
     if not sig.inference.done:
         all_dev += len(sig.inference.devices)
-
-    def fit(n_dev: int) -> int:
-        return max(tp, min(top, n_dev // tp * tp))
-
-    full = fit(all_dev)
     remaining = float(cols.est_remaining_tokens.sum())
     running = int(cols.running.sum())
     tail = sig.tail_tokens if cols.running.size else 0.0
@@ -475,74 +523,106 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
     lent_moved = float(tok[lent_idx].sum())
     slowest = float(srem[order[-1]]) if n else 0.0
     extra = c.return_s if returning else 0.0
+    return _PlanInputs(layout, free, srem, live, lent_idx, order, n, top, _fit(all_dev, tp, top), remaining,
+                       running, tail, moved_prefix, dev_prefix, lent_moved, slowest, extra, _timeline(state, sig))
 
-    # grow candidates: j least-loaded instances go (j on a doubling grid, plus "all drained", plus all)
-    drained = int(np.count_nonzero(cols.running[order] == 0))
+
+def _grow_counts(state: SchedState, sig: Signals, x: _PlanInputs) -> list[int]:
+    """Grow candidates: j least-loaded instances go (j on a doubling grid, plus "all drained", plus all)."""
+    n = x.n
+    drained = int(np.count_nonzero(sig.cols.running[x.order] == 0))
     js = {0, drained, n}
     j = 1
     while j < n:
         js.add(j)
         j *= 2
-    if 0 < running <= p.max_running_requests:   # what is left fits one instance's slots: keep one, free the rest
+    # what is left fits one instance's slots: keep one, free the rest
+    if 0 < x.running <= state.params.max_running_requests:
         js.add(n - 1)
-    tl = _timeline(state, sig)
-    base = _predict_end(state, sig, remaining, tail, n, slowest, lent_moved, layout.size, full, extra, timeline=tl)
-    best = (base, 0, layout.size)
-    guard = margin(state, base)
+    return sorted(js)
+
+
+def _best_grow(state: SchedState, sig: Signals, x: _PlanInputs, returning: bool, best: _Candidate,
+               guard: float) -> _Candidate:
+    """`best` or a grow candidate beating it by `guard`: release the j least-loaded instances, migrate their
+    groups to the survivors, and grow the actor onto their devices (and the free ones)."""
+    p, c = state.params, state.costs
+    layout, n, tl = x.layout, x.n, x.tl
     # when the instances left after a release cannot hold the next mini-batch's unfinished sequences
     # (`Timeline.first_unfinished`) in their slots, the rest waits for slots, about one more longest sequence.
-    # Without this, on the GPU machine's host, tidal released instances at step start while the first mini-batch
-    # (the first wave, exactly every slot) ran, and it came ~0.7 s later (ninth session)
-    wave_s = c.decode.step_s * tail * state.rollout_time_factor
-    for j in sorted(js):
-        if not j or (j == n and running) or (returning and not p.grow_on_return):
+    # Without this term a release at step start, while the first mini-batch (the first wave, exactly every
+    # slot) runs, delays that mini-batch by ~0.7 s on the CPU e2e workload
+    wave_s = c.decode.step_s * x.tail * state.rollout_time_factor
+    for j in _grow_counts(state, sig, x):
+        if not j or (j == n and x.running) or (returning and not p.grow_on_return):
             continue
-        size = fit(layout.size + len(free) + int(dev_prefix[j]))
+        size = _fit(layout.size + len(x.free) + int(x.dev_prefix[j]), layout.tp, x.top)
         if size <= layout.size:
             continue
-        cost = extra + c.rollout_release_s
+        cost = x.extra + c.rollout_release_s
         late = wave_s if tl.first_unfinished > (n - j) * p.max_running_requests else 0.0
-        end = _predict_end(state, sig, remaining, tail, n - j, slowest, lent_moved + moved_prefix[j], size,
-                           full, cost, timeline=tl, first_delay=late)
-        if end + guard < best[0]:
-            best = (end, j, size)
-    # shrink candidates (mid-step lending): only while the actor waits for data and rollout has work
+        end = _predict_end(state, sig, x.remaining, x.tail, n - j, x.slowest, x.lent_moved + x.moved_prefix[j],
+                           size, x.full, cost, timeline=tl, first_delay=late)
+        if end + guard < best.end:
+            best = _Candidate(end, j, size)
+    return best
+
+
+def _best_shrink(state: SchedState, sig: Signals, x: _PlanInputs, returning: bool, best: _Candidate,
+                 guard: float) -> _Candidate:
+    """`best` or a shrink candidate (mid-step lending) beating it by `guard`: only while the actor waits for
+    data and rollout has work."""
+    p, c = state.params, state.costs
+    layout = x.layout
+    tp = layout.tp
+    n = x.n
     need = (sig.actor.iters_done + 1) * p.groups_per_iter
     # a lend speeds up generation: once the mini-batch is generated the actor waits only for its scores, and a
     # lend would come back at once (on the host e2e run, lent 1.117 s into a step, back 0.1 s later, after the
     # actor had taken its devices back on the mini-batch's generation: 0.2 s of moves for nothing)
     waiting = sig.groups_generated < need and not returning
-    if p.lend_actor and waiting and running and n and p.rollout_tp <= layout.size:
-        # a lend speeds up only what the lent instances generate until the next mini-batch is scored, and not
-        # that mini-batch once its sequences all run (`_predict_end`). Priced as if the lent instances sped up the
-        # whole rollout (before the ninth session), tidal lent the actor's devices at every step's first boundary
-        # on the GPU machine's host, and the first mini-batch came 0.09-0.60 s *later* than static's (1.21-1.53 s
-        # vs 0.93-1.17 s): it is the first wave there, and the moves stalled its instances
-        for size in sorted({0, layout.size // 2 // tp * tp}):
-            if size >= layout.size:
-                continue
-            new = (layout.size - size) // p.rollout_tp
-            # the new instances are filled by one migration wave (every instance in it pauses); lent ones hand
-            # what they hold back when the mini-batch is scored (another wave, before the actor can start)
-            cost = c.lend_s + (c.reshard.grow_time(layout.size, size, tp) if size else 0.0)
-            back_s = 0.0 if size else held_cost(state, running, new, n + new)
-            end = _predict_end(state, sig, remaining, tail, n + new, slowest, 0.0, size or layout.size, full,
-                               cost, lent_until_ready=not size, timeline=tl, back_inst=n,
-                               pause_s=move_cost(state, 0.0), return_moves_s=back_s)
-            if end + guard < best[0]:
-                best = (end, -new, size)
+    if not (p.lend_actor and waiting and x.running and n and p.rollout_tp <= layout.size):
+        return best
+    # a lend speeds up only what the lent instances generate until the next mini-batch is scored, and not
+    # that mini-batch once its sequences all run (`_predict_end`). Priced as if the lent instances sped up the
+    # whole rollout, a lend at every step's first boundary makes the first mini-batch 0.09-0.60 s *later* than
+    # static's on the CPU e2e workload (1.21-1.53 s vs 0.93-1.17 s): it is the first wave there, and the moves
+    # stall its instances
+    for size in sorted({0, layout.size // 2 // tp * tp}):
+        if size >= layout.size:
+            continue
+        new = (layout.size - size) // p.rollout_tp
+        # the new instances are filled by one migration wave (every instance in it pauses); lent ones hand
+        # what they hold back when the mini-batch is scored (another wave, before the actor can start)
+        cost = c.lend_s + (c.reshard.grow_time(layout.size, size, tp) if size else 0.0)
+        back_s = 0.0 if size else held_cost(state, x.running, new, n + new)
+        end = _predict_end(state, sig, x.remaining, x.tail, n + new, x.slowest, 0.0, size or layout.size, x.full,
+                           cost, lent_until_ready=not size, timeline=x.tl, back_inst=n,
+                           pause_s=move_cost(state, 0.0), return_moves_s=back_s)
+        if end + guard < best.end:
+            best = _Candidate(end, -new, size)
+    return best
+
+
+def _return_and_release(state: SchedState, sig: Signals, x: _PlanInputs, returning: bool, best: _Candidate,
+                        base: float) -> tuple[list[Action], list[int]]:
+    """The lent instances' return (`returning`) and the release `best` chose, with their migrations; the free
+    devices after the release."""
+    cols = sig.cols
     end, j, size = best
+    free = x.free
+    acts: list[Action] = []
     back = []
     if returning:
         why = "the actor's first mini-batch is scored: lent devices go back"
-        back = _spread(state, why, cols, lent_idx, order[j:], srem)
-        ret = ReturnFromRollout(why, tuple(cols.id[lent_idx].tolist()), sig.devices_of_many(lent_idx.tolist()),
+        back = _spread(state, why, cols, x.lent_idx, x.order[j:], x.srem)
+        ret = ReturnFromRollout(why, tuple(cols.id[x.lent_idx].tolist()), sig.devices_of_many(x.lent_idx.tolist()),
                                 migrate_to=_dsts(back))
     if j > 0:
-        gone, survivors = order[:j], order[j:]
+        gone, survivors = x.order[:j], x.order[j:]
         why = (f"release the {j} least-loaded instances (predicted step end {end:.1f}s from now vs "
                f"{base:.1f}s); actor to {size} devices")
-        moves = _spread(state, why, cols, gone, survivors, srem)
+        moves = _spread(state, why, cols, gone, survivors, x.srem)
         released = sig.devices_of_many(gone.tolist())
         rel = ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves))
         free = sorted(free + list(released))
@@ -553,26 +633,46 @@ def _plan(state: SchedState, sig: Signals, returning: bool) -> list[Action]:
             acts += back + ([ret] if returning else []) + moves + [rel]
     elif returning:
         acts += back + [ret]
-    if size > layout.size:
+    return acts, free
+
+
+def _resize_actor(state: SchedState, sig: Signals, x: _PlanInputs, returning: bool, best: _Candidate,
+                  base: float, free: list[int]) -> list[Action]:
+    """The actor's side of `best`: grow onto the lowest free ids, give devices to rollout, or (nothing chosen
+    at a boundary) rebalance the rollout."""
+    layout = x.layout
+    if best.size > layout.size:
         mine = set(layout.devices)
         pool = [d for d in free if d not in mine]
-        acts.append(ReshardActor(f"predicted gain over the remaining iters exceeds reshard cost; dp "
-                                 f"{layout.dp} -> {size // tp}", layout, _layout_for(layout, pool, size)))
-    elif j < 0:
-        leaving = tuple(sorted(layout.devices)[size:])
-        leaving = leaving[:len(leaving) // p.rollout_tp * p.rollout_tp]
-        new_ids = [leaving[k] for k in range(0, len(leaving), p.rollout_tp)]
-        why = (f"actor waits for mini-batch {sig.actor.iters_done} while rollout is throughput-bound: "
-               f"{len(leaving)} devices to rollout (predicted step end {end:.1f}s vs {base:.1f}s)")
-        if size:
-            keep = tuple(sorted(layout.devices)[:size])
-            acts.append(ReshardActor(why, layout, ActorLayout(tp, size // tp, keep)))
-            acts.append(StartRollout(why, leaving, tuple(new_ids)))
-        else:
-            acts.append(LendToRollout(why, leaving, tuple(new_ids)))
-        acts += _fill(state, why, cols, live, new_ids)
-    elif not returning and j == 0:
-        acts += _rebalance(state, sig, ~lent)
+        return [ReshardActor(f"predicted gain over the remaining iters exceeds reshard cost; dp "
+                             f"{layout.dp} -> {best.size // layout.tp}", layout, _layout_for(layout, pool, best.size))]
+    if best.j < 0:
+        return _give_to_rollout(state, sig, x, best, base)
+    if not returning and best.j == 0:
+        return _rebalance(state, sig, ~sig.cols.lent)
+    return []
+
+
+def _give_to_rollout(state: SchedState, sig: Signals, x: _PlanInputs, best: _Candidate,
+                     base: float) -> list[Action]:
+    """The actor keeps `best.size` devices (0: lends them all until the mini-batch is scored); the rest start
+    rollout instances, filled from the most loaded live ones."""
+    p = state.params
+    layout, tp = x.layout, x.layout.tp
+    end, size = best.end, best.size
+    leaving = tuple(sorted(layout.devices)[size:])
+    leaving = leaving[:len(leaving) // p.rollout_tp * p.rollout_tp]
+    new_ids = [leaving[k] for k in range(0, len(leaving), p.rollout_tp)]
+    why = (f"actor waits for mini-batch {sig.actor.iters_done} while rollout is throughput-bound: "
+           f"{len(leaving)} devices to rollout (predicted step end {end:.1f}s vs {base:.1f}s)")
+    acts: list[Action] = []
+    if size:
+        keep = tuple(sorted(layout.devices)[:size])
+        acts.append(ReshardActor(why, layout, ActorLayout(tp, size // tp, keep)))
+        acts.append(StartRollout(why, leaving, tuple(new_ids)))
+    else:
+        acts.append(LendToRollout(why, leaving, tuple(new_ids)))
+    acts += _fill(state, why, sig.cols, x.live, new_ids)
     return acts
 
 
@@ -592,8 +692,8 @@ def decide(state: SchedState, sig: Signals, now: float) -> list[Action]:
     if sig.actor.lent_out:
         need = (sig.actor.iters_done + 1) * p.groups_per_iter
         # back once the mini-batch is generated, not scored: the moves (return, releases, reshard) run while its
-        # last groups are scored. Waiting for the scores put them in series: on the GPU machine's host iter 0
-        # started 0.12 s after its mini-batch was scored, 0.25 s after static's (eleventh session)
+        # last groups are scored. Waiting for the scores puts them in series: iter 0 then starts 0.12 s after
+        # its mini-batch is scored, 0.25 s after static's (CPU e2e workload)
         if (p.return_on_generated and sig.groups_generated >= need) or sig.inference.groups_finished >= need \
                 or sig.running == 0:
             return _plan(state, sig, returning=True)

@@ -187,13 +187,30 @@ def _seg_order(values: np.ndarray, seg: np.ndarray) -> np.ndarray:
 
 
 def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost) -> list[Epoch]:
-    """Epochs for many instances in one vectorised pass (see the module docstring)."""
+    """Epochs for many instances in one vectorised pass (see the module docstring): each step fills one family
+    of the `_Batch`'s packed columns."""
     k = len(works)
     ns = np.array([len(w) for w in works], dtype=np.int64)
-    total = int(ns.sum())
-    if total == 0:
+    if int(ns.sum()) == 0:
         bt = _Batch.empty(list(t0s))
         return [Epoch(bt, i, [], []) for i in range(k)]
+    bt = _Batch()
+    ii, j = _pack_sequences(bt, works, t0s, ns)
+    tot, tinst = _lay_lanes(bt, ii, j, slots)
+    bi = _breakpoints(bt, tot, tinst, decode)
+    _finish_and_start_order(bt, ii, j)
+    gwall_l, gid_l = _group_ends(bt, ii, bi)
+    go = bt.gstart_o.tolist()
+    ge = (bt.gstart_o + bt.G).tolist()
+    return [Epoch(bt, i, gwall_l[go[i]:ge[i]], gid_l[go[i]:ge[i]]) for i in range(k)]
+
+
+def _pack_sequences(bt: _Batch, works: list[Work], t0s: list[float],
+                    ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pack the works end to end into `bt` (k, t0, ns, starts, gid, rem, prog, prog_total); return, per
+    sequence, its instance `ii` and its position `j` in that instance's work."""
+    k = len(works)
+    total = int(ns.sum())
     t0 = np.asarray(t0s, dtype=np.float64)
     gid = np.concatenate([w.gid for w in works]).astype(np.int64, copy=False)
     rem = np.concatenate([w.rem for w in works]).astype(np.float64, copy=False)
@@ -201,6 +218,17 @@ def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost)
     ii = np.repeat(np.arange(k), ns)
     starts = _seg_starts(ns)
     j = np.arange(total) - starts[ii]
+    bt.k, bt.t0, bt.ns, bt.starts, bt.gid, bt.rem, bt.prog = k, t0, ns, starts, gid, rem, prog
+    pc = np.concatenate([[0.0], np.cumsum(prog)])
+    bt.prog_total = pc[starts + ns] - pc[starts]
+    return ii, j
+
+
+def _lay_lanes(bt: _Batch, ii: np.ndarray, j: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fill `bt.F`, `bt.S` (finish/start token clock per sequence); return each lane's total and its instance,
+    lanes in (instance, lane) order."""
+    rem = bt.rem
+    total = rem.size
     # lanes: sequence j on lane j mod M, after that lane's earlier sequences (segmented cumsum)
     lane_key = ii * slots + j % slots
     order = np.argsort(lane_key, kind="stable")
@@ -215,13 +243,17 @@ def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost)
     f_lane = c - (c - r)[seg0][seg]
     F = np.empty(total)
     F[order] = f_lane
-    S = F - rem
-    # lane totals sorted within each instance -> breakpoints of wall(T)
+    bt.F, bt.S = F, F - rem
     last = np.empty(seg0.size, dtype=np.int64)
     last[:-1] = seg0[1:] - 1
     last[-1] = total - 1
-    tot = f_lane[last]
-    tinst = lk[seg0] // slots
+    return f_lane[last], lk[seg0] // slots
+
+
+def _breakpoints(bt: _Batch, tot: np.ndarray, tinst: np.ndarray, decode: DecodeCost) -> np.ndarray:
+    """Lane totals sorted within each instance -> breakpoints of wall(T): fill `bt` (B, bstart, tb, wb, sums,
+    busy); return each breakpoint's instance."""
+    k = bt.k
     o = _seg_order(tot, tinst)
     tot, tinst = tot[o], tinst[o]
     L = np.bincount(tinst, minlength=k)
@@ -239,8 +271,15 @@ def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost)
     sums[pos] = sum_at
     bi = np.repeat(np.arange(k), B)
     busy = L[bi] - (np.arange(tb.size) - bstart[bi])
-    wb = t0[bi] + decode.step_s * tb + decode.per_seq_s * sums
-    # finish order (done prefix sums) and start order, per instance
+    wb = bt.t0[bi] + decode.step_s * tb + decode.per_seq_s * sums
+    bt.B, bt.bstart, bt.tb, bt.wb, bt.sums, bt.busy = B, bstart, tb, wb, sums, busy
+    return bi
+
+
+def _finish_and_start_order(bt: _Batch, ii: np.ndarray, j: np.ndarray) -> None:
+    """Finish order (done prefix sums) and start order, per instance: fill `bt` (f_sorted, D, dstart,
+    done_len, done_prog, s_sorted)."""
+    F, S, rem, prog, ns, starts = bt.F, bt.S, bt.rem, bt.prog, bt.ns, bt.starts
     of = _seg_order(F, ii)
     f_sorted = F[of]
     D = ns + 1
@@ -251,6 +290,15 @@ def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost)
     done_len[dpos] = cl - (cl - rem[of])[starts[ii]]
     done_prog[dpos] = cp - (cp - prog[of])[starts[ii]]
     s_sorted = S[_seg_order(S, ii)]
+    bt.f_sorted, bt.s_sorted = f_sorted, s_sorted
+    bt.D, bt.dstart, bt.done_len, bt.done_prog = D, dstart, done_len, done_prog
+
+
+def _group_ends(bt: _Batch, ii: np.ndarray, bi: np.ndarray) -> tuple[list[float], list[int]]:
+    """Fill `bt`'s group columns (G, gstart_o, gwall, gst_sorted, gids); return the group ends (wall clock)
+    and ids in wall order as Python lists (the event loop reads them)."""
+    k = bt.k
+    gid, F, S, tb, wb, bstart, B = bt.gid, bt.F, bt.S, bt.tb, bt.wb, bt.bstart, bt.B
     # groups (a group lives on one instance): end = max F, start = min S; end on the wall clock by interpolation
     ug, ginv = np.unique(gid, return_inverse=True)
     gend = np.full(ug.size, -1.0)
@@ -267,22 +315,12 @@ def lay_out(works: list[Work], t0s: list[float], slots: int, decode: DecodeCost)
     gwall = wb[idx] + frac * (wb[idx + 1] - wb[idx])
     og = _seg_order(gwall, ginst)
     gwall_s = gwall[og]
-    gwall_l, gid_l = gwall_s.tolist(), ug[og].tolist()
+    gids = ug[og]
     G = np.bincount(ginst, minlength=k)
     gstart_o = _seg_starts(G)
     gst_sorted = gst[_seg_order(gst, ginst)]
-    bt = _Batch()
-    bt.k, bt.t0, bt.ns, bt.starts, bt.gid, bt.rem, bt.prog = k, t0, ns, starts, gid, rem, prog
-    bt.F, bt.S, bt.f_sorted, bt.s_sorted = F, S, f_sorted, s_sorted
-    bt.B, bt.bstart, bt.tb, bt.wb, bt.sums, bt.busy = B, bstart, tb, wb, sums, busy
-    bt.D, bt.dstart, bt.done_len, bt.done_prog = D, dstart, done_len, done_prog
-    bt.G, bt.gstart_o, bt.gwall, bt.gst_sorted = G, gstart_o, gwall_s, gst_sorted
-    bt.gids = ug[og]
-    pc = np.concatenate([[0.0], np.cumsum(prog)])
-    bt.prog_total = pc[starts + ns] - pc[starts]
-    go = gstart_o.tolist()
-    ge = (gstart_o + G).tolist()
-    return [Epoch(bt, i, gwall_l[go[i]:ge[i]], gid_l[go[i]:ge[i]]) for i in range(k)]
+    bt.G, bt.gstart_o, bt.gwall, bt.gst_sorted, bt.gids = G, gstart_o, gwall_s, gst_sorted, gids
+    return gwall_s.tolist(), gids.tolist()
 
 
 _EMPTY = Epoch.empty(0.0)   # shared placeholder of a new instance (never mutated)

@@ -24,10 +24,9 @@ The actor's first mini-batch scored while its devices are lent ("data_ready"). W
 the signal says so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through
 a `tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
 Migration cost lands on the receiving instance's epoch start: re-prefill (`CostModel.migration_time`; several
-arrivals in one decision add up), or a KV-cache copy when the action says `kv`: the reconciler runs a decision's
-KV moves as waves of one call per device and phase, so every instance a wave touches, source or target, pauses
-once for `kv_fixed_s` and a target adds the bytes of each arrival (measured on the GPU machine's host: a wave of
-1 move took 0.027 s, of 10 moves 0.11 s, before the calls were batched per device).
+arrivals in one decision add up), or a KV-cache copy when the action says `kv`: the real actuator runs a
+decision's KV moves as waves of one call per device and phase, so every instance a wave touches, source or
+target, pauses once for `kv_fixed_s` and a target adds the bytes of each arrival.
 
 What the producer learns for the policy (`SchedState`), as a real service would from its own history: the
 length model (mean residual and tail of response lengths) from the previous step's responses, each actor
@@ -50,14 +49,16 @@ import numpy as np
 from tidal.config import TidalConfig
 from tidal.devices import DeviceLedger, Owner
 from tidal.errors import TidalError
-from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
+from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests,
                                      ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
                                      ReturnToInference, StartRollout, Wait, describe)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.policies import get_policy
+from tidal.scheduler.reconcile import reconcile
 from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
-from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
-                                     RolloutColumns, RolloutView, Signals)
+from tidal.scheduler.learning import ready_curve
+from tidal.scheduler.observe import RolloutProgress, observe
+from tidal.scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
 from tidal.scheduler.state import SchedState
 from tidal.scheduler.sim_records import SimEvent, SimResult, StepStats
 from tidal.scheduler.workload import SimSpec
@@ -163,12 +164,24 @@ class _Sim:
 
     # --- one step ---------------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepStats:
+        t_start = self.now
+        self._reset_step(step)
+        rng = np.random.default_rng([self.seed, step])
+        p = self.p
+        lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens)
+        self.group_tokens = (lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens).tolist()
+        self.call("start")
+        self._deal(lengths)
+        self._run_events(step)
+        return self._end_step(step, t_start, lengths)
+
+    def _reset_step(self, step: int) -> None:
+        """Every component back to the placement, nothing generated, scored or trained."""
         p, c = self.p, self.c
         self.step = step
         self.heap: list = []
         self.ticks: set[float] = set()
         self._seq = 0
-        t_start = self.now
         self.busy_at_start = dict(self.busy)
         self.inst: dict[int, Instance] = {}
         self.inst_order: list[Instance] | None = None
@@ -198,16 +211,14 @@ class _Sim:
                                 self.ready_curve)
         self.gen_at = np.zeros(p.rollout_batch_size)
         self.iter_tokens: list[float] = []
+        self.polling = False
         self.log("step_start", f"step {step}")
 
-        rng = np.random.default_rng([self.seed, step])
-        lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens)
-        self.group_tokens = (lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens).tolist()
-
-        self.call("start")
+    def _deal(self, lengths: np.ndarray) -> None:
+        """The step's groups dealt round robin, lowest ids first, as the driver deals them (tidal/pipeline/driver.py
+        `_feed_rollout`): every instance's first wave holds the lowest ids, the actor's first mini-batches."""
+        p, c = self.p, self.c
         ids = sorted(self.inst)
-        # groups dealt round robin, lowest ids first, as the driver deals them (tidal/pipeline/driver.py
-        # `_feed_rollout`): every instance's first wave holds the lowest ids, the actor's first mini-batches
         lengths_f = lengths.astype(np.float64)
         works, t0s = [], []
         for k, iid in enumerate(ids):
@@ -230,10 +241,9 @@ class _Sim:
         if any(i.lent for i in self.inst.values()):
             self.push(self.now + p.pre_process_check_s, "tick")
 
-        gpi, nmb, rbs = p.groups_per_iter, p.n_minibatches, p.rollout_batch_size
-        heap = self.heap
-        poll_s = self.spec.poll_s
-        self.polling = False
+    def _run_events(self, step: int) -> None:
+        """Events in time order until the actor's last iter is done."""
+        heap, poll_s, nmb = self.heap, self.spec.poll_s, self.p.n_minibatches
         while True:
             if not heap:
                 raise AssertionError(f"step {step} stalled at t={self.now:.3f}: actor iters {self.actor.iters_done}, "
@@ -241,53 +251,32 @@ class _Sim:
             t, _, kind, payload = heapq.heappop(heap)
             if t > self.now:
                 self.now = t
-            if kind == "scored":
-                g = payload[0]
-                self._dispatch_scoring()   # its server is free: the lowest id waiting goes next
-                self.n_scored += 1
-                self.scored_mask[g] = True
-                before = self.scored_prefix
-                while self.scored_prefix < rbs and self.scored_mask[self.scored_prefix]:
-                    self.scored_prefix += 1
-                n, a = self.scored_prefix, self.actor
-                need = (a.iters_done + 1) * gpi
-                if self.n_scored == rbs:
-                    self.call("inference")
-                elif a.lent and before < need <= n:
-                    self.call("data_ready")
-                if n >= need:
+            match kind:
+                case "iter_done":
+                    if self.on_iter_done():
+                        return
+                case "scored":
+                    self.on_scored(payload[0])
+                case "group":
+                    self.on_group(*payload)
+                case "score_free":
+                    self._dispatch_scoring()
+                case "tick":
+                    self.on_tick(t)
+                case "ready":
                     self.try_start()
-            elif kind == "group":
-                self.on_group(*payload)
-            elif kind == "iter_done":
-                self.actor.running = False
-                self.actor.iters_done += 1
-                self.trained += gpi
-                self.log("iter_done", f"iter {self.actor.iters_done - 1} on {self.actor.layout.size} devices")
-                self.call("boundary")
-                if self.actor.iters_done == nmb:
-                    break
-                self.try_start()
-            elif kind == "score_free":
-                self._dispatch_scoring()
-            elif kind == "tick":
-                self.ticks.discard(t)
-                self.call("tick")
-                self.try_start()
-            elif kind == "ready":
-                self.try_start()
-            elif kind == "poll":
-                if payload[0] != step:   # left over from the previous step
-                    continue
-                self.polling = False
-                if not self.actor.running and self.actor.iters_done < nmb:
-                    self.call("boundary")
-                    self.try_start()
+                case "poll":
+                    if payload[0] != step:   # left over from the previous step
+                        continue
+                    self.on_poll()
             if poll_s and not self.polling and not self.actor.running and self.actor.iters_done < nmb:
                 self.polling = True   # as the driver: ask again while the actor waits at its boundary
                 self.push(self.now + poll_s, "poll", step)
-        # step end: reshard back (decided above), weight sync
-        end = max(self.now, self.actor.ready_at) + c.sync_time()
+
+    def _end_step(self, step: int, t_start: float, lengths: np.ndarray) -> StepStats:
+        """Step end: reshard back (decided at the last boundary), weight sync; learn the workload's shape."""
+        p = self.p
+        end = max(self.now, self.actor.ready_at) + self.c.sync_time()
         self.now = end
         self._restore()
         self.log("step_end", f"step {step} took {end - t_start:.3f}s")
@@ -295,9 +284,7 @@ class _Sim:
         it = np.asarray(self.iter_tokens)
         self.iter_shares = tuple((it / it.sum()).tolist())
         # when the id-order prefix reached k groups (what the actor waits for), as the real producer learns it
-        g = np.maximum.accumulate(self.gen_at) - t_start
-        span = float(g.max()) if g.size and g.max() > 0 else 1.0
-        self.ready_curve = tuple((np.quantile(g, np.linspace(0, 1, 17)) / span).tolist())
+        self.ready_curve = ready_curve(self.gen_at, t_start)
         dt = end - t_start
         useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
         return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, self.n_scored,
@@ -323,6 +310,47 @@ class _Sim:
             self._sync_owners()
 
     # --- events -----------------------------------------------------------------------------------------
+    def on_scored(self, g: int) -> None:
+        p = self.p
+        self._dispatch_scoring()   # its server is free: the lowest id waiting goes next
+        self.n_scored += 1
+        self.scored_mask[g] = True
+        before = self.scored_prefix
+        while self.scored_prefix < p.rollout_batch_size and self.scored_mask[self.scored_prefix]:
+            self.scored_prefix += 1
+        n, a = self.scored_prefix, self.actor
+        need = (a.iters_done + 1) * p.groups_per_iter
+        if self.n_scored == p.rollout_batch_size:
+            self.call("inference")
+        elif a.lent and before < need <= n:
+            self.call("data_ready")
+        if n >= need:
+            self.try_start()
+
+    def on_iter_done(self) -> bool:
+        """The actor finished an iter; True when it was the step's last."""
+        a = self.actor
+        a.running = False
+        a.iters_done += 1
+        self.trained += self.p.groups_per_iter
+        self.log("iter_done", f"iter {a.iters_done - 1} on {a.layout.size} devices")
+        self.call("boundary")
+        if a.iters_done == self.p.n_minibatches:
+            return True
+        self.try_start()
+        return False
+
+    def on_tick(self, t: float) -> None:
+        self.ticks.discard(t)
+        self.call("tick")
+        self.try_start()
+
+    def on_poll(self) -> None:
+        self.polling = False
+        if not self.actor.running and self.actor.iters_done < self.p.n_minibatches:
+            self.call("boundary")
+            self.try_start()
+
     def on_group(self, iid: int, version: int) -> None:
         inst = self.inst.get(iid)
         if inst is None or inst.version != version:
@@ -411,8 +439,8 @@ class _Sim:
         if self.inst_order is None:
             self.inst_order = [self.inst[i] for i in sorted(self.inst)]
             self.packed = None
-        live = self.inst_order
-        now = self.now
+        live, now, p, a = self.inst_order, self.now, self.p, self.actor
+        progress = None
         if live:
             if self.packed is None:
                 k = len(live)
@@ -424,25 +452,16 @@ class _Sim:
             ids, ndev, total, lent, devices = self.packed_static
             s = self.packed.at(now)
             self.packed_q = (now, s)
-            lm = self.length_model
-            est = lm.remaining_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
-            tail = lm.tail_many(s["started_unfinished"], s["progress"], s["queued_seqs"])
-            tail_all = lm.tail_total(s["started_unfinished"], s["progress"], s["queued_seqs"])
-            tail_started = lm.tail_total(s["started_unfinished"], s["progress"], np.zeros_like(s["queued_seqs"]))
-            cols = RolloutColumns(ids, ndev, s["groups_queued"], s["groups_unfinished"], s["running"], total,
-                                  np.floor(s["progress"]), s["rate"], est, lent, tail, np.floor(s["tokens"]))
-            rollout = RolloutView(cols, devices)
-        else:
-            rollout, cols, tail_all, tail_started = (), None, 0.0, 0.0
-        p, a = self.p, self.actor
-        # prefixes, not counts, as the real producer reports them (scheduler/reconciler.py `signals`)
+            progress = RolloutProgress(ids, devices, ndev, s["started_unfinished"], s["progress"], s["queued_seqs"],
+                                       s["groups_queued"], s["groups_unfinished"], s["running"], total,
+                                       s["tokens"], s["rate"], lent)
         n_scored = self.n_scored
         inf = InferenceSignal(self.inf_devices, self.n_generated - n_scored, self.scored_prefix,
                               n_scored == p.rollout_batch_size, self.inf_lent)
         act = ActorSignal(a.iters_done, p.n_minibatches, not a.running and now >= a.ready_at - 1e-12,
                           a.layout, a.last_iter_s, a.lent, a.held)
-        return Signals(now, self.step, rollout, inf, act, self._dev_sig, p.rollout_batch_size,
-                       self.gen_prefix, self.dispatched, trigger, cols, tail_all, tail_started)
+        return observe(now, self.step, trigger, progress, self.length_model, inf, act, self._dev_sig,
+                       p.rollout_batch_size, self.gen_prefix, self.dispatched)
 
     def call(self, trigger: str) -> None:
         if self.policy_name == "static":
@@ -451,19 +470,16 @@ class _Sim:
         acts = self.decide(self.state, sig, self.now)
         self.in_call = True
         self.counts["decisions"] += 1
-        held = False
-        moving: dict[int, float] = {}   # device -> time its old role has freed it
-        pending: dict[int, tuple[float, list[Work]]] = {}   # instances to re-lay: (t0, work parts)
+        # this decision's context for the actuator methods below
+        self._moving = {}    # device -> time its old role has freed it
+        self._relaying = {}   # instances to re-lay: (t0, work parts)
         self.kv_paused = set()   # instances this decision's KV moves paused (charged once each)
-        for act in acts:
-            if self.keep_events:
-                self.log("action", describe([act])[0])
-            held |= isinstance(act, Wait)
-            if isinstance(act, Wait) and act.recheck_s:
-                self.push(self.now + act.recheck_s, "tick")
-            self.apply(act, moving, pending)
-        self._relay(pending)
-        leftover = [d for d in moving if self.ledger.owner(d) is Owner.MOVING]
+        if self.keep_events:
+            for line in describe(acts):
+                self.log("action", line)
+        _, held = reconcile(acts, self, lambda: self.now, contain=False)
+        self._relay(self._relaying)
+        leftover = [d for d in self._moving if self.ledger.owner(d) is Owner.MOVING]
         self.ledger.free(leftover, "released; no taker")
         if acts:
             self.log("decide", f"{trigger}: {len(acts)} actions")
@@ -524,116 +540,128 @@ class _Sim:
         self.counts["migrations"] += 1
         self.counts["groups_migrated"] += len(groups)
 
-    def apply(self, act: Action, moving: dict[int, float], pending: dict) -> None:
-        c, now = self.c, self.now
-        if isinstance(act, MigrateRequests):
-            self._migrate(act.src, act.dst, act.count, act.kv, pending)
-        elif isinstance(act, MigrateBatch):
-            self._presettle([i for m in act.moves for i in m[:2]], pending)
-            for src, dst, count in act.moves:
-                self._migrate(src, dst, count, act.kv, pending)
-        elif isinstance(act, (ReleaseRollout, ReturnFromRollout)):
-            self._presettle(act.instance_ids, pending)
-            for iid in act.instance_ids:
-                inst = self.inst[iid]
+    # --- the actuator (scheduler.reconcile.Actuator): each action moves simulated instances and devices ------
+    def wait(self, a: Wait) -> None:
+        if a.recheck_s:
+            self.push(self.now + a.recheck_s, "tick")
+
+    def migrate_requests(self, a: MigrateRequests) -> None:
+        self._migrate(a.src, a.dst, a.count, a.kv, self._relaying)
+
+    def migrate_batch(self, a: MigrateBatch) -> None:
+        self._presettle([i for m in a.moves for i in m[:2]], self._relaying)
+        for src, dst, count in a.moves:
+            self._migrate(src, dst, count, a.kv, self._relaying)
+
+    def _finish_instances(self, a: ReleaseRollout | ReturnFromRollout, delay: float) -> None:
+        self._presettle(a.instance_ids, self._relaying)
+        for iid in a.instance_ids:
+            inst = self.inst[iid]
+            left = sum(len(w) for w in self._relaying.pop(iid)[1])
+            assert left == 0, f"{type(a).__name__} of instance {iid} with {left} sequences left"
+            del self.inst[iid]
+            self.inst_order = self.packed = None
+            self.busy["rollout"] += inst.busy_s * len(inst.devices)
+        self.ledger.release(a.devices, a.reason)
+        for d in a.devices:
+            self._moving[d] = self.now + delay
+
+    def release_rollout(self, a: ReleaseRollout) -> None:
+        self._finish_instances(a, self.c.rollout_release_s)
+
+    def return_from_rollout(self, a: ReturnFromRollout) -> None:
+        delay = self.c.return_s
+        self._finish_instances(a, delay)
+        self.ledger.land(a.devices, Owner.ACTOR, a.reason)
+        self.actor.lent = False
+        self.actor.ready_at = max(self.actor.ready_at, self.now + delay)
+
+    def release_inference(self, a: ReleaseInference) -> None:
+        assert self.n_scored == self.p.rollout_batch_size, "inference released before it finished"
+        self.ledger.release(a.devices, a.reason)
+        for d in a.devices:
+            self._moving[d] = self.now + self.c.inference_release_s
+        self.inf_devices = ()
+
+    def reshard_actor(self, a: ReshardActor) -> None:
+        act, now, moving = self.actor, self.now, self._moving
+        assert a.from_layout == act.layout, f"reshard from {a.from_layout} but the actor is {act.layout}"
+        assert not act.running, "reshard while an iter runs"
+        new, old = set(a.to_layout.devices), set(act.layout.devices)
+        leaving = sorted(old - new)
+        self.ledger.release(leaving, a.reason)
+        joining = sorted(new - old)
+        landing = [d for d in joining if self.ledger.owner(d) is Owner.MOVING]
+        self.ledger.land(landing, Owner.ACTOR, a.reason)
+        self.ledger.assign([d for d in joining if d not in landing], Owner.ACTOR, a.reason)
+        dur = self.c.reshard.time(a.from_layout.devices, a.from_layout.dp, a.to_layout.devices,
+                                  a.to_layout.dp, a.to_layout.tp)
+        for d in leaving:
+            moving[d] = now + dur   # free once the actor's state has moved off them
+        wait = max([moving.get(d, now) for d in joining] + [now])
+        act.layout = a.to_layout
+        act.ready_at = max(act.ready_at, wait + dur)
+        self.counts["reshards"] += 1
+
+    def lend_to_rollout(self, a: LendToRollout) -> None:
+        self.ledger.release(a.devices, a.reason)
+        self.ledger.land(a.devices, Owner.ROLLOUT, a.reason)
+        made = self._new_instances(a.devices, lent=True, ready_at=self.now + self.c.lend_s)
+        assert sorted(a.instance_ids) == sorted(d for d in self.inst if self.inst[d].lent)
+        self.actor.lent = True
+        if self.dispatched:     # mid-step: the new instances wait for migrated work
+            for inst in made:
+                self._relaying[inst.id] = (inst.ready_at, [])
+
+    def start_rollout(self, a: StartRollout) -> None:
+        ready = max([self._moving.get(d, self.now) for d in a.devices] + [self.now]) + self.c.lend_s
+        landing = [d for d in a.devices if self.ledger.owner(d) is Owner.MOVING]
+        self.ledger.land(landing, Owner.ROLLOUT, a.reason)
+        self.ledger.assign([d for d in a.devices if d not in landing], Owner.ROLLOUT, a.reason)
+        for inst in self._new_instances(a.devices, lent=False, ready_at=ready):
+            self._relaying[inst.id] = (ready, [])
+
+    def lend_inference(self, a: LendInference) -> None:
+        p = self.p
+        servers = {p.inference_devices.index(d) for d in a.devices}
+        assert all(k % p.inference_tp == 0 for k in servers), "lend whole inference instances"
+        busy_until = max([f for f, k in self.inf_free if k in servers] + [self.now])
+        self.inf_free = [(f, k) for f, k in self.inf_free if k not in servers]
+        heapq.heapify(self.inf_free)
+        self.ledger.release(a.devices, a.reason)
+        self.ledger.land(a.devices, Owner.ROLLOUT, a.reason)
+        self.inf_lent = tuple(sorted(self.inf_lent + a.devices))
+        self.inf_devices = tuple(d for d in self.inf_devices if d not in a.devices)
+        made = self._new_instances(a.devices, lent=False, ready_at=busy_until + self.c.lend_s)
+        assert sorted(i.id for i in made) == sorted(a.instance_ids)
+        if self.dispatched:
+            for inst in made:
+                self._relaying[inst.id] = (inst.ready_at, [])
+
+    def return_to_inference(self, a: ReturnToInference) -> None:
+        now, p, pending = self.now, self.p, self._relaying
+        for iid in a.instance_ids:
+            inst = self.inst[iid]
+            if iid in pending:
                 left = sum(len(w) for w in pending.pop(iid)[1])
-                assert left == 0, f"{type(act).__name__} of instance {iid} with {left} sequences left"
-                del self.inst[iid]
-                self.inst_order = self.packed = None
-                self.busy["rollout"] += inst.busy_s * len(inst.devices)
-            self.ledger.release(act.devices, act.reason)
-            delay = c.return_s if isinstance(act, ReturnFromRollout) else c.rollout_release_s
-            for d in act.devices:
-                moving[d] = now + delay
-            if isinstance(act, ReturnFromRollout):
-                self.ledger.land(act.devices, Owner.ACTOR, act.reason)
-                self.actor.lent = False
-                self.actor.ready_at = max(self.actor.ready_at, now + delay)
-        elif isinstance(act, ReleaseInference):
-            assert self.n_scored == self.p.rollout_batch_size, "inference released before it finished"
-            self.ledger.release(act.devices, act.reason)
-            for d in act.devices:
-                moving[d] = now + c.inference_release_s
-            self.inf_devices = ()
-        elif isinstance(act, ReshardActor):
-            a = self.actor
-            assert act.from_layout == a.layout, f"reshard from {act.from_layout} but the actor is {a.layout}"
-            assert not a.running, "reshard while an iter runs"
-            new, old = set(act.to_layout.devices), set(a.layout.devices)
-            leaving = sorted(old - new)
-            self.ledger.release(leaving, act.reason)
-            joining = sorted(new - old)
-            landing = [d for d in joining if self.ledger.owner(d) is Owner.MOVING]
-            self.ledger.land(landing, Owner.ACTOR, act.reason)
-            self.ledger.assign([d for d in joining if d not in landing], Owner.ACTOR, act.reason)
-            dur = c.reshard.time(act.from_layout.devices, act.from_layout.dp, act.to_layout.devices,
-                                 act.to_layout.dp, act.to_layout.tp)
-            for d in leaving:
-                moving[d] = now + dur   # free once the actor's state has moved off them
-            wait = max([moving.get(d, now) for d in joining] + [now])
-            a.layout = act.to_layout
-            a.ready_at = max(a.ready_at, wait + dur)
-            self.counts["reshards"] += 1
-        elif isinstance(act, LendToRollout):
-            self.ledger.release(act.devices, act.reason)
-            self.ledger.land(act.devices, Owner.ROLLOUT, act.reason)
-            made = self._new_instances(act.devices, lent=True, ready_at=now + c.lend_s)
-            assert sorted(act.instance_ids) == sorted(d for d in self.inst if self.inst[d].lent)
-            self.actor.lent = True
-            if self.dispatched:     # mid-step: the new instances wait for migrated work
-                for inst in made:
-                    pending[inst.id] = (inst.ready_at, [])
-        elif isinstance(act, StartRollout):
-            ready = max([moving.get(d, now) for d in act.devices] + [now]) + c.lend_s
-            landing = [d for d in act.devices if self.ledger.owner(d) is Owner.MOVING]
-            self.ledger.land(landing, Owner.ROLLOUT, act.reason)
-            self.ledger.assign([d for d in act.devices if d not in landing], Owner.ROLLOUT, act.reason)
-            for inst in self._new_instances(act.devices, lent=False, ready_at=ready):
-                pending[inst.id] = (ready, [])
-        elif isinstance(act, LendInference):
-            p = self.p
-            servers = {p.inference_devices.index(d) for d in act.devices}
-            assert all(k % p.inference_tp == 0 for k in servers), "lend whole inference instances"
-            busy_until = max([f for f, k in self.inf_free if k in servers] + [now])
-            self.inf_free = [(f, k) for f, k in self.inf_free if k not in servers]
-            heapq.heapify(self.inf_free)
-            self.ledger.release(act.devices, act.reason)
-            self.ledger.land(act.devices, Owner.ROLLOUT, act.reason)
-            self.inf_lent = tuple(sorted(self.inf_lent + act.devices))
-            self.inf_devices = tuple(d for d in self.inf_devices if d not in act.devices)
-            made = self._new_instances(act.devices, lent=False, ready_at=busy_until + c.lend_s)
-            assert sorted(i.id for i in made) == sorted(act.instance_ids)
-            if self.dispatched:
-                for inst in made:
-                    pending[inst.id] = (inst.ready_at, [])
-        elif isinstance(act, ReturnToInference):
-            for iid in act.instance_ids:
-                inst = self.inst[iid]
-                if iid in pending:
-                    left = sum(len(w) for w in pending.pop(iid)[1])
-                else:
-                    due, rest = inst.settle(now)
-                    self.generated_groups(due)
-                    left = len(rest)
-                assert left == 0, f"ReturnToInference of instance {iid} with {left} sequences left"
-                del self.inst[iid]
-                self.inst_order = self.packed = None
-                inst.close_epoch(now)
-                self.busy["rollout"] += inst.busy_s * len(inst.devices)
-            p = self.p
-            self.ledger.release(act.devices, act.reason)
-            self.ledger.land(act.devices, Owner.INFERENCE, act.reason)
-            self.inf_lent = tuple(d for d in self.inf_lent if d not in act.devices)
-            self.inf_devices = tuple(sorted(self.inf_devices + act.devices))
-            for d in act.devices:
-                k = p.inference_devices.index(d)
-                if k % p.inference_tp == 0:
-                    heapq.heappush(self.inf_free, (now + c.return_s, k))
-            self.push(now + c.return_s, "score_free")
-        elif isinstance(act, Wait):
-            pass
-        else:  # pragma: no cover - a new action type must be taught to the simulator
-            raise TypeError(f"unknown action {act!r}")
+            else:
+                due, rest = inst.settle(now)
+                self.generated_groups(due)
+                left = len(rest)
+            assert left == 0, f"ReturnToInference of instance {iid} with {left} sequences left"
+            del self.inst[iid]
+            self.inst_order = self.packed = None
+            inst.close_epoch(now)
+            self.busy["rollout"] += inst.busy_s * len(inst.devices)
+        self.ledger.release(a.devices, a.reason)
+        self.ledger.land(a.devices, Owner.INFERENCE, a.reason)
+        self.inf_lent = tuple(d for d in self.inf_lent if d not in a.devices)
+        self.inf_devices = tuple(sorted(self.inf_devices + a.devices))
+        for d in a.devices:
+            k = p.inference_devices.index(d)
+            if k % p.inference_tp == 0:
+                heapq.heappush(self.inf_free, (now + self.c.return_s, k))
+        self.push(now + self.c.return_s, "score_free")
 
 
 def simulate(cfg: TidalConfig | SimSpec, policy: str | None = None, devices: int | None = None, steps: int = 1,

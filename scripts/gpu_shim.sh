@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Import shim for machines without our install (the lent GPU machine): builds /tmp/shim/tidal from the repository's
+# Import shim for machines without our install (e.g. a GPU machine's image): builds /tmp/shim/tidal from the repository's
 # top-level folders the way pyproject's package-dir maps them (tidal/ -> tidal, engine/ -> tidal.engine,
 # workers/ -> tidal.workers) and puts it first on PYTHONPATH. Copies, not links, so the shim is a snapshot.
 #

@@ -32,7 +32,8 @@ class SweepRequest(Request):
     trials: int = Field(16, ge=1, description="Trials to add to the study.")
     real: bool = Field(False, description="Real training runs instead of the simulator.")
     overrides: list[str] = Field(default_factory=list,
-                                 description="key.path=value overrides of the sweep's base config (e.g. tracking.db_url).")
+                                 description="key.path=value overrides of the sweep's base config "
+                                             "(e.g. tracking.db_url).")
     storage: str | None = Field(None, description="Optuna storage URL; default: $TIDAL_OPTUNA_STORAGE, else "
                                                   "tracking.db_url (the platform database).")
 

@@ -22,13 +22,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
 from tidal.tasks import registry
 from tidal.tasks.requests import TrainingRequest
-from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+
+if TYPE_CHECKING:
+    from tidal.pipeline.run import TrainingRun
 
 log = logging.getLogger("tidal.tasks")
 
@@ -59,7 +63,7 @@ class StepOutcome:
 
 @dataclass
 class _Live:
-    run: object                  # tidal.pipeline.run.TrainingRun
+    run: TrainingRun
     tracking: RunTracking
 
 

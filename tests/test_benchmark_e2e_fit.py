@@ -40,7 +40,7 @@ def test_prediction_simulates_every_label_with_the_fitted_costs(e2e, tmp_path):
     costs = calibrate(cpu_e2e(), decode, 2e-4, iters, 1867.0, {"reshard": [0.05], "migration": [0.03]}, 8,
                       0.06, 228.0)
     labels = ["static", "rlinf", "tidal", "tidal+margin_s=1000"]
-    measured = {k: 4.0 for k in labels}
+    measured = dict.fromkeys(labels, 4.0)
     out = e2e.predicted(costs, labels, args(e2e), tmp_path, measured, seeds=(0,), steps=2)
     assert list(out) == labels
     for v in out.values():
@@ -54,7 +54,7 @@ def test_prediction_simulates_every_label_with_the_fitted_costs(e2e, tmp_path):
 def test_table_reports_the_drivers_action_seconds_and_reads_older_results(e2e, capsys, monkeypatch):
     import json
     monkeypatch.setenv("COLUMNS", "400")   # rich would elide the columns at a terminal's 80
-    old = json.loads((ROOT / "benchmarks" / "results" / "e2e_host_fullcore_i1536_final.json").read_text())
+    old = json.loads((ROOT / "benchmarks" / "results" / "e2e" / "2026-11-30_4553f7e_host16.json").read_text())
     e2e.table(old)   # written before action_s existed: the column reads 0.00
     step = {"seconds": 3.0, "pumps": 100.0}
     run = {"step_s": 3.0, "idle_fraction": 0.3, "reshards": 3, "migrations": 9, "failed_actions": 0,
@@ -97,7 +97,9 @@ def test_event_summary_counts_a_migration_wave_once_and_reports_reshard_phases(e
 
 
 def test_event_summary_reports_when_iter_0_could_start_and_the_weight_syncs(e2e):
-    at = lambda g, s, st: {"generated": g, "scored": s, "started": st}
+    def at(g, s, st):
+        return {"generated": g, "scored": s, "started": st}
+
     ev = [{"kind": "iter", "step": 1, "iter": 0, "dp": 4, "seconds": 0.4, "at_s": at(0.9, 1.0, 1.1)},
           {"kind": "iter", "step": 1, "iter": 1, "dp": 4, "seconds": 0.4, "at_s": at(1.2, 1.3, 1.5)},
           {"kind": "iter", "step": 2, "iter": 0, "dp": 4, "seconds": 0.4, "at_s": at(1.1, 1.2, 1.3)},

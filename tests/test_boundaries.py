@@ -48,3 +48,24 @@ def test_every_package_folder_is_listed_in_pyproject():
                 continue
             found.add(".".join((pkg, *rel.parts)) if rel.parts else pkg)
     assert found == listed, {"missing from pyproject": sorted(found - listed), "stale": sorted(listed - found)}
+
+
+def _tidal_imports(path: Path) -> set[str]:
+    """Every `tidal.*` module a file imports, at any depth of the file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tidal"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("tidal")}
+    return out
+
+
+def test_scheduler_is_pure_decisions_over_typed_records():
+    """scheduler/ (policies, observe, reconcile, learning, simulator) imports neither the workers, the pipeline,
+    the engine nor Ray: the real run's actuator lives in tidal.pipeline and implements its Actuator protocol."""
+    allowed = ("tidal.scheduler", "tidal.errors", "tidal.devices", "tidal.config", "tidal.placement")
+    for p in (ROOT / "scheduler").rglob("*.py"):
+        bad = sorted(m for m in _tidal_imports(p) if not m.startswith(allowed))
+        assert not bad, f"{p.relative_to(ROOT)} imports {bad}"
+        assert not _imports(p) & ORCHESTRATION, f"{p.relative_to(ROOT)} imports {_imports(p) & ORCHESTRATION}"

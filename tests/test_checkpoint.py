@@ -19,8 +19,19 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
-from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, check_model, generations, latest,
-                                     load_actor, load_moves, read_manifest, save_actor, verify)
+from tidal.engine.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CheckpointMeta,
+    check_model,
+    generations,
+    latest,
+    load_actor,
+    load_moves,
+    read_manifest,
+    save_actor,
+    verify,
+)
 from tidal.engine.datasets import DataPosition
 from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout
@@ -226,7 +237,7 @@ def test_disjoint_devices(world4):
     res = [r[1] for r in world4[0]]
     for b_text in DISJOINT:
         assert not any(r[f"load {b_text}"] for r in res), b_text
-    bad, (key, worst) = res[0][f"train {DISJOINT[1]}"]  # TP 2 -> 1: round-off only
+    _bad, (key, worst) = res[0][f"train {DISJOINT[1]}"]  # TP 2 -> 1: round-off only
     assert worst < 2e-5, (key, worst)
 
 
@@ -247,7 +258,7 @@ def test_crash_mid_write_keeps_previous_generation(faults4):
 def test_flipped_byte_is_detected_and_changes_nothing(faults4):
     res, _ = faults4
     for r in res:
-        field, msg = r["corrupt"]
+        field, _msg = r["corrupt"]
         assert field == "checkpoint"
         changed, files_same, newest = r["corrupt unchanged"]
         assert not changed and files_same and newest is None
@@ -257,7 +268,7 @@ def test_flipped_byte_is_detected_and_changes_nothing(faults4):
 
 
 def test_other_model_is_a_clear_error_and_changes_nothing(faults4):
-    res, root = faults4
+    res, _root = faults4
     for r in res:
         field, code, msg = r["other"]
         assert field == "model.intermediate_size" and code == 2 and "48" in msg and "40" in msg, msg

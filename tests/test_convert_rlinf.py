@@ -227,7 +227,7 @@ def test_collocated_fsdp_mapping(rlinf_env):
 
 
 def test_disaggregated_megatron_mapping(rlinf_env):
-    model, data = rlinf_env
+    model, _data = rlinf_env
     conv = convert_file(PIPELINE)
     c = conv.config
     assert c["cluster"] == {"num_nodes": 2, "num_devices_per_node": 8,

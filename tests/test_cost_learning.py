@@ -7,8 +7,14 @@ import dataclasses
 
 import pytest
 
-from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_moves, learn_reshard,
-                                   learn_rollout_factor, learn_scoring)
+from tidal.scheduler.costs import (
+    learn_actor_factor,
+    learn_decode,
+    learn_moves,
+    learn_reshard,
+    learn_rollout_factor,
+    learn_scoring,
+)
 from tidal.scheduler.costs_cpu import cpu_e2e
 
 
@@ -38,7 +44,10 @@ def test_reshard_fixed_cost_net_of_the_modelled_transfer():
 
 def test_move_costs_are_the_median_measured_actions_net_of_the_kv_bytes():
     prior = cpu_e2e()
-    act = lambda name, s, **kw: {"kind": "action", "action": name, "seconds": s, "ok": True, **kw}
+
+    def act(name, s, **kw):
+        return {"kind": "action", "action": name, "seconds": s, "ok": True, **kw}
+
     ev = [act("MigrateBatch", 0.05, kv_bytes=0), act("MigrateBatch", 0.09, kv_bytes=2e7),   # 0.02 s of bytes
           act("MigrateBatch", 3.0, kv_bytes=0, ok=False),   # a failed action prices nothing
           act("MigrateRequests", 0.08, kv_bytes=0), act("LendToRollout", 0.02), act("ReturnFromRollout", 0.01),

@@ -11,8 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.engine.datasets import (DataError, DataPosition, DataSpec, FilterReport, PromptRecord, PromptStream,
-                                   _SplitMix64, filter_by_length, read_records)
+from tidal.engine.datasets import (
+    DataError,
+    DataPosition,
+    DataSpec,
+    FilterReport,
+    PromptRecord,
+    PromptStream,
+    _SplitMix64,
+    filter_by_length,
+    read_records,
+)
 from tidal.errors import TidalError
 
 
@@ -240,7 +249,7 @@ def test_filter_error_mode_names_uid_length_and_limit():
     msg = str(e.value)
     assert msg.startswith("data.max_prompt_length:") and "t:1" in msg and "12 tokens" in msg and "10" in msg
     assert "data.truncation: filter" in msg and "t:2" not in msg  # the first too-long prompt raises
-    kept, report = filter_by_length(records_of_lengths([3, 10]), n_tokens, 10, truncation="error")
+    _kept, report = filter_by_length(records_of_lengths([3, 10]), n_tokens, 10, truncation="error")
     assert report == FilterReport(2, 0, 10)
 
 

@@ -18,11 +18,33 @@ from sqlalchemy import create_engine, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from tidal.db import (DeviceTransition, InvalidRecord, add_run, add_step, attach_mlflow_run, current_revision,
-                      downgrade, finish_run, head_revision, list_migrations, list_reshards, list_runs,
-                      list_scheduler_events, list_steps, list_transitions, make_engine, open_database,
-                      record_migration, record_reshard, record_scheduler_event, record_transition, record_transitions,
-                      schema_diff, session_scope, upgrade)
+from tidal.db import (
+    DeviceTransition,
+    InvalidRecord,
+    add_run,
+    add_step,
+    attach_mlflow_run,
+    current_revision,
+    downgrade,
+    finish_run,
+    head_revision,
+    list_migrations,
+    list_reshards,
+    list_runs,
+    list_scheduler_events,
+    list_steps,
+    list_transitions,
+    make_engine,
+    open_database,
+    record_migration,
+    record_reshard,
+    record_scheduler_event,
+    record_transition,
+    record_transitions,
+    schema_diff,
+    session_scope,
+    upgrade,
+)
 from tidal.db.migrate import VERSION_TABLE
 from tidal.db.models import Base
 from tidal.devices import DeviceLedger, Owner
@@ -200,10 +222,9 @@ def test_round_trip_of_every_repository_function(engine):
 
 def test_session_scope_rolls_back_the_whole_unit_on_error(engine):
     run_id = _new_run(engine)
-    with pytest.raises(InvalidRecord):
-        with session_scope(engine) as s:
-            add_step(s, run_id, step=0, step_seconds=1.0, phase_seconds={})
-            add_step(s, run_id, step=1, step_seconds=-1.0, phase_seconds={})  # bad: the unit is rolled back
+    with pytest.raises(InvalidRecord), session_scope(engine) as s:
+        add_step(s, run_id, step=0, step_seconds=1.0, phase_seconds={})
+        add_step(s, run_id, step=1, step_seconds=-1.0, phase_seconds={})  # bad: the unit is rolled back
     with session_scope(engine) as s:
         assert list_steps(s, run_id) == []
 
@@ -278,9 +299,8 @@ def test_database_constraints_back_the_checks(engine):
                 DeviceTransition(run_id=run_id + 100, device_id=0, from_owner="free", to_owner="actor", reason="r",
                                  time=0.0)]
     for row in bad_rows:
-        with pytest.raises(IntegrityError):
-            with session_scope(engine) as s:
-                s.add(row)
+        with pytest.raises(IntegrityError), session_scope(engine) as s:
+            s.add(row)
 
 
 def test_deleting_a_run_deletes_its_rows(engine):

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from tidal.cli import main as cli_main
+from tidal.pipeline.tracked_run import load_run_config
 from tidal.tasks import registry
 from tidal.tasks.requests import SweepRequest, TrainingRequest
-from tidal.pipeline.tracked_run import load_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",

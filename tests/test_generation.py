@@ -5,8 +5,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.engine.generation import (EngineBusyError, EngineConfig, GenerationError, NativeEngine, Request,
-                                     SamplingParams, UnknownRequestError)
+from tidal.engine.generation import (
+    EngineBusyError,
+    EngineConfig,
+    GenerationError,
+    NativeEngine,
+    Request,
+    SamplingParams,
+    UnknownRequestError,
+)
 from tidal.engine.generation.sampler import sample
 from tidal.engine.generation.weights import actor_shards_from_global, rollout_shard
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
@@ -103,7 +110,8 @@ def test_stop_tokens_max_new_tokens_and_max_seq_len():
                   [Request("s", (1, 2), SamplingParams(0.0, max_new_tokens=6, stop_token_ids=(stop_at,)))])["s"]
     assert stopped.token_ids == greedy.token_ids[:first + 1] and stopped.finish_reason == "stop"
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 6
-    long = run(NativeEngine(m, EngineConfig(2)), [Request("l", tuple(range(28)), SamplingParams(0.0, max_new_tokens=50))])
+    long = run(NativeEngine(m, EngineConfig(2)),
+               [Request("l", tuple(range(28)), SamplingParams(0.0, max_new_tokens=50))])
     assert len(long["l"].token_ids) == ARGS.max_seq_len - 28 and long["l"].finish_reason == "length"
 
 

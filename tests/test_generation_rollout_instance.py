@@ -7,8 +7,14 @@ import pytest
 
 from tidal.engine.generation import EngineConfig, GenerationError, NativeEngine, SamplingParams, derive_seed
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
-from tidal.workers.rollout_instance import (GroupQueue, InstanceSignals, PromptGroup, RolloutInstance,
-                                            migrate_groups, request_id)
+from tidal.workers.rollout_instance import (
+    GroupQueue,
+    InstanceSignals,
+    PromptGroup,
+    RolloutInstance,
+    migrate_groups,
+    request_id,
+)
 
 ARGS = ModelArgs(vocab_size=31, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
                  max_seq_len=24)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -11,9 +12,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.engine.grpo import (build_batch, count_response_tokens, flatten_groups, group_advantages, grpo_loss,
-                               kl_k3, pack_samples, pack_sequences, ppo_clip_loss, split_iters, step_metrics,
-                               unpack_response_logprobs)
+from tidal.engine.grpo import (
+    build_batch,
+    count_response_tokens,
+    flatten_groups,
+    group_advantages,
+    grpo_loss,
+    kl_k3,
+    pack_samples,
+    pack_sequences,
+    ppo_clip_loss,
+    split_iters,
+    step_metrics,
+    unpack_response_logprobs,
+)
 from tidal.engine.records import PromptGroup, RecordError, RolloutGroup, ScoredGroup
 from tidal.errors import TidalError
 
@@ -230,7 +242,7 @@ def test_micro_batch_losses_and_grads_sum_to_the_one_batch_values(data):
     order = data.draw(st.permutations(range(len(ITER))))
     cuts = sorted(data.draw(st.sets(st.integers(1, len(ITER) - 1), max_size=len(ITER) - 1)))
     bounds = [0] + cuts + [len(ITER)]
-    mbs = [[ITER[i] for i in order[a:b]] for a, b in zip(bounds, bounds[1:])]
+    mbs = [[ITER[i] for i in order[a:b]] for a, b in itertools.pairwise(bounds)]
     loss, grads, metrics = _grads_and_metrics(POLICY, mbs, N_TOK, **KW)
     torch.testing.assert_close(loss, REF_LOSS, rtol=1e-6, atol=1e-6)
     for g, ref in zip(grads, REF_GRADS):

@@ -19,8 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from tidal.engine.checkpoint import CheckpointError  # noqa: E402
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams  # noqa: E402
-from tidal.engine.hf_checkpoint import (INDEX_FILE, load_hf_weights, read_hf_config, save_hf,  # noqa: E402
-                                        weight_files)
+from tidal.engine.hf_checkpoint import INDEX_FILE, load_hf_weights, read_hf_config, save_hf, weight_files  # noqa: E402
 from tidal.engine.model import Transformer  # noqa: E402
 
 SEQ = 520

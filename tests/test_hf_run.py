@@ -99,8 +99,8 @@ def test_export_loads_in_transformers_and_resume_reads_the_same_prompts(tmp_path
     overrides = hf_run_inputs("qwen3") + ["run.save_hf=true", "data.rollout_batch_size=24"]
     # 64 prompts, 24 a step: step 2 crosses into the second (reshuffled) epoch
     full, p_full, _, w_full = _train(tmp_path, "full", overrides, 3)
-    half, p_half, ckpt, _ = _train(tmp_path, "half", overrides, 2)
-    resumed, p_res, _, w_res = _train(tmp_path, "resumed", overrides, 3, resume=ckpt.parent)
+    _half, p_half, ckpt, _ = _train(tmp_path, "half", overrides, 2)
+    _resumed, p_res, _, w_res = _train(tmp_path, "resumed", overrides, 3, resume=ckpt.parent)
     assert p_half + p_res == p_full and len(set(p_full[0]) | set(p_full[1])) == 48
     assert all(torch.equal(w_full[k], w_res[k]) for k in w_full)
     export = tmp_path / "full" / "hf" / "step-000003"

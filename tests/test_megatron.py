@@ -17,8 +17,16 @@ import pytest
 import torch
 
 from tidal.engine.backends.megatron_ckpt import plan_chunks
-from tidal.engine.backends.megatron_map import (QKVShape, check_megatron_tp, from_megatron, fuse_qkv,
-                                                megatron_tp_shard, padded_vocab_size, split_qkv, to_megatron)
+from tidal.engine.backends.megatron_map import (
+    QKVShape,
+    check_megatron_tp,
+    from_megatron,
+    fuse_qkv,
+    megatron_tp_shard,
+    padded_vocab_size,
+    split_qkv,
+    to_megatron,
+)
 from tidal.engine.model import ModelArgs, RopeScaling, init_global_weights, param_specs
 from tidal.engine.testing import run_ranks
 from tidal.errors import LayoutError
@@ -127,7 +135,7 @@ def test_rope_scaling_megatron_cannot_express_is_an_error():
     for field, value in (("low_freq_factor", 2.0), ("high_freq_factor", 8.0),
                          ("original_max_position_embeddings", 4096)):
         bad = _args(rope_scaling=RopeScaling("llama3", factor=8.0, **{field: value}))
-        for fn in (lambda: gpt_model_kwargs(bad, VP), lambda: plan_chunks(bad, VP, 1, 0)):
+        for fn in (lambda bad=bad: gpt_model_kwargs(bad, VP), lambda bad=bad: plan_chunks(bad, VP, 1, 0)):
             with pytest.raises(LayoutError, match=f"model.rope_scaling.{field}.*only the factor"):
                 fn()
 
@@ -225,6 +233,7 @@ def _gpt_load(rank, world, path):
     a tensor we did not write fails), then logits; also the loaded weights against the exact mapping of the
     native ones. Per case."""
     from megatron.core import dist_checkpointing
+
     from tidal.engine.backends import megatron_cpu as mc
 
     mc.init_parallel(world)
@@ -260,6 +269,7 @@ def _gpt_save(rank, world, path):
     """GPTModel at TP = world with megatron-core's own random init writes its checkpoint (as Megatron-LM does),
     per case; returns its logits and its global weights in our names."""
     from megatron.core import dist_checkpointing
+
     from tidal.engine.backends import megatron_cpu as mc
 
     mc.init_parallel(world)
@@ -294,6 +304,7 @@ def _load_error(path, args, world, rank) -> str:
 
 def _native_load(rank, world, path, saved):
     import torch.distributed as dist
+
     from tidal.engine.backends.megatron_ckpt import load_megatron
     from tidal.engine.model import Transformer
 
@@ -407,7 +418,7 @@ def _megatron_reshard(rank, world):
         assert {s.name.partition("#")[0] for s in megatron_specs(args, VP)} == set(mg)  # every tensor is moved
         a, b, c = Layout(1, 2, (0, 1)), Layout(2, 1, (0, 1)), Layout(1, 1, (1,))
 
-        def want(lay):
+        def want(lay, mg=mg, args=args):
             co = lay.coord(rank)
             return None if co is None else megatron_tp_shard(mg, args, lay.tp, co[0])
 
@@ -429,7 +440,7 @@ def test_megatron_weights_reshard_with_our_planner():
     weights (every case)."""
     results = [r for rank_out in run_ranks(2, _megatron_reshard) for r in rank_out]
     assert len(results) == 2 * len(CASES)
-    for ok_b, ok_a, ok_c, ok_b2, moved in results:
+    for ok_b, ok_a, ok_c, ok_b2, _moved in results:
         assert ok_b and ok_a and ok_c and ok_b2
     # tp1 x dp2 -> tp2 on the same devices: every rank already holds its new shard
     assert all(r[4] == 0 for r in results)

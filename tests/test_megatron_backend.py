@@ -119,7 +119,7 @@ def _layouts(rank, world, cases):
         glob = meg.state_dict_global()
         fused = {}
         for spec in meg.inventory():
-            name, _, half = spec.name.partition("#")
+            name, _, _half = spec.name.partition("#")
             fused.setdefault(name, []).append(glob[f"param/{spec.name}"])
         weights = from_megatron({k: torch.cat(v) for k, v in fused.items()}, args)
         out[case, tp] = (losses, {k: v.numpy() for k, v in weights.items()}, grad_diff)

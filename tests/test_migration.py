@@ -7,10 +7,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.engine.generation import EngineConfig, GenerationError, NativeEngine, Request, SamplingParams
-from tidal.engine.generation import UnknownRequestError
-from tidal.engine.generation.migration import (MigrationFailed, migrate, receive_requests, send_requests,
-                                               states_from_bytes, states_to_bytes)
+from tidal.engine.generation import (
+    EngineConfig,
+    GenerationError,
+    NativeEngine,
+    Request,
+    SamplingParams,
+    UnknownRequestError,
+)
+from tidal.engine.generation.migration import (
+    MigrationFailed,
+    migrate,
+    receive_requests,
+    send_requests,
+    states_from_bytes,
+    states_to_bytes,
+)
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 from tidal.engine.testing import run_ranks
 
@@ -103,7 +115,8 @@ def test_kv_moved_and_reprefilled_requests_agree():
             collect(dst.step(), out)
         outs.append(out)
     kv, replay, single = outs
-    assert {k: (v.token_ids, v.logprobs) for k, v in kv.items()} == {k: (v.token_ids, v.logprobs) for k, v in replay.items()}
+    assert ({k: (v.token_ids, v.logprobs) for k, v in kv.items()}
+            == {k: (v.token_ids, v.logprobs) for k, v in replay.items()})
     # one-pass re-prefill (the vLLM-style path) computes the same K/V with other GEMM shapes: the same tokens
     # here, log-probs equal up to round-off
     for rid in kv:

@@ -67,7 +67,7 @@ def test_1200_requests_random_migrations_four_engines():
             _drain(e, out, dup)
 
     assert dup == [], f"duplicated: {dup[:5]}"
-    lost = sorted(set(r.request_id for r in reqs) - set(out))
+    lost = sorted({r.request_id for r in reqs} - set(out))
     assert lost == [], f"lost: {lost[:5]}"
     by_id = {r.request_id: r for r in reqs}
     over = [rid for rid, res in out.items()

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tidal.engine.layout import Layout, ParamSpec
-from tidal.engine.optim import (BufferPool, OptimConfig, ShardState, ZeroShape, adamw_update, clip_coefficient,
-                                lr_at)
+from tidal.engine.optim import BufferPool, OptimConfig, ShardState, ZeroShape, adamw_update, clip_coefficient, lr_at
 from tidal.errors import ConfigError
 
 
@@ -74,8 +73,9 @@ def test_pool_reuses_by_identity():
 
 
 def test_dp2_training_is_bit_identical_to_single_process():
-    from tidal.engine.testing import free_port, run_ranks
     import test_reshard as tr
+
+    from tidal.engine.testing import free_port, run_ranks
     res = run_ranks(2, tr.train_through_reshard, [("tp=1,dp=2", "tp=1,dp=2", False)], 2, free_port())[0]
-    a, b, exact, diff, worst = res[0]
+    _a, _b, exact, diff, worst = res[0]
     assert exact, f"DP 2 differs from single process: {diff:.3g} in {worst}"

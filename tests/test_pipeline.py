@@ -62,7 +62,7 @@ def scripted(state, sig, now):
 def _check_inference_matches_actor(run):
     """After the weight sync, inference and actor hold the same weights: their log-probs agree bit for bit."""
     pipe = run.pipe
-    groups = [g for g in pipe.step_state.scored.values()][:3]
+    groups = list(pipe.step_state.scored.values())[:3]
     rescored = pipe.group.call(pipe.cluster.inference[0], "tidal.workers.roles:inference_score", groups=groups)
     handles = pipe.group.submit_all("tidal.workers.roles:actor_score", device_ids=pipe.cluster.actor_layout.devices,
                                     groups=groups)
@@ -176,13 +176,13 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
     """Every consult asks for a move the cluster cannot make (device 9 does not exist): each attempt fails and is
     rolled back, and after `MAX_FAILURES_PER_STEP` in a step the policy is not asked again until the step ends.
     The run completes on its placement and learns exactly what the static run learns."""
-    from tidal.scheduler.reconciler import MAX_FAILURES_PER_STEP
+    from tidal.scheduler.reconcile import MAX_FAILURES_PER_STEP
 
     def stubborn(state, sig, now):
         lay = sig.actor.layout
         return [ReshardActor("impossible", lay, ActorLayout(1, 3, (0, 1, 9)))] if sig.trigger != "start" else []
 
-    static, s_sum, _, _ = _run(tmp_path, "static", [])
+    _static, s_sum, _, _ = _run(tmp_path, "static", [])
     run, summary, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true"], stubborn)
     events = run.pipe.cluster.events
     for step in range(2):
@@ -211,7 +211,7 @@ def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_pat
         return []
 
     waves = ["rollout.max_running_requests=4"]
-    static, s_sum, s_scored, _ = _run(tmp_path, "static", waves)
+    _static, s_sum, s_scored, _ = _run(tmp_path, "static", waves)
     run, summary, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *waves], misdirected)
     events = run.pipe.cluster.events
     failed = [e for e in events if e["kind"] == "action" and not e["ok"]]

@@ -3,7 +3,7 @@
 import torch
 
 from tidal.engine.generation.requests import Request, RequestState
-from tidal.scheduler.reconciler import _move_reported
+from tidal.pipeline.actuator import move_reported as _move_reported
 from tidal.workers.roles import package_summary
 
 
@@ -12,7 +12,7 @@ def _pkg(tokens_per_request, open_groups, queued=0):
     groups, queued), as the target reports it to the driver."""
     states = [RequestState(Request(f"m/g0/i{k}", (1, 2, 3)), [5] * n, [0.0] * n, torch.zeros(8, dtype=torch.uint8),
                            0 if n else None) for k, n in enumerate(tokens_per_request)]
-    return package_summary({"states": states, "open": {k: None for k in range(open_groups)},
+    return package_summary({"states": states, "open": dict.fromkeys(range(open_groups)),
                             "queued": [None] * queued})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -20,8 +21,6 @@ from tidal.engine.model import ModelArgs, param_specs
 from tidal.engine.optim import OptimConfig, live_states, rng_seed
 from tidal.engine.reshard import FaultInjected, ReshardError
 from tidal.engine.testing import free_port, run_ranks
-
-import pytest
 
 # 4 heads and 4 kv heads: TP 1, 2, 4; vocab 23 and SwiGLU width 40 split unevenly; tiny so 8 ranks fit 2 cores.
 ARGS = ModelArgs(vocab_size=23, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=4,
@@ -210,7 +209,7 @@ def test_training_through_reshard_equals_single_process():
     res = run_ranks(4, train_through_reshard, cases, 2, free_port())[0]
     for a, b, exact, diff, worst in res[:4]:
         assert exact, f"{a} -> {b}: not bit-exact (max diff {diff:.3g} in {worst})"
-    for a, b, exact, diff, worst in res[4:]:
+    for a, b, _exact, diff, worst in res[4:]:
         # TP splits matmul reductions differently; Adam divides by sqrt(v), so round-off in tiny grads can move a
         # weight by far more than the round-off itself -- measured 7.2e-6 here (lr 1e-2, 4 steps).
         assert diff < 2e-5, f"{a} -> {b}: max diff {diff:.3g} in {worst}"
@@ -220,7 +219,7 @@ def test_fault_at_each_phase_rolls_back():
     per_rank = run_ranks(4, faults, "tp=2,dp=2", "tp=1,dp=3,devices=1-3", 2)
     for rank, (results, same) in enumerate(per_rank):
         for phase, err, intact, live in results:
-            assert err is not None and phase in err or "another rank" in err, (rank, phase, err)
+            assert (err is not None and phase in err) or "another rank" in err, (rank, phase, err)
             assert intact, f"rank {rank}: old layout changed by a failed reshard at {phase}"
             assert live == 2, f"rank {rank}: {live} shard states alive after rollback at {phase} (want 2)"
         assert same, f"rank {rank}: training after failed reshards differs from a shard that never tried"
@@ -240,7 +239,6 @@ def member_local(rank, world):
     s.reshard(b)              # world-wide: makes b's groups and the union's, on every rank
     world_b = s.local_tensors() if rank in b.devices else None
     s.reshard(a)
-    world_a = s.local_tensors() if rank in a.devices else None
     out = {"refused": False}
     if rank in (0, 1, 2):
         try:                  # c's groups were never made: refused, on every member, before any transfer

@@ -11,8 +11,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tidal.engine.rewards import (BUILTIN, RewardError, RewardResult, RewardScorer, exact_score, gsm8k_score,
-                                  gsm8k_strict_score, last_boxed, math_score, resolve_reward)
+from tidal.engine.rewards import (
+    BUILTIN,
+    RewardError,
+    RewardResult,
+    RewardScorer,
+    exact_score,
+    gsm8k_score,
+    gsm8k_strict_score,
+    last_boxed,
+    math_score,
+    resolve_reward,
+)
 from tidal.errors import TidalError
 
 NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -238,9 +248,9 @@ def test_scorer_custom_raises(reward_module: str) -> None:
 
 @pytest.mark.parametrize("function, shown", [("none", "None"), ("nan", "nan"), ("text", "'1.0'")])
 def test_scorer_rejects_non_scores(reward_module: str, function: str, shown: str) -> None:
-    with RewardScorer(f"{reward_module}:{function}") as scorer:
-        with pytest.raises(RewardError, match=f"sample 'x1'.*returned {shown}, not a finite real number"):
-            scorer.score("x1", "d", "a", "a")
+    with RewardScorer(f"{reward_module}:{function}") as scorer, \
+            pytest.raises(RewardError, match=f"sample 'x1'.*returned {shown}, not a finite real number"):
+        scorer.score("x1", "d", "a", "a")
 
 
 def test_scorer_timeout_kills_and_restarts(reward_module: str) -> None:

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from tidal.engine.rl_tasks import (Addition, Multiplication, SFTExample, Sorting, TaskRegistry, get_task,
-                                   task_names, verify)
+from tidal.engine.rl_tasks import (
+    Addition,
+    Multiplication,
+    SFTExample,
+    Sorting,
+    TaskRegistry,
+    get_task,
+    task_names,
+    verify,
+)
 from tidal.engine.tokenizer import DEFAULT_CHARS, CharTokenizer, check_compatible, default_tokenizer
 from tidal.errors import TidalError
 

@@ -2,6 +2,8 @@
 call per move did, in the same order; a target imports from the exports' results in the object store, and a
 failed import (or export) is reported per move, not raised."""
 
+from typing import ClassVar
+
 import pytest
 
 from tidal.engine.generation.requests import Request, RequestState
@@ -9,7 +11,7 @@ from tidal.workers import roles
 
 
 class Ctx:
-    state: dict = {}
+    state: ClassVar[dict] = {}
 
 
 @pytest.fixture

@@ -10,12 +10,29 @@ from tidal.config import ClusterConfig, build_config
 from tidal.devices import Owner
 from tidal.errors import ConfigError
 from tidal.scheduler import policy_rlinf, policy_tidal
-from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
-                                     ReleaseRollout, ReshardActor, ReturnFromRollout, Wait)
+from tidal.scheduler.actions import (
+    LendInference,
+    LendToRollout,
+    MigrateBatch,
+    MigrateRequests,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    Wait,
+)
 from tidal.scheduler.costs import DecodeCost, fit_decode, fit_linear, gpu_h200_1p5b
 from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.signals import (ActorLayout, ActorSignal, DeviceSignal, InferenceSignal,
-                                     RolloutColumns, RolloutInstanceSignal, RolloutView, Signals)
+from tidal.scheduler.signals import (
+    ActorLayout,
+    ActorSignal,
+    DeviceSignal,
+    InferenceSignal,
+    RolloutColumns,
+    RolloutInstanceSignal,
+    RolloutView,
+    Signals,
+)
 from tidal.scheduler.state import PolicyParams, SchedState
 from tidal.scheduler.workload import rlinf_example
 
@@ -180,7 +197,7 @@ def test_tidal_uses_any_dp():
     a 2-device actor as 6 devices (dp 3), a size RLinf cannot use."""
     ro = [inst(2, 0, 0), inst(3, 0, 0), inst(4, 0, 0), inst(5, 200, 10, est=200 * 3000.0, rate=60_000)]
     acts = policy_tidal.decide(state(), sig(ro, iters=1, inf_done=True, generated=502, scored=490), 100.0)
-    resh = [a for a in acts if isinstance(a, ReshardActor)][0]
+    resh = next(a for a in acts if isinstance(a, ReshardActor))
     assert resh.to_layout.dp == 3 and 5 not in resh.to_layout.devices
 
 
@@ -362,6 +379,7 @@ def test_tidal_does_not_ping_pong_a_straggler():
     groups away (the moved groups may carry that sequence); the same instance with more work than its slots run
     at once does hand groups to the idle one. Measured before the fix: one tail group moved 8 times in a step."""
     import numpy as np
+
     from tidal.scheduler.costs_cpu import cpu_e2e
     st = SchedState(dataclasses.replace(P8, max_running_requests=16, group_size=8), cpu_e2e(), 20.0, 10.0)
     light = [tinst(3, 1, 1, 5.0, 5.0), tinst(4, 2, 1, 10.0, 8.0), tinst(5, 2, 1, 12.0, 9.0)]
@@ -414,7 +432,7 @@ def test_rollout_time_counts_the_last_wave():
 def test_tidal_reads_rollout_progress_from_tokens_when_the_prefix_stalls():
     """Group 0 still runs (generated prefix 0) but 87% of the step's tokens are generated: by the learned curve the
     first mini-batch is due now (not 45% of the rollout away, as the prefix alone said), and once its sequences
-    all run it is ready no sooner than their longest remaining one (ninth session, GPU machine's host)."""
+    all run it is ready no sooner than their longest remaining one."""
     from tidal.scheduler.policy_tidal import _timeline
     st = lstate()
     late = [tinst(i, 500, 30, 500 * 900.0, 3000.0) for i in (2, 3, 4, 5)]
@@ -428,10 +446,10 @@ def test_tidal_reads_rollout_progress_from_tokens_when_the_prefix_stalls():
 
 
 def test_tidal_does_not_release_instances_the_first_mini_batch_still_needs():
-    """The CPU e2e shape at step start (costs as learned on the GPU machine's host): mini-batch 0 is 64 sequences,
-    exactly the 4 instances' 16 slots each. Releasing one would leave a quarter of it waiting a wave for slots;
-    priced without that wait (before the ninth session) releasing one looked 0.2 s better, and on the host the
-    first mini-batch came ~0.7 s later."""
+    """The CPU e2e shape at step start (costs as learned at one host core per device): mini-batch 0 is 64
+    sequences, exactly the 4 instances' 16 slots each. Releasing one would leave a quarter of it waiting a wave for
+    slots; priced without that wait, releasing one looks 0.2 s better, and on the host the first mini-batch then
+    comes ~0.7 s later."""
     from tidal.scheduler.costs_cpu import cpu_e2e
     from tidal.scheduler.policy_tidal import decide
     cfg = build_config({"cluster": {"auto_scheduler": True},

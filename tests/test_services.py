@@ -16,8 +16,18 @@ import pytest
 
 from tidal import services
 from tidal.errors import TidalError
-from tidal.services import (SERVICES, TELEMETRY_ENV, PidRecord, UpOptions, build_specs, group_members,
-                            listening_sockets, read_record, stop, trusted)
+from tidal.services import (
+    SERVICES,
+    TELEMETRY_ENV,
+    PidRecord,
+    UpOptions,
+    build_specs,
+    group_members,
+    listening_sockets,
+    read_record,
+    stop,
+    trusted,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ from argparse import Namespace
 
 import pytest
 
+from tidal.scheduler.sim_cli import cli_simulate
 from tidal.scheduler.simulator import simulate
 from tidal.scheduler.workload import LengthDist, SimSpec, rlinf_example
-from tidal.scheduler.sim_cli import cli_simulate
 
 
 def small(prompts: int = 64, lengths: LengthDist | None = None, **flags) -> SimSpec:
@@ -127,8 +127,8 @@ def _action_kinds(res):
 def test_tidal_lends_inference_and_lends_mid_step_with_conservation():
     # 32 slots per instance: 32 waves of 64 prompts x 16 over 4 instances, throughput-bound enough that lending
     # pays at the start and, while the actor waits for its next mini-batch (an id prefix, so a later wave), mid-step
-    # too. (With 128 prompts, 16 waves, it stopped paying mid-step in the ninth session: a lend now speeds up only
-    # what the lent instances generate until the mini-batch is scored, and imported sequences run first.)
+    # too. (With 128 prompts, 16 waves, it does not pay mid-step: a lend speeds up only what the lent instances
+    # generate until the mini-batch is scored, and imported sequences run first.)
     spec = rlinf_example(8, max_running_requests=32)
     spec = dataclasses.replace(spec, params=dataclasses.replace(spec.params, rollout_batch_size=256),
                                max_new_tokens=4096)
@@ -183,6 +183,7 @@ def test_shrink_with_start_rollout_then_release(monkeypatch):
 def test_packed_snapshot_matches_per_instance_queries():
     """The vectorised snapshot (packed epochs of two batches, interleaved) equals per-instance scalar queries."""
     import numpy as np
+
     from tidal.scheduler.costs import gpu_h200_1p5b
     from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out
     rng = np.random.default_rng(3)
@@ -233,8 +234,8 @@ def _iter_starts(res, step=0):
 def test_simulated_iters_train_id_prefixes_as_the_driver_does():
     """The driver trains iter k on groups [k*G/n, (k+1)*G/n) in id order and deals them round robin (its first
     wave holds the lowest ids). A straggler in group 0 therefore holds iter 0 back however many other groups are
-    scored; with a straggler in the last group, iter 0 starts as soon as its own groups are through (until the
-    fifth session the simulator counted any G/n scored groups and dealt consecutive ids per instance)."""
+    scored; with a straggler in the last group, iter 0 starts as soon as its own groups are through. (Counting any
+    G/n scored groups would start iter 0 past a straggler in group 0.)"""
     spec = small(prompts=32)
     step_s = spec.costs.decode.step_s
     late = dataclasses.replace(spec, lengths=_FixedLengths([2000] + [50] * 31))
@@ -248,7 +249,7 @@ def test_simulated_iters_train_id_prefixes_as_the_driver_does():
 
 
 def test_simulated_signals_report_prefixes():
-    """What the policy sees as generated / scored is the id prefix (scheduler/reconciler.py reports the same)."""
+    """What the policy sees as generated / scored is the id prefix (the real control loop, tidal/pipeline/control.py, reports the same)."""
     from tidal.scheduler.simulator import _Sim
     spec = small(prompts=32)
     sim = _Sim(spec, "static", 0, keep_events=False)
@@ -262,7 +263,7 @@ def test_simulated_signals_report_prefixes():
 
 def test_imported_sequences_run_before_the_targets_unstarted_ones(monkeypatch):
     """A migration's started sequences go first in the target's waiting queue, as the engine's `import_state`
-    puts them (ninth session; before, the simulator ran them after everything the target had queued)."""
+    puts them, not after everything the target has queued."""
     from tidal.scheduler import policies
     from tidal.scheduler.actions import MigrateRequests
     from tidal.scheduler.simulator import _Sim

@@ -57,7 +57,8 @@ def test_tp_forward_backward_match_single_process(tp, family):
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
         for name, g in grads.items():
             want = ref_grads[name][specs[name].tp_slices(tp, t)]
-            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} (tp rank {t}): {m}")
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name, t=t: f"{name} (tp rank {t}): {m}")
 
 
 def test_tp_that_does_not_divide_heads_is_refused():

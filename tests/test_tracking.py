@@ -12,8 +12,7 @@ import pytest
 
 from tidal.config import build_config, flatten
 from tidal.errors import TidalError
-from tidal.tracking import (CompareRow, MetricsSink, MlflowSink, NullSink, compare_runs, sanitize_key,
-                            tracked_run)
+from tidal.tracking import CompareRow, MetricsSink, MlflowSink, NullSink, compare_runs, sanitize_key, tracked_run
 
 
 @pytest.fixture(scope="module")
@@ -155,16 +154,14 @@ def test_compare_cli_and_errors(store):
 
 def test_tracked_run_marks_failure_and_bad_metric(store):
     _, uri, _, sink = store
-    with pytest.raises(ZeroDivisionError):
-        with tracked_run(sink, "boom", {}) as rid:
-            sink.log_event("migration", {"step": 0, "requests": 3})
-            1 / 0
+    with pytest.raises(ZeroDivisionError), tracked_run(sink, "boom", {}) as rid:
+        sink.log_event("migration", {"step": 0, "requests": 3})
+        raise ZeroDivisionError("boom")
     run = _client(uri).get_run(rid)
     assert run.info.status == "FAILED"
     assert {a.path for a in _client(uri).list_artifacts(rid)} == {"events.json"}  # flushed on failure too
-    with tracked_run(sink, "typed", {}):
-        with pytest.raises(TypeError, match="non-numeric"):
-            sink.log_metrics({"train/policy": "grpo"}, step=0)
+    with tracked_run(sink, "typed", {}), pytest.raises(TypeError, match="non-numeric"):
+        sink.log_metrics({"train/policy": "grpo"}, step=0)
     with pytest.raises(ValueError, match="run status"):
         sink.start_run("x", {})
         sink.end_run("DONE")

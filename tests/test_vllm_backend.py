@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.engine.generation import (EngineBusyError, EngineConfig, GenerationError, NativeEngine, Request,
-                                     SamplingParams, UnknownRequestError)
+from tidal.engine.generation import (
+    EngineBusyError,
+    EngineConfig,
+    GenerationError,
+    NativeEngine,
+    Request,
+    SamplingParams,
+    UnknownRequestError,
+)
 from tidal.engine.generation.migration import migrate
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, load_hf_weights, read_hf_config, save_hf
 from tidal.engine.model import ModelArgs, RopeScaling, Transformer, init_global_weights
@@ -81,7 +88,7 @@ def run(engine, reqs):
 
 def step_until(engine, min_tokens: int, ids, out):
     """Step until each of `ids` has streamed at least `min_tokens` tokens (requests must stream)."""
-    seen = {rid: 0 for rid in ids}
+    seen = dict.fromkeys(ids, 0)
     while min(seen.values()) < min_tokens:
         for ev in engine.step():
             if ev.request_id in seen:

@@ -64,7 +64,7 @@ def test_ranks_follow_device_order_and_backend_is_gloo(group4):
     assert {info[d]["device_id"] for d in DEVICES} == set(DEVICES)
     assert all(i["world_size"] == 4 and i["backend"] == "gloo" for i in info.values())
     assert len({i["pid"] for i in info.values()}) == 4  # one process per device
-    assert group4.call_all(P + "allreduce_rank_weighted", base=1.5, timeout=30) == {d: 15.0 for d in DEVICES}
+    assert group4.call_all(P + "allreduce_rank_weighted", base=1.5, timeout=30) == dict.fromkeys(DEVICES, 15.0)
 
 
 @pytest.mark.timeout(120)
@@ -187,8 +187,8 @@ def test_ray_and_world_listen_on_loopback_only(ray_session, group4):
     if not ray_session.owned:
         pytest.skip("Ray was started outside this module; its bind settings are not ours")
     listeners = ray_listeners()
-    assert any(l.process == "gcs_server" for l in listeners)
-    exposed = [l for l in listeners if not l.loopback]
+    assert any(x.process == "gcs_server" for x in listeners)
+    exposed = [x for x in listeners if not x.loopback]
     assert exposed == [], exposed
     mode = stat.S_IMODE(os.stat(ray_session.token_path).st_mode)
     assert mode == 0o600, oct(mode)
@@ -254,7 +254,7 @@ def test_cpu_time_reads_schedstat_and_falls_back_to_stat_where_it_reads_zero(tmp
     tck = os.sysconf("SC_CLK_TCK")
     _fake_proc(tmp_path, 100, ["1500000000 0 1", "500000000 0 1"], utime=7 * tck, stime=1 * tck)
     assert compute_share.cpu_time_s(100) == 2.0             # nanoseconds of every live thread
-    # gVisor (the GPU machine's sandbox) has the files but counts nothing in them: a duty cycle reading 0
+    # gVisor (a sandbox GPU machines may run in) has the files but counts nothing in them: a duty cycle reading 0
     # would never stop its target, so the coarser /proc/PID/stat counters are used instead
     _fake_proc(tmp_path, 200, ["0 0 1", "0 0 1"], utime=7 * tck, stime=1 * tck)
     assert compute_share.cpu_time_s(200) == 8.0

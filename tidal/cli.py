@@ -10,7 +10,8 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from typing import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -25,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def print_usage(usage: str, title: str, entries: dict[str, tuple[str, str]], footer: str, width: int = 8) -> None:
+def print_usage(usage: str, title: str, entries: Mapping[str, tuple[object, str]], footer: str,
+                width: int = 8) -> None:
     """A sub-command table: `usage`, then each entry's name and one-line help (the second item of its value)."""
     print(f"{usage}\n\n{title}:")
     for name, (_, text) in entries.items():
@@ -58,7 +60,7 @@ _optional("down", "tidal.services:down_main", "stop the services `tidal up` star
 _optional("serve", "tidal.flows.serve:main", "serve the Prefect deployments (trigger runs from the UI)")
 
 
-def _resolve(target: str) -> Callable[[list[str]], int]:
+def _resolve(target: str) -> Callable[..., Any]:
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
 
@@ -103,8 +105,10 @@ def validate_main(argv: list[str]) -> int:
     if cfg.model.path:   # the checkpoint, its tokenizer and the prompt files, read as `tidal train` reads them
         from tidal.pipeline.inputs import read_inputs
         inputs = read_inputs(cfg)
+        assert inputs.hf is not None  # read from model.path
+        tok: Any = inputs.tok  # RunInputs.tok is typed `object` (HF or character tokenizer)
         console.print(f"model: {inputs.hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
-                      f"parameters; tokenizer {inputs.tok.vocab_size} tokens; reward {inputs.reward}; "
+                      f"parameters; tokenizer {tok.vocab_size} tokens; reward {inputs.reward}; "
                       f"prompts {inputs.source.summary()}")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
@@ -138,9 +142,9 @@ def convert_main(argv: list[str]) -> int:
     from pathlib import Path
 
     from tidal.config import build_config
-    from tidal.convert_rlinf import to_yaml
+    from tidal.convert_rlinf import Conversion, to_yaml
 
-    conv = _resolve(CONVERTERS[source][0])(args.file)
+    conv: Conversion = _resolve(CONVERTERS[source][0])(args.file)
     text = to_yaml(conv)
     if args.output:
         out = Path(args.output)

@@ -31,37 +31,59 @@ class Section(BaseModel):
 
 
 class ClusterConfig(Section):
-    num_nodes: int = Field(1, ge=1, description="Nodes in the cluster (RLinf key).")
-    num_devices_per_node: int = Field(8, ge=1, description="Devices (GPUs or CPU virtual devices) per node.")
+    num_nodes: int = Field(
+        1, ge=1,
+        description="Nodes in the cluster (RLinf key); device ids run from 0 to num_nodes x num_devices_per_node - 1.")
+    num_devices_per_node: int = Field(
+        8, ge=1, description="Devices per node: GPUs, or CPU virtual devices (one worker process each).")
     num_gpus_per_node: int | None = Field(
-        None, ge=1, description="RLinf's name for num_devices_per_node (accepted as RLinf configs spell it; set one).")
+        None, ge=1,
+        description="RLinf's name for num_devices_per_node, accepted as RLinf configs spell it; set one of the two "
+                    "(two different values are an error). null: not given.")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: CUDA if enough GPUs for the placement, else CPU virtual devices.")
+        "auto",
+        description="`auto`: CUDA when the machine has a GPU for every device of the cluster, else CPU virtual "
+                    "devices; `cpu`; `cuda` (an error without enough GPUs).")
     cpu_compute_share: float | None = Field(
         None, gt=0, le=1,
-        description="Fixed share of the machine's cores per CPU virtual device (duty-cycled), e.g. 0.125 for 8 "
-                    "devices: idle capacity is then lost as on a GPU. None: no cap.")
+        description="Fixed share of the machine's cores (of cpu_device_cores' cores when set) per CPU virtual device, "
+                    "a cap enforced by a cgroup CPU quota or a duty cycle, e.g. 0.125 for 8 devices: idle capacity is "
+                    "then lost, as on a GPU. CPU virtual devices of an embedded Ray only. null: no cap.")
     cpu_share_period_ms: float = Field(
         50.0, ge=5, le=1000,
-        description="Period over which cpu_compute_share is enforced (CFS cpu.max period). A call needing a "
-                    "little more CPU than one period's quota waits for the next period, so a short period "
-                    "quantizes device speed less; below ~10 ms CFS overshoots the quota (docs/e2e.md).")
+        description="Period over which cpu_compute_share is enforced, in ms (CFS cpu.max period). A call needing a "
+                    "little more CPU than one period's quota waits for the next period, so a short period quantizes "
+                    "device speed less; below ~10 ms CFS overshoots the quota (docs/e2e.md).")
     cpu_device_cores: str | int | None = Field(
-        None, description='Cores the CPU virtual devices run on (e.g. "1" or "2-7"); cpu_compute_share is then a '
-                          "fraction of these cores. Keeps devices on cores of one speed and the driver off them "
-                          "(docs/e2e.md). None: any core.")
+        None,
+        description='Cores every thread of the CPU virtual devices is pinned to, e.g. `"1"` or `"2-7"`; '
+                    "cpu_compute_share is then a fraction of these cores. Keeps devices on cores of one speed and the "
+                    "driver off them, so a device's speed does not depend on its neighbours (docs/workers.md). Cores "
+                    "the machine lacks are an error. null: any core.")
     component_placement: dict[str, Any] = Field(
         default_factory=lambda: {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
-        description='RLinf placement: component (or "a,b" for shared) -> device ids like "0-3" or "0-1,4-5".')
-    auto_scheduler: bool = Field(False, description="Dynamic scheduling (RLinf key); needs disjoint, ordered placement.")
+        description='RLinf placement (RLinf key): component -> device ids, e.g. `"0-3"`, `"0-1,4-5"`, `5` or `all`; '
+                    'one key naming several components (`"actor,rollout": 0-7`) shares those devices. Components: '
+                    "actor, rollout, inference, each placed once, on ids below the cluster's device count. `tidal "
+                    "train` needs the three on disjoint devices.")
+    auto_scheduler: bool = Field(
+        False,
+        description="Dynamic scheduling (RLinf key): devices move between components at run time under "
+                    "scheduler.policy (false: the static policy). Needs disjoint placements, contiguous in the order "
+                    "actor -> rollout -> inference with the actor from device 0.")
     use_pre_process_policy: bool = Field(
-        False, description="At step start the actor's devices also run rollout, handed back mid-step (RLinf key).")
+        False,
+        description="RLinf key, read by scheduler.policy `rlinf`: at step start the actor's devices also run rollout, "
+                    "handed back once running <= scheduler.pre_process_threshold x total tasks (polled every 1 s). "
+                    "Needs auto_scheduler.")
     use_wait_before_last_iter_policy: bool = Field(
-        False, description="Before the last actor iter wait for rollout and inference to finish (RLinf key).")
-    ray_address: str | None = Field(None, description="Ray cluster address; None starts an embedded local Ray.")
+        False,
+        description="RLinf key, read by scheduler.policy `rlinf`: before the actor's last iter, wait until rollout "
+                    "and inference have finished, then grow onto their devices. Needs auto_scheduler.")
+    ray_address: str | None = Field(None, description="Ray cluster address to join; null starts an embedded local Ray.")
 
     @model_validator(mode="after")
-    def _rlinf_devices_per_node(self) -> "ClusterConfig":
+    def _rlinf_devices_per_node(self) -> ClusterConfig:
         if self.num_gpus_per_node is not None:
             if "num_devices_per_node" in self.model_fields_set and self.num_devices_per_node != self.num_gpus_per_node:
                 raise ValueError(f"num_gpus_per_node={self.num_gpus_per_node} contradicts num_devices_per_node="
@@ -82,22 +104,35 @@ class ClusterConfig(Section):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files): the "
-                          "architecture, weights and tokenizer come from it, so the keys below except max_seq_len "
-                          "must stay unset. None: Tidal's own model, built from the keys below.")
-    vocab_size: int | None = Field(None, ge=2, description="None: the task tokenizer's size.")
-    hidden_size: int = Field(128, ge=8, description="Model width.")
-    num_layers: int = Field(4, ge=1, description="Decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Attention query heads.")
-    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention); divides num_heads.")
-    intermediate_size: int = Field(384, ge=8, description="SwiGLU hidden width.")
-    max_seq_len: int = Field(64, ge=4, description="Longest prompt + response, in tokens.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
-    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-    tie_embeddings: bool = Field(False, description="Share the input embedding with the output head.")
+        None,
+        description="Hugging Face checkpoint directory (config.json, `*.safetensors`, tokenizer files): the "
+                    "architecture, weights and tokenizer come from it, so the other model keys except max_seq_len "
+                    "must stay unset (RLinf: rollout.model.model_path). null: Tidal's own model, built from those "
+                    "keys and warm-started (warm_start).")
+    vocab_size: int | None = Field(
+        None, ge=2, description="Embedding rows of Tidal's own model; null: the task tokenizer's size.")
+    hidden_size: int = Field(
+        128, ge=8,
+        description="Width of Tidal's own model; a multiple of num_heads with an even head dim (hidden_size / "
+                    "num_heads).")
+    num_layers: int = Field(4, ge=1, description="Decoder layers of Tidal's own model.")
+    num_heads: int = Field(
+        4, ge=1, description="Attention query heads of Tidal's own model; a multiple of num_kv_heads.")
+    num_kv_heads: int = Field(
+        2, ge=1, description="Key/value heads of Tidal's own model (grouped-query attention); divides num_heads.")
+    intermediate_size: int = Field(384, ge=8, description="SwiGLU hidden width of Tidal's own model.")
+    max_seq_len: int = Field(
+        64, ge=4,
+        description="Longest prompt + response, in tokens; must exceed the response cap. With model.path and "
+                    "data.train_files and this key unset: data.max_prompt_length + the response cap (RLinf: "
+                    "runner.seq_length).")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base of Tidal's own model.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon of Tidal's own model.")
+    tie_embeddings: bool = Field(
+        False, description="Tidal's own model shares the input embedding with the output head.")
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelConfig":
+    def _heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -113,133 +148,252 @@ ARCH_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_hea
 
 
 class ActorConfig(Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="Actor TP size (divides heads, kv heads, actor devices).")
-    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
-    warmup_iters: int = Field(2, ge=0, description="Linear LR warmup, in optimizer steps (iters).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch pulled from the iter's queue.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Actor TP size; divides num_heads, num_kv_heads and the actor's device count, the rest being data "
+                    "parallel (RLinf: actor.model.tensor_model_parallel_size).")
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (RLinf: actor.optim.lr).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1,
+        description="Floor of the cosine LR decay as a fraction of lr, reached at the run's last iter (run.num_steps "
+                    "x algorithm.n_minibatches).")
+    warmup_iters: int = Field(
+        2, ge=0, description="Linear LR warmup, in optimizer steps (iters) (RLinf: actor.lr_sched.lr_warmup_iters).")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="AdamW (beta1, beta2) (RLinf: actor.optim.adam_beta1, adam_beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon (RLinf: actor.optim.adam_eps).")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay (RLinf: actor.optim.weight_decay).")
+    grad_clip: float = Field(
+        1.0, gt=0, description="Clip of the global gradient L2 norm (RLinf: actor.optim.clip_grad).")
+    micro_batch_size: int = Field(
+        8, ge=1,
+        description="Sequences per micro-batch; the actor's DP ranks pull micro-batches from the iter's shared queue "
+                    "(RLinf key, or algorithm.training_batch_size_per_gpu).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Compute dtype; auto: fp32 on CPU, bf16 (fp32 master weights) on GPU.")
+        "auto",
+        description="Actor compute dtype (RLinf: actor.model.precision): float32, bfloat16; `auto`: fp32 on CPU, bf16 "
+                    "with fp32 master weights on GPU. `tidal train` always computes in auto's dtype: the value is not "
+                    "passed to the actor.")
 
 
 class RolloutConfig(Section):
-    backend: Literal["native", "vllm"] = Field("native", description="Generation engine.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Devices per rollout instance.")
-    max_running_requests: int = Field(64, ge=1, description="Concurrent sequences per instance (RLinf key).")
-    max_new_tokens: int = Field(16, ge=1, description="Response length cap.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description="Generation engine: `native` (Tidal's torch engine) or `vllm` (RLinf: rollout.rollout_backend). "
+                    "`tidal train`'s rollout runs the native engine either way; `vllm` makes the scheduler plan "
+                    "migrations as re-prefills instead of KV-cache moves.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Devices per rollout instance (RLinf key); divides num_heads, num_kv_heads and the rollout device "
+                    "count. `tidal train` runs 1 only.")
+    max_running_requests: int = Field(64, ge=1, description="Concurrent sequences per rollout instance (RLinf key).")
+    max_new_tokens: int = Field(
+        16, ge=1,
+        description="Response length cap in tokens, below model.max_seq_len (RLinf: "
+                    "algorithm.sampling_params.max_new_tokens); data.max_response_length is verl's name for it (set "
+                    "one).")
+    temperature: float = Field(
+        1.0, ge=0, description="Sampling temperature; 0 is greedy (RLinf: algorithm.sampling_params.temperature).")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it (RLinf: algorithm.sampling_params.top_p).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it (RLinf: algorithm.sampling_params.top_k).")
     slices_ahead: int = Field(
-        2, ge=1, le=4, description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 "
-        "the next slice starts on the worker as the current one returns, not after the driver's round trip.")
+        2, ge=1, le=4,
+        description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 the next slice "
+                    "starts on the worker as the current one returns, not after the driver's round trip; 1: one at a "
+                    "time.")
 
 
 class InferenceConfig(Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="Devices per inference instance.")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per log-prob forward.")
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="Devices per inference (log-prob scoring) instance; divides num_heads, num_kv_heads and the "
+                    "inference device count (RLinf: inference.model.tensor_model_parallel_size). `tidal train` runs 1 "
+                    "only.")
+    micro_batch_size: int = Field(
+        32, ge=1,
+        description="Sequences per log-prob forward (RLinf: algorithm.logprob_forward_micro_batch_size). `tidal "
+                    "train` does not read it: it scores each group as one batch of group_size sequences, so the "
+                    "result does not depend on which groups arrive together.")
 
 
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
-    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (GRPO group).")
-    n_minibatches: int = Field(2, ge=1, description="Optimizer steps (iters) per RL step (RLinf key).")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range.")
-    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient; 0 skips the reference model.")
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm: `grpo`, the only one (RLinf: algorithm.adv_type).")
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (GRPO group; RLinf key).")
+    n_minibatches: int = Field(
+        2, ge=1,
+        description="Actor optimizer steps (iters) per RL step (RLinf key); divides rollout_batch_size x group_size, "
+                    "so every iter has the same global batch.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range (RLinf: algorithm.ratio_clip_eps).")
+    kl_coef: float = Field(
+        0.0, ge=0,
+        description="KL-to-reference coefficient of the GRPO loss (k3 estimator; RLinf: algorithm.kl_beta); 0 needs "
+                    "no reference model. `tidal train` computes no reference log-probs, so a value > 0 stops its "
+                    "first actor iter with an error.")
 
 
 class DataConfig(Section):
-    task: str = Field("addition", description="Built-in verifiable-reward task, used when train_files is empty.")
+    task: str = Field(
+        "addition",
+        description="Built-in verifiable-reward task (addition, multiplication, sorting): the prompts when "
+                    "train_files is empty; with model.path they go through the checkpoint's tokenizer. Not set "
+                    "together with train_files.")
     train_files: list[str] = Field(
-        default_factory=list, description="Prompt files (.jsonl, .parquet) of the RL stream, e.g. GSM8K's train "
-                                          "split or a verl-layout parquet. Empty: the built-in `task`.")
+        default_factory=list,
+        description="Prompt files (.jsonl, .parquet) of the RL stream, e.g. GSM8K's train split or a verl-layout "
+                    "parquet; need model.path and val_files (RLinf: data.train_data_paths). Empty: the built-in "
+                    "`task`.")
     val_files: list[str] = Field(
-        default_factory=list, description="Held-out prompt files for the accuracy evaluation (needed with "
-                                          "train_files); the first eval_size prompts are scored.")
-    prompt_key: str = Field("prompt", min_length=1, description="Column of the prompt: text, or a list of "
-                            "chat messages as in verl's `prompt`. Dotted paths reach into nested columns.")
-    answer_key: str = Field("answer", min_length=1, description="Column of the ground truth, e.g. `answer` "
-                            "(GSM8K) or `reward_model.ground_truth` (verl).")
-    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens (after the chat template); "
-                                   "longer ones are filtered (counted in the summary) or an error (truncation).")
+        default_factory=list,
+        description="Held-out prompt files for the accuracy evaluation, needed with (and only with) train_files; the "
+                    "first eval_size prompts are scored (RLinf: data.val_data_paths).")
+    prompt_key: str = Field(
+        "prompt", min_length=1,
+        description="Column of the prompt: text, or a list of chat messages as in verl's `prompt`. Dotted paths reach "
+                    "into nested columns (RLinf key).")
+    answer_key: str = Field(
+        "answer", min_length=1,
+        description="Column of the ground truth, e.g. `answer` (GSM8K) or `reward_model.ground_truth` (verl); a "
+                    "dotted path like prompt_key (RLinf key).")
+    max_prompt_length: int = Field(
+        512, ge=1,
+        description="Longest prompt of the data files (train and val) in tokens, after the chat template; longer ones "
+                    "are filtered (counted in the summary) or an error (data.truncation). RLinf key.")
     max_response_length: int | None = Field(
         None, ge=1, description="Response length cap in tokens (verl's name for rollout.max_new_tokens; set one).")
     truncation: Literal["filter", "error"] = Field(
-        "filter", description="Prompts over max_prompt_length: filter drops and counts them, error stops the run.")
-    shuffle: bool = Field(True, description="Shuffle the prompt files' rows each epoch (seeded by data.seed).")
+        "filter",
+        description="Prompts over max_prompt_length: `filter` drops and counts them, `error` stops the run (RLinf: "
+                    "data.filter_prompt_by_length: true is filter).")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle the prompt files' rows each epoch (seeded by data.seed); false: file order (RLinf key).")
     apply_chat_template: bool | None = Field(
-        None, description="Render each prompt as a user message with the generation prompt through the "
-                          "tokenizer's chat template. None: on when the tokenizer has a template.")
+        None,
+        description="Render each prompt as a user message with the generation prompt through model.path's chat "
+                    "template (RLinf key). null: on when the tokenizer has a template.")
     chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3.")
-    rollout_batch_size: int = Field(16, ge=1, description="Prompts per RL step (RLinf key).")
-    eval_size: int = Field(256, ge=1, description="Held-out prompts per evaluation.")
-    seed: int = Field(0, description="Seed of the train/held-out splits and of the files' shuffle.")
+        default_factory=dict,
+        description="Extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3 (RLinf: "
+                    "data.apply_chat_template_kwargs).")
+    rollout_batch_size: int = Field(16, ge=1, description="Prompts (GRPO groups) per RL step (RLinf key).")
+    eval_size: int = Field(
+        256, ge=1, description="Held-out prompts per evaluation (also the warm start's held-out set).")
+    seed: int = Field(
+        0,
+        description="Seed of the built-in task's train/held-out split, of the files' shuffle and of the warm start's "
+                    "examples (RLinf key).")
 
 
 class RewardConfig(Section):
     function: str | None = Field(
-        None, description="Verifier: gsm8k (#### N, else the last number), gsm8k_strict, math (last \\boxed{} "
-                          "by symbolic equivalence, math-verify), exact, or `module.path:function` with verl's "
-                          "signature compute_score(data_source, solution_str, ground_truth, extra_info=None). "
-                          "None: the built-in task's verifier, or gsm8k with data files.")
-    timeout_s: float = Field(10.0, gt=0, le=3600, description="Longest one reward call may take; one that "
-                             "takes longer scores 0 and is counted (reward/timeouts).")
+        None,
+        description="Verifier: gsm8k (#### N, else the last number), gsm8k_strict, math (last \\boxed{} by symbolic "
+                    "equivalence, math-verify), exact, or `module.path:function` with verl's signature "
+                    "compute_score(data_source, solution_str, ground_truth, extra_info=None) (RLinf: "
+                    "reward.reward_type: math is math). null: gsm8k with data files, exact with a built-in task; "
+                    "Tidal's own model takes only null (its tasks' exact verifier).")
+    timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="Longest one call of `math` or a custom function may take (they run in a child process); one that "
+                    "takes longer scores 0 and is counted (reward/timeouts). exact, gsm8k and gsm8k_strict run "
+                    "inline, without a limit.")
 
 
 class WarmStartConfig(Section):
-    num_examples: int = Field(2000, ge=1, description="Labelled examples of the supervised warm start (small on purpose).")
+    num_examples: int = Field(
+        2000, ge=1,
+        description="Labelled examples of the supervised warm start (small on purpose). The warm start trains Tidal's "
+                    "own model (model.path unset) on data.task before RL and is cached by its settings under "
+                    "run.output_dir/.warmstart/; `tidal warm-start` reads the same keys.")
     iters: int = Field(2400, ge=0, description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
     lr: float = Field(1e-3, gt=0, description="Warm-start AdamW learning rate.")
     batch_size: int = Field(64, ge=1, description="Warm-start sequences per step.")
-    label_noise: float = Field(0.3, ge=0, lt=1, description="Fraction of labelled examples with one wrong answer digit.")
-    checkpoint: str | None = Field(None, description="Load warm-start weights from this safetensors file instead.")
+    label_noise: float = Field(
+        0.3, ge=0, lt=1, description="Fraction of labelled examples with one wrong answer digit.")
+    checkpoint: str | None = Field(
+        None,
+        description="Start Tidal's own model from this safetensors file (its tensors must fit the model keys) instead "
+                    "of warm-starting it. null: warm start.")
 
 
 class SchedulerConfig(Section):
     policy: Literal["tidal", "rlinf", "static"] = Field(
-        "tidal", description="Device reallocation policy when cluster.auto_scheduler is on.")
+        "tidal",
+        description="Device reallocation policy when cluster.auto_scheduler is on: `tidal` (moves only when its cost "
+                    "model predicts they pay), `rlinf` (RLinf's scheduler, flaws included), `static` (never moves a "
+                    "device). auto_scheduler off: static.")
     pre_process_threshold: float = Field(
-        0.5, gt=0, le=1, description="rlinf pre-process: hand back when running <= threshold x total tasks.")
+        0.5, gt=0, le=1,
+        description="rlinf policy with cluster.use_pre_process_policy: the actor's devices come back once running <= "
+                    "threshold x total tasks (RLinf: cluster.preprocess_threshold).")
     margin_s: float = Field(
-        0.0, ge=0, description="tidal: a move must beat doing nothing by this many predicted seconds on top of "
-                                "its own modelled cost (churn guard).")
+        0.0, ge=0,
+        description="tidal: a move must beat doing nothing by this many predicted seconds on top of its own modelled "
+                    "cost (churn guard).")
     margin_frac: float = Field(
-        0.01, ge=0, lt=1, description="tidal: ... plus this fraction of the predicted seconds the move improves "
-                                     "on (the model's error grows with what it predicts).")
+        0.01, ge=0, lt=1,
+        description="tidal: ... plus this fraction of the predicted seconds the move improves on (the model's error "
+                    "grows with what it predicts).")
     grow_on_return: bool = Field(
-        True, description="tidal: when devices lent at step start return, it may also release rollout "
-                          "instances and grow the actor at once (false: the next iter boundary decides).")
+        True,
+        description="tidal: when devices lent at step start return, it may also release rollout instances and grow "
+                    "the actor at once (false: the next iter boundary decides).")
     lend_actor: bool = Field(
-        True, description="tidal: while the actor waits for its next mini-batch, its devices may host rollout "
-                          "instances when the cost model says it pays (false: they stay with the actor).")
+        True,
+        description="tidal: while the actor waits for its next mini-batch, its devices may host rollout instances "
+                    "when the cost model says it pays (false: they stay with the actor).")
     return_on_generated: bool = Field(
-        True, description="tidal: devices lent while the actor waits come back once its mini-batch is generated, "
-                          "so the moves run while its last groups are scored (false: once it is scored).")
+        True,
+        description="tidal: devices lent while the actor waits come back once its mini-batch is generated, so the "
+                    "moves run while its last groups are scored (false: once it is scored).")
 
 
 class RunConfig(Section):
-    name: str = Field("run", description="Run name (MLflow run name, output folder).")
-    num_steps: int = Field(10, ge=1, description="RL steps.")
-    seed: int = Field(0, description="Seed of model init and sampling.")
-    output_dir: str = Field("runs", description="Parent of the run's output folder.")
-    eval_every: int = Field(1, ge=1, description="Evaluate held-out accuracy every N steps.")
-    checkpoint_every: int = Field(0, ge=0, description="Checkpoint every N steps; 0: only at the end.")
-    save_hf: bool = Field(False, description="Also write the model as a Hugging Face directory (hf/ beside each "
-                          "checkpoint and at the end): config.json, safetensors, tokenizer, generation_config.")
+    name: str = Field(
+        "run",
+        description="Run name: the MLflow run's name and the output folder `<output_dir>/<name>-<time>` (RLinf: "
+                    "runner.experiment_name).")
+    num_steps: int = Field(10, ge=1, description="RL steps (RLinf: runner.max_steps).")
+    seed: int = Field(0, description="Seed of the model init and of sampling (RLinf: actor.seed).")
+    output_dir: str = Field(
+        "runs",
+        description="Parent of the run's output folder and of the warm-start cache .warmstart/ (RLinf: "
+                    "runner.output_dir).")
+    eval_every: int = Field(
+        1, ge=1,
+        description="Evaluate held-out accuracy every N steps and after the last one, besides once before the first "
+                    "(RLinf: runner.val_check_interval).")
+    checkpoint_every: int = Field(
+        0, ge=0,
+        description="Checkpoint (`<run folder>/checkpoints/gen-N`) every N steps; the end of the run always gets one; "
+                    "0: only at the end (RLinf: runner.save_interval).")
+    save_hf: bool = Field(
+        False,
+        description="With each checkpoint also write the model as a Hugging Face directory `<run folder>/hf/step-N` "
+                    "(config.json, safetensors, tokenizer, generation_config.json; the newest two are kept). Needs "
+                    "model.path.")
     save_hf_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype of save_hf's weights; auto: that of model.path's checkpoint (fp32 otherwise).")
+        "auto",
+        description="dtype of save_hf's weights: float32, bfloat16, float16; `auto`: that of model.path's checkpoint "
+                    "on disk.")
 
 
 class TrackingConfig(Section):
-    db_url: str = Field("sqlite:///tidal.db", description="Platform database (SQLite default, PostgreSQL by URL).")
-    mlflow_uri: str = Field("sqlite:///mlruns.db", description="MLflow tracking URI; sqlite:/// needs no server.")
-    mlflow_artifacts: str = Field("mlartifacts", description="MLflow artifact location (explicit).")
-    experiment: str = Field("tidal", description="MLflow experiment name.")
+    db_url: str = Field(
+        "sqlite:///tidal.db",
+        description="Platform database URL: SQLite by default, PostgreSQL by URL. $TIDAL_DB_URL, when set, replaces "
+                    "it before the key=value overrides.")
+    mlflow_uri: str = Field(
+        "sqlite:///mlruns.db",
+        description="MLflow tracking URI; sqlite:/// needs no server. $MLFLOW_TRACKING_URI, when set, replaces it "
+                    "before the key=value overrides.")
+    mlflow_artifacts: str = Field(
+        "mlartifacts",
+        description="Artifact location (a directory, made absolute) given to the MLflow experiment when it is "
+                    "created; an existing experiment keeps its own.")
+    experiment: str = Field("tidal", description="MLflow experiment name (RLinf: runner.logger.project_name).")
 
 
 class TidalConfig(Section):
@@ -395,7 +549,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
-        node, default = data, defaults
+        node = data
+        default: Any = defaults  # walks the defaults alongside; below a leaf it is None
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
             default = default.get(part) if isinstance(default, dict) else None

@@ -62,9 +62,21 @@ from typing import Any
 
 import yaml
 
-from tidal.config import (ActorConfig, AlgorithmConfig, ClusterConfig, DataConfig, InferenceConfig, ModelConfig,
-                          RolloutConfig, RunConfig, SchedulerConfig, TidalConfig, TrackingConfig, WarmStartConfig,
-                          read_yaml)
+from tidal.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    ClusterConfig,
+    DataConfig,
+    InferenceConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SchedulerConfig,
+    TidalConfig,
+    TrackingConfig,
+    WarmStartConfig,
+    read_yaml,
+)
 from tidal.convert_rlinf_builder import Builder, Carried, Dropped
 from tidal.convert_rlinf_interpolation import SUPPORTED_RESOLVERS, resolve_interpolations, resolve_lenient
 from tidal.convert_rlinf_mapping import map_keys
@@ -83,7 +95,7 @@ class Conversion:
     source: str | None = None           # file it came from, for the YAML header
 
 
-def convert(doc: dict, *, source: str | None = None) -> Conversion:
+def convert(doc: object, *, source: str | None = None) -> Conversion:
     """Map an RLinf experiment mapping (interpolations resolved here) onto a plain Tidal config mapping."""
     field = source or "rlinf config"
     if not isinstance(doc, dict):

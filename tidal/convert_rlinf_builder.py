@@ -4,8 +4,9 @@ dropped with which reason, and the checked readers (`as_int`, `as_float`, ...) t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tidal.convert_rlinf_interpolation import Unresolved
 from tidal.convert_rlinf_keys import NULL, pattern_reason, reason

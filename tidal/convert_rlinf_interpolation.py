@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import Container, OmegaConf
-from omegaconf.errors import (GrammarParseError, InterpolationKeyError, InterpolationResolutionError,
-                              InterpolationToMissingValueError, OmegaConfBaseException, UnsupportedInterpolationType)
+from omegaconf.errors import (
+    GrammarParseError,
+    InterpolationKeyError,
+    InterpolationResolutionError,
+    InterpolationToMissingValueError,
+    OmegaConfBaseException,
+    UnsupportedInterpolationType,
+)
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 from omegaconf.grammar_parser import parse
 
@@ -110,7 +116,7 @@ def resolve_interpolations(doc: dict, field: str = "rlinf config") -> dict:
     if tree.invalid:
         raise next(iter(tree.invalid.values()))
     try:
-        return OmegaConf.to_container(tree.cfg, resolve=True)
+        return cast(dict, OmegaConf.to_container(tree.cfg, resolve=True))  # a DictConfig's container is a dict
     except OmegaConfBaseException as err:
         tree.value(())          # leaf by leaf: raises the ConfigError naming the first leaf that fails
         raise ConfigError(f"{field}: {getattr(err, 'full_key', None) or '<root>'}", None,
@@ -124,7 +130,7 @@ def resolve_lenient(doc: dict, field: str) -> dict:
     tree = _Tree(doc, field)
 
     def walk(node: dict, path: tuple) -> dict:
-        out = {}
+        out: dict[Any, Any] = {}
         for k, v in node.items():
             if isinstance(v, dict):
                 out[k] = walk(v, path + (k,))

@@ -8,7 +8,8 @@ key, else "no Tidal equivalent". The mapping (convert_rlinf_mapping) gives its o
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _MEGATRON = "Megatron-LM setting; Tidal's actor is its own engine"
 _FSDP = "FSDP setting; Tidal's actor is its own engine"
@@ -94,7 +95,10 @@ def _by_value(ok: Callable[[Any], bool], desc: str, bad: str) -> Callable[[Any],
     return lambda v: f"matches Tidal's behaviour: {desc}" if ok(v) else f"value not supported: {bad}"
 
 
-_ONE = (lambda v: exactly(v, 1))
+def _ONE(v: Any) -> bool:
+    return exactly(v, 1)
+
+
 _PP = _by_value(_ONE, "no pipeline parallelism", "Tidal has no pipeline parallelism")
 _BY_VALUE: dict[str, Callable[[Any], str]] = {
     "algorithm.recompute_logprobs": _by_value(lambda v: v is True, "old log-probs are always recomputed (inference)",

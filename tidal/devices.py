@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 
 class Owner(str, enum.Enum):

@@ -263,6 +263,7 @@ def check(path: str | Path, *, max_seq_len: int | None = None, prompt: str = DEF
         par.update(status="skipped", reason=f"needs about {_gib(parity_bytes)} of memory, {_gib(avail)} available "
                    "(run it on a larger machine, or pass --no-parity)")
     else:
+        assert ids is not None  # read with the tokenizer whenever transformers is installed
         par.update(_parity(hf, ids, transformers, tolerance))
     report["parity"] = par
     report["max_abs_logit_diff"] = par["max_abs_logit_diff"]

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from tidal.errors import LayoutError, TidalError
 
 # 8 heads and 8 kv heads: any TP in 1, 2, 4, 8; vocab 37 and SwiGLU width 52 split unevenly.
-CHECK_MODEL = dict(vocab_size=37, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=8,
+CHECK_MODEL: dict[str, Any] = dict(vocab_size=37, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=8,
                    intermediate_size=52, max_seq_len=16)
 
 
@@ -132,7 +133,7 @@ def _validate(text: str, flag: str, world: int):
     try:
         check_tp(ModelArgs(**CHECK_MODEL), lay.tp)
     except LayoutError as e:
-        raise LayoutError(f"{flag}.tp", lay.tp, e.problem, "use tp in 1, 2, 4, 8 (the check model has 8 heads)")
+        raise LayoutError(f"{flag}.tp", lay.tp, e.problem, "use tp in 1, 2, 4, 8 (the check model has 8 heads)") from e
     for d in range(lay.dp):
         grp = lay.tp_group(d)
         if list(grp) != sorted(grp):

@@ -40,7 +40,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import yaml
 
@@ -48,7 +48,8 @@ from tidal.config import TidalConfig, build_config, flatten
 from tidal.errors import TidalError
 
 #: objective -> direction (real runs only: accuracy)
-OBJECTIVES = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize", "idle": "minimize",
+Direction = Literal["minimize", "maximize"]
+OBJECTIVES: dict[str, Direction] = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize", "idle": "minimize",
               "accuracy": "maximize"}
 REAL_ONLY = ("accuracy",)
 POLICY_KEY = "scheduler.policy"
@@ -104,7 +105,7 @@ class SweepSpace:
     overrides: tuple[str, ...] = ()          #: real runs' overrides
 
     @property
-    def directions(self) -> list[str]:
+    def directions(self) -> list[Direction]:
         return [OBJECTIVES[o] for o in self.objectives]
 
 
@@ -133,7 +134,7 @@ def _param(path: str, key: str, spec: object, earlier: dict[str, Param]) -> Para
             raise _err(path, f"{where}.when", k, "names no key drawn before this one",
                        f"list {k} above {key} in `space:` (conditions look at earlier keys)")
         when.append((k, v))
-    kind = spec.get("type") or ("choice" if "choices" in spec else "float")
+    kind: Any = spec.get("type") or ("choice" if "choices" in spec else "float")
     if kind == "bool":
         return Param(key, "bool", when=tuple(when))
     if kind == "choice":
@@ -143,12 +144,21 @@ def _param(path: str, key: str, spec: object, earlier: dict[str, Param]) -> Para
         return Param(key, "choice", tuple(choices), when=tuple(when))
     if kind not in ("int", "float"):
         raise _err(path, f"{where}.type", kind, "unknown type", "use bool, int, float or choice")
-    lo, hi = spec.get("low"), spec.get("high")
+    lo: Any = spec.get("low")
+    hi: Any = spec.get("high")
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (lo, hi)) or not lo <= hi:
         raise _err(path, where, f"low={lo}, high={hi}", "needs numbers low <= high", "e.g. {low: 0.1, high: 0.9}")
     if spec.get("log") and lo <= 0:
         raise _err(path, f"{where}.low", lo, "a log scale needs low > 0", "raise low or drop log: true")
     return Param(key, kind, low=float(lo), high=float(hi), log=bool(spec.get("log")), when=tuple(when))
+
+
+@overload
+def _resolve(path: str, space_path: Path) -> str: ...
+
+
+@overload
+def _resolve(path: None, space_path: Path) -> None: ...
 
 
 def _resolve(path: str | None, space_path: Path) -> str | None:
@@ -246,9 +256,9 @@ def as_overrides(params: dict[str, Any]) -> list[str]:
 
 def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float]:
     """The settings on the simulator (the same policy code as real runs)."""
+    from tidal.pipeline.tracked_run import load_run_config
     from tidal.scheduler.simulator import simulate
     from tidal.scheduler.workload import rlinf_example
-    from tidal.pipeline.tracked_run import load_run_config
     if space.workload == BUILTIN:
         spec = rlinf_example(space.devices or 8)
         spec = replace(spec, params=replace(spec.params, **{SIM_KEYS[k]: v for k, v in params.items()
@@ -262,11 +272,12 @@ def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float
 
 
 def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], name: str, sink: Any,
-               parent_run_id: str, tags: dict[str, str]) -> tuple[dict[str, float], str, int]:
+               parent_run_id: str, tags: dict[str, str]) -> tuple[dict[str, float], str | None, int | None]:
     """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
     Returns (objective values, MLflow run id, database run id)."""
     from tidal.pipeline.run import run_training
     from tidal.pipeline.tracked_run import RunTracking, load_run_config, run_dir
+    assert space.config is not None  # check_space requires it of real runs
     cfg = load_run_config(space.config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
     out = run_dir(cfg)
     tracking = RunTracking.open(cfg, out, sink=sink, parent_run_id=parent_run_id, tags=tags)
@@ -304,7 +315,7 @@ class SweepReport:
     study: str
     storage: str
     objectives: list[str]
-    directions: list[str]
+    directions: list[Direction]
     n_trials: int                      #: complete trials in the study (all invocations)
     n_failed: int
     best_trial: int
@@ -333,6 +344,7 @@ class Sweep:
     def __init__(self, space: SweepSpace, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
                  storage: str | None = None, study: str | None = None):
         import optuna
+
         from tidal.pipeline.tracked_run import env_overrides, load_run_config
         from tidal.tracking import MlflowSink
         check_space(space, real)
@@ -415,16 +427,16 @@ class Sweep:
         complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
         failed = sum(t.state == optuna.trial.TrialState.FAIL for t in trials)
         if not complete:
-            errors = {t.user_attrs.get("error") for t in trials if t.user_attrs.get("error")}
+            errors = {t.user_attrs["error"] for t in trials if t.user_attrs.get("error")}
             raise TidalError("SPACE", self.space.path, f"no trial of study {self.study_name!r} completed "
                              f"(errors: {sorted(errors)[:3]})", "fix the space so its settings make valid configs")
         sign = [1.0 if d == "minimize" else -1.0 for d in self.space.directions]
         front = sorted(self.study.best_trials, key=lambda t: tuple(s * v for s, v in zip(sign, t.values)))
         objs = list(self.space.objectives)
-        pareto = [{"number": t.number, "params": t.params, "values": dict(zip(objs, t.values)),
+        pareto: list[dict[str, Any]] = [{"number": t.number, "params": t.params, "values": dict(zip(objs, t.values)),
                    "mlflow_run_id": t.user_attrs.get("mlflow_run_id")} for t in front]
         best = pareto[0]
-        values = {k: v for k, v in best["values"].items()}
+        values = dict(best["values"])
         self.sink.log_metrics({f"best/{k}": v for k, v in values.items()} | {"sweep/n_trials": len(complete)},
                               len(complete))
         return SweepReport(self.study_name, _masked(self.storage), objs, self.space.directions, len(complete),

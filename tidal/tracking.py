@@ -50,11 +50,12 @@ import posixpath
 import re
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tidal.errors import TidalError
 
@@ -162,7 +163,8 @@ class _RunState:
 class _EventsMixin:
     """Event bookkeeping shared by both sinks: metrics derived from a record, the JSON list."""
 
-    # both sinks keep `_stack`, the open runs (innermost last)
+    _stack: list[_RunState]  # both sinks keep `_stack`, the open runs (innermost last)
+
     @property
     def run_id(self) -> str | None:
         return self._stack[-1].run_id if self._stack else None
@@ -274,12 +276,12 @@ class MlflowSink(_EventsMixin):
         self.artifact_root = self._client.get_experiment(self.experiment_id).artifact_location
 
     @classmethod
-    def from_config(cls, tracking: Any, flush_every_s: float = 30.0) -> "MlflowSink":
+    def from_config(cls, tracking: Any, flush_every_s: float = 30.0) -> MlflowSink:
         """Build from a `TrackingConfig` (`mlflow_uri`, `mlflow_artifacts`, `experiment`)."""
         return cls(tracking.mlflow_uri, tracking.experiment, tracking.mlflow_artifacts, flush_every_s)
 
     @property
-    def client(self) -> "MlflowClient":
+    def client(self) -> MlflowClient:
         return self._client
 
     def start_run(self, name: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
@@ -360,7 +362,7 @@ class MlflowSink(_EventsMixin):
         while self._stack:
             self.end_run("KILLED")
 
-    def __enter__(self) -> "MlflowSink":
+    def __enter__(self) -> MlflowSink:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -459,7 +461,7 @@ def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = 
             table.add_section()
         section = row.section
         cells = [_fmt(v) for v in row.values]
-        distinct = len({c for c in cells}) > 1
+        distinct = len(set(cells)) > 1
         table.add_row(row.section, row.key, *[f"[bold]{c}[/]" if distinct and row.section == "metric" else c
                                               for c in cells])
     console.print(table)

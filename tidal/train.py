@@ -20,7 +20,6 @@ from rich.table import Table
 from tidal.errors import ConfigError
 
 
-
 def _spark(values: list[float]) -> str:
     bars = "▁▂▃▄▅▆▇█"
     if not values:
@@ -54,11 +53,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--resume", args.resume, "is not a flow parameter yet", "drop --flow to resume")
         from tidal.flows.rl_training import rl_training
         from tidal.tasks.requests import TrainingRequest
-        summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
-                                              track=not args.no_track))
+        flow_summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
+                                                   track=not args.no_track))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
+            Path(args.json).write_text(json.dumps(flow_summary, indent=1, default=str))
         return 0
     for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
         os.environ.setdefault(k, v)

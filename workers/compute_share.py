@@ -91,7 +91,7 @@ def cpu_time_s(pid: int) -> float:
         except (FileNotFoundError, ProcessLookupError):
             continue  # thread exited between listing and reading, or no schedstat in this kernel
     if not seen or not total_ns:
-        # No schedstat, or one that reads 0 for live threads (gVisor, the GPU machine's sandbox): the
+        # No schedstat, or one that reads 0 for live threads (gVisor and similar sandboxes): the
         # kernel does not account there, and a duty cycle reading 0 would never stop its target.
         return stat_cpu_time_s(pid)
     return total_ns / 1e9

@@ -5,9 +5,9 @@
     pauses.take()                   # -> (seconds, longest pause, collections) since the last take
 
 Why: a full (generation 2) collection of a process holding a model, an engine and Ray's objects scans every
-container object it has. On the GPU machine's host the driver paused 0.12-0.18 s about once every 7 steps
-(tenth session), and occasional reshards took 0.2 s while their workers worked 0.03 s: the pauses are now
-recorded per step and per reshard to tell the two apart. `freeze()` moves everything alive now (the model,
+container object it has: a driver pauses 0.12-0.18 s about once every 7 steps of the CPU e2e workload, and a
+reshard can take 0.2 s while its workers work 0.03 s; the pauses are recorded per step and per reshard to tell
+the two apart. `freeze()` moves everything alive now (the model,
 the engine, imported modules) into the permanent generation, which later collections do not scan: objects made
 once at setup stop costing every collection. Objects freed by reference counting are freed as before; only
 cycles among frozen objects stay until the process ends.

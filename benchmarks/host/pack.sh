@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds .hostpack/: what the e2e benchmark needs on the lent GPU machine that its image lacks (it has torch,
+# Builds .hostpack/: what the e2e benchmark needs on a GPU machine that its image lacks (it has torch,
 # numpy, yaml, matplotlib, safetensors, aiohttp, grpcio; no Ray, no pydantic), for Python 3.12, x86-64.
 #
-#   benchmarks/host/pack.sh            # then: device run, carry [".hostpack"], command: benchmarks/host/run.sh ...
+#   benchmarks/host/pack.sh            # then, on the GPU machine, with .hostpack/ copied beside the checkout:
+#                                      # benchmarks/host/run.sh ...
 #
-# The device tool carries at most 64 MiB; the Ray wheel alone is 79 MB. Ray is therefore packed as a tar.xz
-# of the wheel without the libraries a benchmark worker never imports (RLlib, Data, Serve, Tune, Train, LLM,
-# the dashboard's web client, the Java jars): 28 MB. The version is pyproject's.
+# The pack travels with the checkout, whose untracked files may hold at most 64 MiB; the Ray wheel alone is
+# 79 MB. Ray is therefore packed as a tar.xz of the wheel without the libraries a benchmark worker never imports
+# (RLlib, Data, Serve, Tune, Train, LLM, the dashboard's web client, the Java jars): 28 MB. The version is
+# pyproject's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PACK=.hostpack

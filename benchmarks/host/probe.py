@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidal.workers.compute_share import ComputeShare, stat_cpu_time_s, cpu_time_s
+from tidal.workers.compute_share import ComputeShare, cpu_time_s, stat_cpu_time_s
 
 
 def achieved(cores: float, seconds: float, backend: str) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs a command of this repo on a machine with torch preinstalled and no package registry (the GPU machine's
-# image: torch 2.11 and the rest), with .hostpack/ installed (pack.sh).
+# Runs a command of this repo on a machine with torch preinstalled and no package registry (e.g. a GPU
+# machine's image: torch 2.11 and the rest), with .hostpack/ installed (pack.sh).
 #
 #   benchmarks/host/run.sh python benchmarks/e2e.py --quick --device-cores 8-15 --share 0.03125 --json $OUT/e2e.json
 #

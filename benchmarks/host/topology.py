@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", default="8|8,9|8,0|8-15|0-7|0-15:2|1-15:2|0-15",
                     help='"|"-separated core sets, each like "8-15", "8,9" or "0-15:2"')
     a = ap.parse_args(argv)
-    res = {"name": "host_topology", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    res = {"name": "host_topology", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "cpu_count": os.cpu_count(), "thread_siblings": siblings(), "seconds": a.seconds, "sets": []}
     alone = None
     for text in a.sets.split("|"):

@@ -10,6 +10,8 @@ Autogenerate renders batch operations so new revisions also run on SQLite.
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import context
 from sqlalchemy import text
 
@@ -18,7 +20,7 @@ from tidal.db.models import Base
 from tidal.db.session import make_engine
 
 config = context.config
-OPTIONS = dict(target_metadata=Base.metadata, version_table=VERSION_TABLE, render_as_batch=True,
+OPTIONS: dict[str, Any] = dict(target_metadata=Base.metadata, version_table=VERSION_TABLE, render_as_batch=True,
                compare_type=True, include_name=include_name)
 
 
@@ -33,7 +35,9 @@ def run_offline() -> None:
 def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is None:  # the alembic CLI pointed at this directory: make our own engine
-        engine = make_engine(config.get_main_option("sqlalchemy.url"))
+        url = config.get_main_option("sqlalchemy.url")
+        assert url is not None, "the alembic CLI needs sqlalchemy.url"
+        engine = make_engine(url)
         with engine.connect() as connection:
             _migrate(connection)
         engine.dispose()

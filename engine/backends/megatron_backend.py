@@ -43,8 +43,9 @@ sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded (`mode
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,11 +53,21 @@ from torch import nn
 
 from tidal.engine.actor import ExportedWeights, IterReport
 from tidal.engine.backends import megatron_cpu as mc
-from tidal.engine.backends.megatron_map import (FC1, megatron_tp_shard, padded_vocab_size, to_megatron,
-                                                transformer_config)
+from tidal.engine.backends.megatron_map import (
+    FC1,
+    megatron_tp_shard,
+    padded_vocab_size,
+    to_megatron,
+    transformer_config,
+)
 from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
-from tidal.engine.backends.megatron_state_reshard import (StateViews, execute_state, gather_ranges, plan_state,
-                                                          split_unit_range)
+from tidal.engine.backends.megatron_state_reshard import (
+    StateViews,
+    execute_state,
+    gather_ranges,
+    plan_state,
+    split_unit_range,
+)
 from tidal.engine.backends.protocol import register_backend
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, init_global_weights
@@ -114,6 +125,7 @@ class _Stack:
         cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
         with mc.cpu_shim():
             from megatron.core.models.gpt.gpt_model import GPTModel
+
             from tidal.engine.backends.megatron_map import gpt_layer_spec, gpt_model_kwargs
             model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
         model.to(device)

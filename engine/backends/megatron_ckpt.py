@@ -42,8 +42,18 @@ import torch
 import torch.distributed as dist
 
 from tidal.engine.backends.megatron_cpu import cpu_shim, import_megatron
-from tidal.engine.backends.megatron_map import (EXTRA_STATE_LINEARS, FC1, QK_NORMS, QKV, QKV_BIAS, QKVShape,
-                                                check_megatron_args, fuse_qkv, padded_vocab_size, split_qkv)
+from tidal.engine.backends.megatron_map import (
+    EXTRA_STATE_LINEARS,
+    FC1,
+    QK_NORMS,
+    QKV,
+    QKV_BIAS,
+    QKVShape,
+    check_megatron_args,
+    fuse_qkv,
+    padded_vocab_size,
+    split_qkv,
+)
 from tidal.engine.layout import split
 from tidal.engine.model import ModelArgs, check_tp
 from tidal.errors import TidalError
@@ -55,7 +65,7 @@ _NORM_KEYS = {"input_layernorm.weight": "decoder.layers.self_attention.linear_qk
 
 #: checkpoint key (after `decoder.layers.`) of a model switch -> (the switch, what the tensor is)
 _SWITCH = {QKV_BIAS: ("model.qkv_bias", "q/k/v biases"),
-           **{key: ("model.qk_norm", "q/k norms") for key in QK_NORMS.values()}}
+           **dict.fromkeys(QK_NORMS.values(), ("model.qk_norm", "q/k norms"))}
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 

@@ -10,11 +10,12 @@ on CPU, and on a machine with CUDA every one of them is a no-op (`cpu_shim` patc
 | GlobalMemoryBuffer.get_tensor (attention scores buffer)        | torch.cuda.current_device()        | cpu_shim
 | dist_checkpointing FileSystemWriterAsync.preload_tensors (D2H) | torch.cuda.synchronize()           | cpu_shim
 | dist_checkpointing save_state_dict_async_finalize (fail flag)  | torch.cuda.current_device()        | cpu_shim
-| fused_softmax default causal mask (utils.get_default_causal_mask) | torch.ones(..., device="cuda")  | pass an explicit
-|                                                                 |                                    | mask (`causal_mask`)
+| fused_softmax default causal mask                              | torch.ones(..., device="cuda")     | pass an explicit
+|   (utils.get_default_causal_mask)                              |                                    | `causal_mask`
 | CudaRNGStatesTracker.fork around attention dropout             | torch.cuda RNG state               | megatron's own
-|                                                                 |                                    | inference tracker
-|                                                                 |                                    | (no dropout here)
+|                                                                |                                    | inference
+|                                                                |                                    | tracker (no
+|                                                                |                                    | dropout here)
 | param_and_grad_buffer._ParamAndGradBuffer (DDP param/grad bufs)| device=torch.cuda.current_device() | cpu_shim
 | MixedPrecisionOptimizer.__init__ (optimizer.py:481, 485)       | torch.tensor(..., device='cuda')   | optimizer_shim
 | clip_grads.get_grad_norm_fp32 / clip_grad_by_total_norm_fp32   | torch.zeros(..., device='cuda')    | optimizer_shim
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,7 @@ def import_megatron():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import megatron.core  # noqa: F401
+            import megatron.core
             from megatron.core import parallel_state  # noqa: F401
     except ImportError as e:
         raise ImportError("megatron-core is not installed: pip install 'tidal[megatron]' "

@@ -8,7 +8,8 @@ Three namespaces for the same weights::
     ours (param_specs)                    GPTModel module (local spec)              dist_checkpointing key
     embed_tokens.weight [V, h]            embedding.word_embeddings.weight [Vp, h]  same            [Vp, h]
     layers.i.input_layernorm.weight       decoder.layers.i.input_layernorm.weight   decoder.layers.self_attention.
-                                                                                      linear_qkv.layer_norm_weight [L, h]
+                                                                                      linear_qkv.layer_norm_weight
+                                                                                      [L, h]
     layers.i.self_attn.{q,k,v}_proj       decoder.layers.i.self_attention.          decoder.layers.self_attention.
                                             linear_qkv.weight (fused, see below)      linear_qkv.weight [L, G(r+2)D, h]
     layers.i.self_attn.{q,k,v}_proj.bias  ...self_attention.linear_qkv.bias         ...linear_qkv.bias [L, G(r+2)D]
@@ -128,7 +129,7 @@ class QKVShape:
     head_dim: int
 
     @staticmethod
-    def of(args: ModelArgs) -> "QKVShape":
+    def of(args: ModelArgs) -> QKVShape:
         return QKVShape(args.num_kv_heads, args.num_heads // args.num_kv_heads, args.head_dim)
 
     @property

@@ -15,8 +15,8 @@ Both are collective over the world like every other verb.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -19,8 +19,9 @@ importable, "megatron" (engine/backends/megatron_backend.py: GPTModel + megatron
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.errors import ConfigError
@@ -75,8 +76,9 @@ def make_backend(name: str, *args: Any, **kwargs: Any) -> ActorBackend:
 
 def _load_builtin() -> None:
     # the native backend registers itself on import; importing it here keeps `protocol` free of engine imports
-    import tidal.engine.backends.native  # noqa: F401
     import importlib.util
+
+    import tidal.engine.backends.native
     if "megatron" not in _REGISTRY and importlib.util.find_spec("megatron") is not None \
             and importlib.util.find_spec("megatron.core") is not None:
         import tidal.engine.backends.megatron_backend  # noqa: F401  (registers "megatron")

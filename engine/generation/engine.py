@@ -22,9 +22,10 @@ tails: run CPU engines with torch.set_num_threads(1) (our workers do) when bit-e
 Exactness guarantee (measured, see tests/test_generation.py): a request's tokens and log-probs are a function
 of (weights, prompt, sampling params, seed) only, not of which requests share its batch, its slot, or its
 arrival time, and not of migrations between engines with equal `numerics` (decode rows, whether rows gather
-their slots, dtype, device type, TP size, max_seq_len; same torch build and thread count). Why: prefill is per request; decode has fixed shapes
-(R rows, S keys); sampling uses the request's own generator. Bigger batched prefills or a dynamic decode width
-would be faster but change round-off with batch composition (a flipped argmax/sample), so we do not use them.
+their slots, dtype, device type, TP size, max_seq_len; same torch build and thread count). Why: prefill is per
+request; decode has fixed shapes (R rows, S keys); sampling uses the request's own generator. Bigger batched
+prefills or a dynamic decode width would be faster but change round-off with batch composition (a flipped
+argmax/sample), so we do not use them.
 
 Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
 with KV; `commit_export` forgets them, `cancel_export` unfreezes them. `import_state` queues them first in
@@ -53,8 +54,15 @@ import torch
 
 from tidal.engine.generation import sampler
 from tidal.engine.generation.kv_cache import SlotKVCache
-from tidal.engine.generation.protocol import (EngineStatus, GenerationEngine, GenerationError,
-                                              IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
+from tidal.engine.generation.protocol import (
+    TRANSITIONS,
+    EngineStatus,
+    GenerationEngine,
+    GenerationError,
+    IllegalTransition,
+    check_importable,
+    check_request_ids,
+)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import Transformer
 from tidal.engine.tp import _size
@@ -89,7 +97,7 @@ class EngineConfig:
             raise TidalError("reprefill", self.reprefill, "unknown mode", 'use "replay" or "single_pass"')
 
     @staticmethod
-    def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> "EngineConfig":
+    def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> EngineConfig:
         return EngineConfig(rollout_cfg.max_running_requests, kv_budget_bytes)
 
 
@@ -199,7 +207,8 @@ class NativeEngine(GenerationEngine):
         n, s, v = len(request.prompt_ids), self.args.max_seq_len, self.args.vocab_size
         if n >= s:
             raise TidalError("prompt_ids", n, f"request {request.request_id!r}: a prompt of {n} tokens leaves no "
-                             f"room to generate within max_seq_len={s}", "shorten the prompt or raise model.max_seq_len")
+                             f"room to generate within max_seq_len={s}",
+                             "shorten the prompt or raise model.max_seq_len")
         bad = [t for t in request.prompt_ids if not 0 <= t < v]
         if bad:
             raise TidalError("prompt_ids", bad[:5], f"request {request.request_id!r}: token ids outside the vocab "
@@ -367,7 +376,8 @@ class NativeEngine(GenerationEngine):
         reason = None
         if token in p.stop_token_ids:
             reason = "stop"
-        elif len(live.tokens) >= p.max_new_tokens or len(live.request.prompt_ids) + len(live.tokens) >= self.args.max_seq_len:
+        elif (len(live.tokens) >= p.max_new_tokens
+              or len(live.request.prompt_ids) + len(live.tokens) >= self.args.max_seq_len):
             reason = "length"
         new = ((token,), (logprob,)) if live.request.stream else ((), ())
         if reason is None:
@@ -473,7 +483,7 @@ class NativeEngine(GenerationEngine):
             raise TidalError("weights", f"missing {missing[:4]}, unexpected {extra[:4]}",
                              "names must be exactly the model's parameter names (param_specs)",
                              "build the shard with tidal.engine.generation.weights.rollout_shard")
-        for name, p in own.items():
+        for name in own:
             if tuple(weights[name].shape) != self._param_shapes[name]:
                 raise TidalError(f"weights[{name!r}]", tuple(weights[name].shape),
                                  f"is not this rank's TP shard shape {self._param_shapes[name]} (tp={self.tp})",

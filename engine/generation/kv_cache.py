@@ -1,7 +1,8 @@
 """Slot KV cache: one fixed-capacity slot per running request, laid out so decode is row-exact.
 
 Per layer two slabs `k`, `v` of shape [W, H_kv_local, S, D]: W slots (+1 dummy slot for padding rows when
-the engine pads the decode batch, see engine.py), S = the model's `max_seq_len`. A request owns one slot from admission to finish; its first `kv_len` positions are valid.
+the engine pads the decode batch, see engine.py), S = the model's `max_seq_len`. A request owns one slot
+from admission to finish; its first `kv_len` positions are valid.
 
 Why fixed shapes: on CPU a GEMM's per-row round-off depends on the number of rows M (measured with torch
 2.13/oneDNN: rows of `F.linear` fall into classes M=1, M=2..15, M>=16 with different bits), but at a fixed M
@@ -66,10 +67,10 @@ class SlotKVCache:
         return length
 
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------
-    def prefill_writer(self, slot: int | torch.Tensor) -> "_PrefillWriter":
+    def prefill_writer(self, slot: int | torch.Tensor) -> _PrefillWriter:
         return _PrefillWriter(self, slot)
 
-    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None = None) -> "_Decoder":
+    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None = None) -> _Decoder:
         """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r)."""
         return _Decoder(self, positions_R, row_slot_R)
 

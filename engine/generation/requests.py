@@ -65,7 +65,7 @@ class SamplingParams:
         return self.temperature == 0
 
     @staticmethod
-    def from_config(rollout_cfg, stop_token_ids: tuple[int, ...] = ()) -> "SamplingParams":
+    def from_config(rollout_cfg, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         """From `tidal.config.RolloutConfig` plus the tokenizer's stop ids (eos)."""
         return SamplingParams(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k,
                               rollout_cfg.max_new_tokens, tuple(stop_token_ids))
@@ -75,7 +75,7 @@ class SamplingParams:
                 "max_new_tokens": self.max_new_tokens, "stop_token_ids": list(self.stop_token_ids)}
 
     @staticmethod
-    def from_meta(meta: dict) -> "SamplingParams":
+    def from_meta(meta: dict) -> SamplingParams:
         return SamplingParams(float(meta["temperature"]), float(meta["top_p"]), int(meta["top_k"]),
                               int(meta["max_new_tokens"]), tuple(meta["stop_token_ids"]))
 
@@ -103,7 +103,7 @@ class Request:
                 "stream": self.stream, "params": self.params.to_meta()}
 
     @staticmethod
-    def from_meta(meta: dict) -> "Request":
+    def from_meta(meta: dict) -> Request:
         return Request(str(meta["request_id"]), tuple(meta["prompt_ids"]), SamplingParams.from_meta(meta["params"]),
                        int(meta["seed"]), bool(meta["stream"]))
 
@@ -162,7 +162,7 @@ class RequestState:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def without_kv(self) -> "RequestState":
+    def without_kv(self) -> RequestState:
         """The same request for the re-prefill path (tokens + generator state only)."""
         return RequestState(self.request, list(self.token_ids), list(self.logprobs), self.generator_state.clone(),
                             self.policy_version, None, 0, "", self.num_migrations)

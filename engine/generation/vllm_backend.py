@@ -75,8 +75,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tidal.engine.generation.protocol import (EngineStatus, GenerationEngine, GenerationError,
-                                              IllegalTransition, TRANSITIONS, check_importable, check_request_ids)
+from tidal.engine.generation.protocol import (
+    TRANSITIONS,
+    EngineStatus,
+    GenerationEngine,
+    GenerationError,
+    IllegalTransition,
+    check_importable,
+    check_request_ids,
+)
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, read_hf_config
 from tidal.engine.model import ModelArgs, param_specs
@@ -231,7 +238,7 @@ class _Server:
 
     def __init__(self, python: Path, env: dict[str, str], log_path: Path, timeout_s: float):
         self.log_path = log_path
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the child's stderr for its lifetime; close() closes it
         self.proc = subprocess.Popen([str(python), "-I", "-u", str(SERVER_SCRIPT)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=str(log_path.parent))
         self._lines: queue.Queue = queue.Queue()
@@ -358,7 +365,7 @@ class VLLMEngine(GenerationEngine):
         """Stop the server and delete the temp dir (also done at garbage collection / exit)."""
         self._finalizer()
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc) -> None:

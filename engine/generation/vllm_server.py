@@ -77,10 +77,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402  (after the environment above)
-import vllm  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+import torch  # after the environment above
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 
 class ProtocolError(Exception):

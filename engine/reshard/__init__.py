@@ -1,4 +1,4 @@
-"""Online resharding of the actor between any two layouts: public values (plan, report, errors).
+"""Online resharding of the actor between any two layouts `(tp, dp, devices)`: plan, execute, commit.
 
 A reshard is **plan, then execute, then commit**::
 
@@ -7,8 +7,11 @@ A reshard is **plan, then execute, then commit**::
     commit (two-phase)                       all-reduce an ok flag; all ok: swap to the new shards;
                                              any failure anywhere: every rank keeps its old shards, drops new
 
-Every world rank takes part (group creation and the votes are collective over the world); a rank in neither
-layout plans, votes and does nothing else. `ActorShard.reshard` (engine/actor.py) drives it.
+Entry points: `plan_reshard` and the plan values `ReshardPlan`, `Move`, `MetaMove` (here); `ReshardReport`
+(`metrics()` for the sink), `ReshardError` (rolled back), `FaultInjected` and `PHASES` (fault hooks for tests).
+`ActorShard.reshard` (engine/actor.py) drives `_commit.reshard_state`; `_plan` and `_execute` are private.
+
+Imports: torch, torch.distributed and `tidal.engine.layout` / `tidal.engine.optim` only (no Ray, no driver).
 
 A plan is a frozen, hashable value, identical on every rank:
 - `Move(spec, what, src, dst, box)`: the region `box` (global coordinates of parameter `spec`) goes from world
@@ -18,6 +21,14 @@ A plan is a frozen, hashable value, identical on every rank:
   `keep_rng`, the torch generator state of new rank `dst` come from old rank `src`. RNG rule: new rank (t, d)
   keeps the generator of old rank (t, d) when the old layout had those coordinates, else it is seeded from
   `rng_seed(seed, step, t, d)` (engine/optim.py).
+
+Invariants:
+- exact: every byte moves unchanged, so A -> B -> A is bit-identical (parameters, fp32 masters, both Adam
+  moments, step, data cursor, the RNG rule), for any layouts, disjoint or overlapping device sets and uneven DP
+  sizes included (tests/test_reshard.py, `tidal reshard-check`);
+- all or nothing: a failure at any phase on any rank rolls every rank back to its old shards (`ReshardError`);
+- every world rank takes part (group creation and the votes are collective over the world); a rank in neither
+  layout plans, votes and does nothing else.
 
 Worked example: tp=1,dp=2 on devices (0,1) -> tp=2,dp=1 on (2,3), a parameter of shape (4, 6) split on dim 0.
 Old rank 0 owns flat [0, 12) = rows 0-1, rank 1 owns rows 2-3 (optimizer); both hold all rows (param). New rank

@@ -51,7 +51,7 @@ class Region:
     def contiguous(self) -> bool:
         return len(self.size) == 1 or self.size[0] == 1 or self.size[1] == self.stride[0]
 
-    def rows(self, lo: int, hi: int) -> "Region":
+    def rows(self, lo: int, hi: int) -> Region:
         return Region(self.buf, self.offset + lo * self.stride[0], (hi - lo,) + self.size[1:], self.stride)
 
 
@@ -302,7 +302,7 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
     for w in meta_works:
         w.wait()
     if new is not None and prog.meta_from is not None:
-        src, keep = prog.meta_from
+        _src, keep = prog.meta_from
         raw = meta_in if meta_in is not None else meta_bytes(old, device)
         apply_meta(new, raw, keep, seed)
     for buf in staging.values():

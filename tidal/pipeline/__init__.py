@@ -1,1 +1,17 @@
-"""The RL pipeline driver: one RL step streams prompt groups rollout -> inference -> actor on device workers."""
+"""A training run on device workers: one RL step streams prompt groups rollout -> inference -> actor.
+
+- `run.py` (`TrainingRun`: inputs, workers, steps, checkpoints, MLflow and database records; `run_training`),
+  `inputs.py` (model, tokenizer, prompts and verifier from a config), `task_checkpoint.py` (`tidal warm-start`).
+- `driver.py` (`Pipeline`: one step's event loop: feeds rollout and inference, starts actor iters, syncs
+  weights), `cluster.py` (`Cluster`, `StepState`: components by device, calls in flight, the step's work),
+  `control.py` (`ControlLoop`: observe -> decide -> reconcile at the driver's triggers; learning at step end),
+  `actuator.py` (`RayActuator`: the scheduler's actions as worker calls and ledger transitions).
+- `checkpointing.py`, `recording.py`, `timeline.py`, `tracked_run.py`: checkpoints, events, device time lines.
+
+May import: the core (`tidal.errors`, `tidal.config`, `tidal.placement`, `tidal.devices`), `tidal.engine`,
+`tidal.workers`, `tidal.scheduler`, `tidal.tracking`, `tidal.db`.
+
+Invariants: iter k trains on the sequences [k*S/n, (k+1)*S/n) of the step in group-id order, whatever the
+placement, so a dynamic run updates exactly like a static one; a device changes owner only through the
+`DeviceLedger`; every scheduler action is one `action` event with its outcome.
+"""

@@ -1,15 +1,16 @@
 """One RL training run on device workers: stream prompt groups rollout -> inference -> actor, step by step.
 
 The driver owns the step's shared work queue and the event loop; workers own the state (see
-`tidal.workers.roles`). Everything the scheduler decides is applied through `Cluster` (the actuation
-surface the reconciler drives), so a static run is simply a run whose policy never acts.
+`tidal.workers.roles`). Everything the scheduler decides goes through the control loop
+(`tidal.pipeline.control`: observe -> decide -> reconcile through `RayActuator`), so a static run is simply a
+run whose policy never acts.
 
 Who waits on whom, within a step::
 
     driver queue ──groups──► rollout_run (each instance, time slices)  ──finished groups──┐
                                                                                            v
     actor_train_iter(k) ◄──iter k's samples (whole groups, group-id order)── inference_score (what arrived)
-          │ at every iter boundary: signals -> policy.decide -> reconciler.apply (migrate, release, reshard)
+          │ at every iter boundary: observe -> policy -> reconcile (migrate, release, reshard)
           v after the last iter
     weights -> rollout + inference (version + 1); actor back to its initial layout; evaluate
 
@@ -25,23 +26,25 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tidal.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
 from tidal.engine.datasets import DataPosition
 from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
 from tidal.engine.layout import Layout
-from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.pipeline.actuator import RayActuator
+from tidal.pipeline.cluster import ROLES, Cluster, Flight, StepState
+from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.timeline import Timeline
 from tidal.workers.gc_pauses import GcPauses
-from tidal.workers.roles import KEPT, ROLLOUT_INTERRUPT
+from tidal.workers.roles import KEPT
 from tidal.workers.rollout_instance import PromptGroup
-from tidal.workers.runtime import CallHandle, WorkerGroup
+from tidal.workers.runtime import WorkerGroup
 
 log = logging.getLogger("tidal.pipeline")
-ROLES = "tidal.workers.roles"
 
 
 @dataclass
@@ -53,26 +56,14 @@ class StepResult:
     events: list[dict]
 
 
-@dataclass
-class _Flight:
-    """A call in flight: what it is, on which device, when it started."""
-
-    kind: str
-    device: int
-    handle: CallHandle
-    t0: float
-    payload: Any = None
-
-
 def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], reserve: bool) -> list[int]:
     """How many groups of the scoring queue (ids, sorted) each idle inference device takes now, in order.
 
     At most 2 groups a call: short calls keep results flowing and keep a world-collective reshard from waiting
     seconds for a long scoring batch to drain. With `reserve` (groups of the actor's next mini-batch, `urgent`,
     are still generating) a call takes only urgent groups, or else one later group, on one device at a time:
-    the others stay free for the mini-batch's last groups. On the GPU machine's host the last group of mini-batch
-    0 waited 0.1-0.18 s behind later groups' 2-group calls when tidal's lent instances ran those in the first
-    wave (static: 0.04-0.1 s; eleventh session)."""
+    the others stay free for the mini-batch's last groups (without the reserve the last group of mini-batch 0
+    waits 0.1-0.18 s behind later groups' 2-group calls when lent instances run those in the first wave)."""
     per = min(2, max(1, -(-len(queue) // max(1, idle))))
     out, i = [], 0
     for _ in range(idle):
@@ -88,112 +79,6 @@ def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], rese
         i += take
         busy += 1
     return out
-
-
-@dataclass
-class StepState:
-    """What the driver knows during one step (rebuilt each step)."""
-
-    step: int
-    queue: deque
-    num_groups: int
-    given: dict[int, int] = field(default_factory=dict)          # instance -> groups handed out, not emitted
-    total_given: dict[int, int] = field(default_factory=dict)    # instance -> sequences ever given this step
-    signals: dict[int, dict] = field(default_factory=dict)       # instance -> last rollout signals
-    to_score: list[RolloutGroup] = field(default_factory=list)
-    scoring: int = 0
-    scored: dict[int, ScoredGroup] = field(default_factory=dict)
-    gen_time: dict[int, float] = field(default_factory=dict)     # group id -> when it came back generated
-    score_time: dict[int, float] = field(default_factory=dict)   # group id -> when it came back scored
-    t_start: float = 0.0
-    generated: int = 0
-    iters_done: int = 0
-    iter_running: bool = False
-    last_iter_s: float = 0.0
-    held: bool = False
-    actor_metrics: list[dict] = field(default_factory=list)
-    iter_ranks: list[dict] = field(default_factory=list)   # the running iter's per-rank reports
-    # (mean batch, wall seconds per decode step) of every rollout call that generated: the decode cost, measured
-    decode_samples: list[tuple[float, float]] = field(default_factory=list)
-    # seconds per engine pump (admit + one decode step) inside the instance, per rollout call: the devices' own
-    # speed, whatever the driver and the policy do (the machine's drift, for comparing runs)
-    pump_samples: list[float] = field(default_factory=list)
-    # (groups, tokens, wall seconds) of every scoring call: the scoring cost, measured
-    score_samples: list[tuple[int, float, float]] = field(default_factory=list)
-    # (tp, dp, tokens, wall seconds) of every actor iter: its cost per layout, measured
-    iter_samples: list[tuple[int, int, float, float]] = field(default_factory=list)
-    iter_tokens: float = 0.0
-    # rollout instances' time the driver can see: seconds their calls spent generating (`busy_s`), their calls'
-    # wall time (submit -> result), and the gaps in which an instance held work but had no call to run it
-    rollout_busy_s: float = 0.0
-    rollout_call_s: float = 0.0
-    rollout_gap_s: float = 0.0
-    rollout_gc_s: float = 0.0    # the instances' garbage-collector pauses, summed
-    reward_timeouts: int = 0     # reward calls cut by reward.timeout_s (scored 0)
-    waiting_since: dict[int, float] = field(default_factory=dict)   # instance -> since when it holds work, no call
-    last_result: dict[int, float] = field(default_factory=dict)     # instance -> when its last call came back
-
-
-class Cluster:
-    """The actuation surface: devices by id, components, and the moves the scheduler may ask for."""
-
-    def __init__(self, group: WorkerGroup, ledger: DeviceLedger, timeline: Timeline, clock: Callable[[], float],
-                 actor_layout: Layout, rollout: tuple[int, ...], inference: tuple[int, ...]):
-        self.group, self.ledger, self.timeline, self.clock = group, ledger, timeline, clock
-        self.actor_layout = actor_layout
-        self.rollout: list[int] = list(rollout)       # instance id == its device id (rollout TP 1)
-        self.inference: list[int] = list(inference)
-        self.lent: set[int] = set()                   # rollout instances running on actor devices
-        self.inflight: dict[Any, _Flight] = {}
-        self.slice_seq: dict[int, int] = {}          # device -> number of its last rollout slice
-        self.events: list[dict] = []
-
-    # ---- calls -------------------------------------------------------------------------------------------
-    def submit(self, kind: str, device: int, fn: str, payload: Any = None, **kwargs) -> _Flight:
-        f = _Flight(kind, device, self.group.submit(device, f"{ROLES}:{fn}", **kwargs), self.clock(), payload)
-        self.inflight[f.handle.ref] = f
-        return f
-
-    def submit_slice(self, device: int, groups: list, budget_s: float) -> _Flight:
-        """A rollout time slice, numbered per device: an interrupt names the last number it ends, so every slice
-        queued by then ends and none submitted later does."""
-        self.slice_seq[device] = seq = self.slice_seq.get(device, -1) + 1
-        return self.submit("rollout", device, "rollout_run", groups=groups, budget_s=budget_s, seq=seq)
-
-    def busy(self, device: int) -> bool:
-        return any(f.device == device for f in self.inflight.values())
-
-    def calls(self, device: int, kind: str) -> int:
-        return sum(f.device == device and f.kind == kind for f in self.inflight.values())
-
-    def wait_any(self, timeout: float) -> list[tuple[_Flight, Any]]:
-        import ray  # imported late: Ray reads its environment (loopback, auth) at import time
-        if not self.inflight:
-            return []
-        ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
-        out = []
-        for ref in ready:
-            f = self.inflight.pop(ref)
-            out.append((f, self.group.gather([f.handle])[0]))
-        return out
-
-    def drain(self, handle: Callable[[_Flight, Any], None], devices: set[int] | None = None) -> None:
-        """Wait for calls in flight (on `devices`, or all) and hand their results to `handle`. Rollout time
-        slices among them are interrupted first: they end after the engine pump in progress instead of running
-        out their slice (up to `slice_s`, 0.1 s, per migration wave on the critical path otherwise)."""
-        slices = sorted({f.device for f in self.inflight.values()
-                         if f.kind == "rollout" and (devices is None or f.device in devices)})
-        if slices:   # by number: the slice running and the one queued behind it both end (see `submit_slice`)
-            self.group.interrupt({d: self.slice_seq[d] for d in slices}, ROLLOUT_INTERRUPT)
-        while any(devices is None or f.device in devices for f in self.inflight.values()):
-            for f, res in self.wait_any(1.0):
-                handle(f, res)
-
-    def record(self, kind: str, **fields) -> dict:
-        ev = {"kind": kind, "time": self.clock(), **fields}
-        self.events.append(ev)
-        log.info("%s %s", kind, {k: v for k, v in fields.items() if k != "kind"})
-        return ev
 
 
 class Pipeline:
@@ -222,7 +107,7 @@ class Pipeline:
         self.kept: frozenset[int] = frozenset()
         self._keeping: list = []
         self.weights_ref = None
-        self.reconciler = None  # set by start(); see tidal.scheduler.reconciler
+        self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
         self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
@@ -230,24 +115,27 @@ class Pipeline:
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
         import ray
-        from tidal.scheduler.reconciler import Reconciler
         c, g = self.cluster, self.group
         g.gather(g.submit_all(f"{ROLES}:setup", spec=self.spec))
         ref = ray.put(self._weights)
         g.gather(g.submit_all(f"{ROLES}:actor_init", layout=self.initial_layout, weights=ref))
-        # what the reconciler needs to plan reshards here rather than on (capped) workers
+        # what the actuator needs to plan reshards here rather than on (capped) workers
         self.program_inputs = g.call(self.initial_layout.devices[0], f"{ROLES}:actor_program_inputs")
         self.ledger.assign(self.initial_layout.devices, Owner.ACTOR, "placement")
         self.ledger.assign(c.rollout, Owner.ROLLOUT, "placement")
         self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
         self._load_generation(ref, step=0)
-        self.reconciler = Reconciler(self)
+        actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
+                               lambda d: {"weights": self.weights_for(d), "version": self.version},
+                               self.initial_layout, self.program_inputs)
+        self.control = ControlLoop(self.cfg, self.policy, self.sched_state, c, self.ledger, actuator,
+                                   self.initial_layout)
         if self.cfg.cluster.auto_scheduler:   # groups of every layout the actor can grow to: reshards stay local
             from tidal.engine.groups import growth_rank_sets
             sets = growth_rank_sets(self.initial_layout, self.cfg.placement.num_devices)
             if sets:
                 secs = max(g.gather(g.submit_all(f"{ROLES}:actor_make_groups", rank_sets=sets)))
-                self.reconciler.known_rank_sets(sets)
+                actuator.known_rank_sets(sets)
                 c.record("groups", step=0, rank_sets=len(sets), seconds=secs)
         self._weights = None
         # on every worker what exists now (model, actor state, engine, Ray's and the modules' objects) is not
@@ -291,7 +179,7 @@ class Pipeline:
                                "run_step(sync=False))")
         st = StepState(step, deque(groups), len(groups), t_start=t_start)
         self.step_state = st
-        self.reconciler.consult("start")
+        self.control.consult("start", st)
         n = cfg.algorithm.n_minibatches
         while st.iters_done < n:
             # scoring first: its calls run on the inference workers while the policy's actions (which touch
@@ -309,7 +197,7 @@ class Pipeline:
                 self._on_result(f, res)
         c.drain(self._on_result)
         self._keep_weights()
-        self.reconciler.consult("step_end")
+        self.control.end_step(st)
         if sync:
             self.sync_weights(step)
         self.data_pos = next_pos
@@ -435,7 +323,7 @@ class Pipeline:
         ready = self.iter_ready()
         # generated, not yet scored: the policy may move devices now, while its last groups are scored
         generated = ready or all(gid in st.gen_time for gid in self._iter_groups(st.iters_done))
-        if not self.reconciler.consult("boundary", data_ready=ready, data_generated=generated):
+        if not self.control.consult("boundary", st, data_ready=ready, data_generated=generated):
             st.held = True
             return
         st.held = False
@@ -444,7 +332,7 @@ class Pipeline:
         if self.cluster.lent & set(self.cluster.actor_layout.devices):
             if st.generated < st.num_groups:
                 return   # its devices host rollout instances: the actor trains once the policy takes them back
-            self.reconciler.return_lent("rollout is done: lent devices go back to the actor")
+            self.control.return_lent("rollout is done: lent devices go back to the actor")
             return   # the next pass asks the policy again, with the devices back, before the iter starts
         k, g, n = st.iters_done, self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
         gids = self._iter_groups(k)
@@ -460,7 +348,7 @@ class Pipeline:
                                 num_tokens=count_response_tokens(samples))
 
     # ---- results ------------------------------------------------------------------------------------------
-    def _on_result(self, f: _Flight, res: Any) -> None:
+    def _on_result(self, f: Flight, res: Any) -> None:
         st, c, now = self.step_state, self.cluster, self.clock()
         if f.kind == "rollout":
             records, sig = res
@@ -537,8 +425,8 @@ class Pipeline:
         """The actor's weights to every rollout and inference engine (the next policy version). An engine whose
         device kept a copy at the step end (`_keep_weights`) loads that one in place, with no trip through the
         driver; the others get the weights gathered from the actor through the object store. With the actor
-        spread over every device at the step end (the tidal policy's usual last iter) nothing travels: on the
-        GPU machine's host the gathered sync took 0.16-0.21 s, the kept copies 0.01 s (e2e, eleventh session)."""
+        spread over every device at the step end (the tidal policy's usual last iter) nothing travels (CPU e2e
+        workload: 0.16-0.21 s gathered, 0.01 s from kept copies)."""
         import ray
         c, g = self.cluster, self.group
         t0 = self.clock()

@@ -1,0 +1,406 @@
+"""The actuator of real runs (`scheduler.reconcile.Actuator` on Ray device workers): each action becomes calls
+on the workers, ledger transitions and one event.
+
+Ownership rules (tidal.devices): a device leaves its role as MOVING and becomes FREE only after its old role
+freed it; a device joins a role only from FREE. A failed action leaves the cluster as it was before it
+(migration is two-phase, resharding rolls back inside the engine) and its ledger moves are undone.
+
+State owned here: which devices host which component (`Cluster.rollout / inference / lent`, `inf_lent`), the
+process groups every worker has made (`rank_sets`), and the calls not waited for (`notes`: layout notes to
+workers outside a member-local reshard, a migration wave's commits), checked at the step end. The step's work
+bookkeeping (`StepState.given`, the instances' last reports) is the driver's; a migration carries it along.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tidal.devices import Owner
+from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
+from tidal.engine.layout import Layout
+from tidal.pipeline.cluster import ROLES, Cluster, StepState
+from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
+                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
+                                     StartRollout, Wait)
+from tidal.workers.roles import export_receipt
+
+Move = tuple[int, int, int | None]   # (source instance, target instance, groups: None = all)
+
+
+def move_reported(signals: dict[int, dict], src: int, dst: int, moved: dict) -> None:
+    """Carry a migration's work from `src`'s last report to `dst`'s: its open groups and their sequences in the
+    engine (running or waiting, with the tokens they generated); `moved` is the package's summary
+    (`roles.package_summary`). Queued groups need nothing: the reports count them as given minus in progress.
+    Without both reports, both go and the estimate falls back to the given groups until the next reports."""
+    a, b = signals.get(src), signals.get(dst)
+    if a is None or b is None:
+        signals.pop(src, None)
+        signals.pop(dst, None)
+        return
+    seqs, tokens, opened = moved["requests"], moved["tokens"], moved["open"]
+    started_a = a.get("running", 0) + a.get("waiting", 0)
+    signals[src] = {**a, "running": max(0, started_a - seqs), "waiting": 0,
+                    "progress": max(0, a.get("progress", 0) - tokens),
+                    "groups_in_progress": max(0, a.get("groups_in_progress", 0) - opened)}
+    signals[dst] = {**b, "running": b.get("running", 0) + seqs, "progress": b.get("progress", 0) + tokens,
+                    "groups_in_progress": b.get("groups_in_progress", 0) + opened}
+
+
+def migration_waves(moves: list[Move]) -> list[list[Move]]:
+    """`moves` cut, in order, into waves in which no device is both a source and a target: a wave's sources
+    then export exactly what they would have exported one move at a time."""
+    waves: list[list[Move]] = []
+    wave: list[Move] = []
+    srcs: set[int] = set()
+    dsts: set[int] = set()
+    for m in moves:
+        if m[0] in dsts or m[1] in srcs:
+            waves.append(wave)
+            wave, srcs, dsts = [], set(), set()
+        wave.append(m)
+        srcs.add(m[0])
+        dsts.add(m[1])
+    if wave:
+        waves.append(wave)
+    return waves
+
+
+class RayActuator:
+    """Applies actions to the workers of `cluster`. `drain(devices)` waits for the calls in flight on `devices`
+    and hands their results to the driver; `engine_load(device)` is the keyword arguments of `rollout_start` for
+    an engine started there mid-step (its weights and their version); `program_inputs` lets reshard programs be
+    planned here rather than on (capped) workers."""
+
+    def __init__(self, cluster: Cluster, drain: Callable[[set[int]], None],
+                 engine_load: Callable[[int], dict[str, Any]], initial_layout: Layout,
+                 program_inputs: dict | None):
+        self.c, self.group, self.ledger = cluster, cluster.group, cluster.ledger
+        self.drain, self.engine_load = drain, engine_load
+        self.program_inputs = program_inputs
+        self.inf_lent: list[int] = []     # inference devices now hosting rollout instances (LendInference)
+        # rank sets whose process groups every worker has made (mirrors engine.groups.GroupCache)
+        self.rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(initial_layout)
+                                                if len(r) >= 2}
+        self.notes: list = []
+        self.st: StepState | None = None
+
+    def begin_step(self, st: StepState) -> None:
+        self.st = st
+
+    def known_rank_sets(self, sets) -> None:
+        """Rank sets whose groups every worker has made (outside a reshard, e.g. at start)."""
+        self.rank_sets.update(tuple(sorted(r)) for r in sets if len(r) >= 2)
+
+    def settle_notes(self) -> None:
+        """Every call not waited for has run: a failed note or commit is a bug, raised here, not later."""
+        self.group.gather(self.notes)
+        self.notes = []
+
+    # ---- the actions ------------------------------------------------------------------------------------------
+    def wait(self, a: Wait) -> None:
+        pass   # the driver asks again at its next boundary pass
+
+    def migrate_requests(self, a: MigrateRequests) -> dict:
+        return self.migrate([(a.src, a.dst, a.count)])
+
+    def migrate_batch(self, a: MigrateBatch) -> dict:
+        return self.migrate(list(a.moves))
+
+    def release_rollout(self, a: ReleaseRollout) -> dict:
+        return self.finish_instances(a.instance_ids, a.migrate_to)
+
+    def return_from_rollout(self, a: ReturnFromRollout) -> dict:
+        out = self.finish_instances(a.instance_ids, a.migrate_to, back_to=Owner.ACTOR)
+        self.c.lent -= set(a.instance_ids)
+        return out
+
+    def release_inference(self, a: ReleaseInference) -> dict:
+        c, st, devices = self.c, self.st, list(a.devices)
+        self.drain(set(devices))
+        for d in devices:
+            if d not in c.inference:
+                raise ValueError(f"device {d} is not an inference device ({c.inference})")
+        if len(devices) == len(c.inference) and (st.to_score or st.scoring):
+            raise RuntimeError("inference still has groups to score; release it when done")
+        self.ledger.release(devices, "inference released")
+        self.group.gather([self.group.submit(d, f"{ROLES}:inference_release") for d in devices])
+        for d in devices:
+            c.inference.remove(d)
+        self.ledger.free(devices, "inference freed its memory")
+        return {"devices": devices}
+
+    def reshard_actor(self, a: ReshardActor) -> dict:
+        t = a.to_layout
+        return self.reshard(Layout(t.tp, t.dp, tuple(t.devices)))
+
+    def lend_to_rollout(self, a: LendToRollout) -> dict:
+        return self.start_instances(a.devices, lent=True)
+
+    def start_rollout(self, a: StartRollout) -> dict:
+        return self.start_instances(a.devices, lent=False)
+
+    def lend_inference(self, a: LendInference) -> dict:
+        """Idle inference devices host rollout instances (groups wait for scoring until they return)."""
+        c, devices = self.c, list(a.devices)
+        self.drain(set(devices))
+        self.ledger.release(devices, "inference lent to rollout")
+        self.ledger.land(devices, Owner.ROLLOUT, "inference lent to rollout")
+        self._start_engines(devices)
+        for d in devices:
+            c.inference.remove(d)
+            c.rollout.append(d)
+            self.inf_lent.append(d)
+        return {"devices": devices}
+
+    def return_to_inference(self, a: ReturnToInference) -> dict:
+        return self.return_inference(list(a.instance_ids))
+
+    # ---- mechanisms ---------------------------------------------------------------------------------------------
+    def migrate(self, moves: list[Move]) -> dict:
+        """Apply `moves` with the result of applying them one by one, in waves of concurrent calls (see
+        `migration_waves`). Per wave: every export at once, then every import (targets take their packages in
+        move order), then commit the exports whose import succeeded and cancel the others (two-phase per move: a
+        failed import leaves that move's groups on its source). A failure is raised after the whole wave is
+        settled; earlier waves stay applied."""
+        out = {"groups": 0, "kv_bytes": 0}
+        for wave in migration_waves(moves):
+            self._migrate_wave(wave, out)
+        return out
+
+    def _exchange(self, wave: list[Move]) -> tuple[list[dict], dict[int, list[int]], dict]:
+        """One call per device and phase: each source exports its moves' counts in wave order; each target, at
+        once, imports its packages in wave order straight from the exports' results in the object store (the KV
+        caches never pass through the driver). Returns each move's import result, the moves per source and the
+        sources' export calls."""
+        g = self.group
+        by_src: dict[int, list[int]] = {}
+        by_dst: dict[int, list[int]] = {}
+        for k, (s, t, _) in enumerate(wave):
+            by_src.setdefault(s, []).append(k)
+            by_dst.setdefault(t, []).append(k)
+        exports = {s: g.submit(s, f"{ROLES}:rollout_export_many", counts=[wave[k][2] for k in ks])
+                   for s, ks in by_src.items()}
+        where = {k: (exports[s].ref, i) for s, ks in by_src.items() for i, k in enumerate(ks)}
+        hs = [g.submit(t, f"{ROLES}:rollout_import_from", sources=[where[k] for k in ks]) for t, ks in by_dst.items()]
+        res: list[dict] = [{}] * len(wave)
+        for ks, h in zip(by_dst.values(), hs):
+            try:
+                got = g.gather([h])[0]
+            except Exception as err:   # the target's whole call failed: its moves stay on their sources
+                got = [{"ok": False, "error": f"{type(err).__name__}: {err}"}] * len(ks)
+            for k, r in zip(ks, got):
+                res[k] = r
+        # a move whose target failed as a whole has no receipt from it: read the source's own export result
+        for k, r in enumerate(res):
+            if "receipt" not in r and r.get("exported", True):
+                try:
+                    pkg = g.gather([exports[wave[k][0]]])[0][by_src[wave[k][0]].index(k)]
+                    res[k] = {**r, "receipt": export_receipt(pkg)}
+                except Exception:  # noqa: BLE001 - the export itself failed: nothing to settle
+                    pass
+        return res, by_src, exports
+
+    def _migrate_wave(self, wave: list[Move], out: dict) -> None:
+        c, st = self.c, self.st
+        t_idle = c.clock()
+        self.drain({d for s, t, _ in wave for d in (s, t)})
+        t0 = c.clock()
+        res, by_src, _ = self._exchange(wave)
+        failed = [(k, r["error"]) for k, r in enumerate(res) if not r["ok"]]
+        # each source settles its exports: commit, or cancel where the import failed
+        settles = [self.group.submit(s, f"{ROLES}:rollout_settle_exports",
+                                     receipts=[res[k]["receipt"] for k in ks if "receipt" in res[k]],
+                                     commit=[res[k]["ok"] for k in ks if "receipt" in res[k]])
+                   for s, ks in by_src.items()]
+        if failed:
+            self.group.gather(settles)   # a cancel must be done before the failure is reported
+        else:   # commits are ordered before any later call on their sources; checked with the layout notes
+            self.notes += settles
+        t1 = c.clock()
+        # where the wave went: draining its instances' slices, the slowest target's wait for (and fetch of) its
+        # exports and its imports, the rest (calls' round trips)
+        phases = {"drain": t0 - t_idle,
+                  "fetch": max((r.get("fetch_s", 0.0) for r in res), default=0.0),
+                  "import": max((r.get("import_s", 0.0) for r in res), default=0.0)}
+        for (src, dst, _), r in zip(wave, res):
+            if not r["ok"]:
+                continue
+            moved = r["queued"] + r["open"]
+            st.given[src] = max(0, st.given.get(src, 0) - moved)
+            st.given[dst] = st.given.get(dst, 0) + moved
+            move_reported(st.signals, src, dst, r)
+            c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=r["requests"],
+                     kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave),
+                     phases_s={name: round(sec, 4) for name, sec in phases.items()})
+            out["groups"] += moved
+            out["kv_bytes"] += r["kv_bytes"]
+        c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
+        if failed:
+            k, err = min(failed)
+            raise RuntimeError(f"{len(failed)} of {len(wave)} moves failed (rolled back on their sources); first: "
+                               f"{wave[k][0]} -> {wave[k][1]}: {err}")
+
+    def finish_instances(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
+        """Stop rollout instances `instance_ids` (their work migrates to `migrate_to`, or to any other instance);
+        their devices go to `back_to` (FREE, or straight back to the actor / inference)."""
+        c, st, ids = self.c, self.st, list(instance_ids)
+        targets = [t for t in migrate_to if t in c.rollout and t not in ids] or \
+            [t for t in c.rollout if t not in ids]
+        self.drain(set(ids))
+        moves: list[Move] = [(inst, targets[k % len(targets)], None) for k, inst in enumerate(ids)
+                             if st.given.get(inst, 0) and targets]
+        if moves:
+            self.migrate(moves)
+        for inst in ids:
+            if st.given.get(inst, 0):
+                raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
+                                   "take them")
+        self.ledger.release(ids, "rollout instance released")
+        handles = [self.group.submit(inst, f"{ROLES}:rollout_release") for inst in ids]   # all at once
+        refused = None
+        for inst, h in zip(ids, handles):
+            try:
+                self.group.gather([h])
+            except Exception as err:   # the instance still runs (it refused): it stays a rollout instance
+                self.ledger.land([inst], Owner.ROLLOUT, "release refused: rolled back")
+                refused = refused or err
+                continue
+            c.rollout.remove(inst)
+            if back_to is Owner.FREE:
+                self.ledger.free([inst], "rollout freed its memory")
+            else:
+                self.ledger.land([inst], back_to, "returned to the actor")
+        if refused is not None:
+            raise refused
+        return {"devices": ids}
+
+    def _start_engines(self, devices: list[int]) -> None:
+        g = self.group
+        g.gather([g.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), step=self.st.step,
+                           **self.engine_load(d)) for d in devices])
+
+    def start_instances(self, devices, lent: bool) -> dict:
+        """Rollout instances on `devices`: the actor's, lent for a while (the actor cannot train until they
+        return), or FREE devices as ordinary instances (`lent=False`)."""
+        c, devices = self.c, list(devices)
+        self.drain(set(devices))
+        if lent:
+            self.ledger.release(devices, "lent to rollout")
+            self.ledger.land(devices, Owner.ROLLOUT, "lent to rollout")
+        else:
+            self.ledger.assign(devices, Owner.ROLLOUT, "rollout instance started")
+        self._start_engines(devices)
+        for d in devices:
+            c.rollout.append(d)
+            if lent:
+                c.lent.add(d)
+        return {"devices": devices}
+
+    def return_inference(self, instance_ids: list[int]) -> dict:
+        """Lent inference devices score again (their work was migrated away first; their model is kept)."""
+        c = self.c
+        self.finish_instances(instance_ids, back_to=Owner.INFERENCE)
+        for d in instance_ids:
+            self.inf_lent.remove(d)
+            c.inference.append(d)
+        c.inference.sort()
+        return {"devices": list(instance_ids)}
+
+    def _prepare(self, old: Layout, new: Layout, ranks) -> dict:
+        """Every rank's reshard program, made here (`engine.reshard._commit.prepare_programs`, cached per pair
+        shape): the driver's core is not capped, while a capped CPU worker plans a new pair in seconds. Empty
+        when the actor's inputs are unknown: the ranks plan."""
+        inputs = self.program_inputs
+        if not inputs:
+            return {}
+        from tidal.engine.reshard._commit import prepare_programs
+        return prepare_programs(old, new, inputs["specs"], ranks, inputs["param_bytes"], inputs["bucket_bytes"])
+
+    def reshard(self, layout: Layout) -> dict:
+        """Move the actor. The first time a move needs a process group that does not exist yet it is collective
+        over the world (every worker idle first: group creation); later moves between known rank sets involve
+        only the devices of either layout, and every other worker keeps generating or scoring meanwhile (it
+        learns the new layout by a call queued behind its current one)."""
+        c, g, ledger = self.c, self.group, self.ledger
+        old = c.actor_layout
+        if layout == old:
+            return {}
+        sets = reshard_rank_sets(old, layout)
+        local = all(r in self.rank_sets for r in sets)
+        members = sorted(set(old.devices) | set(layout.devices))
+        t_idle = c.clock()
+        self.drain(set(members) if local else set(g.device_ids))
+        idle_s = c.clock() - t_idle
+        joining = [d for d in layout.devices if d not in old.devices]
+        leaving = [d for d in old.devices if d not in layout.devices]
+        ledger.assign(joining, Owner.ACTOR, f"actor grows to {layout}")
+        t0 = c.clock()
+        try:
+            ranks = members if local else list(g.device_ids)
+            prepared = self._prepare(old, layout, ranks)
+            prepare_s = c.clock() - t0
+            handles = [g.submit(d, f"{ROLES}:actor_reshard", layout=layout, current=old, local=local,
+                                prepared=prepared.get(d)) for d in ranks]
+            reports = [r for r in g.gather(handles) if r is not None]
+        except Exception:
+            ledger.release(joining, "reshard failed: rolled back")
+            ledger.free(joining, "reshard failed: rolled back")
+            raise
+        self.rank_sets.update(sets)
+        if local:   # the others learn the layout in order, without waiting for them now
+            others = [d for d in g.device_ids if d not in members]
+            self.notes += g.submit_all(f"{ROLES}:actor_set_layout", device_ids=others, layout=layout)
+        c.actor_layout = layout
+        if leaving:
+            ledger.release(leaving, f"actor shrinks to {layout}")
+            ledger.free(leaving, "actor freed its shards")
+        secs = c.clock() - t0
+        c.timeline.add_busy(members, "moving", "reshard", t0, t0 + secs)
+        self._record_reshard(old, layout, reports, secs, idle_s=idle_s, prepare_s=prepare_s, local=local)
+        return {"bytes_moved": max(r["bytes_moved"] for r in reports)}
+
+    def _record_reshard(self, old: Layout, new: Layout, reports: list[dict], secs: float, *, idle_s: float,
+                        prepare_s: float, local: bool) -> None:
+        """One event per reshard. The workers' own time excludes creating the layout's process groups (first use
+        of a layout: collective over the world); the rest of `secs` is that plus call overhead. Each rank
+        reports the whole plan's bytes."""
+        def slowest(key: str) -> float:
+            return max(r.get(key, 0.0) for r in reports)
+        phases = {k[len("phase_"):-2]: round(slowest(k), 4)
+                  for k in sorted({k for r in reports for k in r if k.startswith("phase_")})}
+        self.c.record("reshard", step=self.st.step, iter=self.st.iters_done, from_layout=str(old),
+                      to_layout=str(new), bytes_moved=max(r["bytes_moved"] for r in reports), seconds=secs,
+                      worker_s=max(r["seconds"] for r in reports), phases_s=phases,
+                      prepared=all(r.get("prepared") for r in reports), idle_s=idle_s, prepare_s=prepare_s,
+                      call_s=slowest("call_s"), gc_s=slowest("gc_s"), devices=list(new.devices),
+                      scope="members" if local else "world")
+
+    # ---- end of step ---------------------------------------------------------------------------------------
+    def return_lent(self, why: str) -> None:
+        """Every instance on lent actor devices goes back to the actor (their work, if any, migrates first)."""
+        c = self.c
+        if c.lent:
+            lent = sorted(c.lent)
+            self.finish_instances(lent, back_to=Owner.ACTOR)
+            c.lent.clear()
+            c.record("return_lent", step=self.st.step, devices=lent, reason=why)
+
+    def restore(self, initial_layout: Layout, rollout: tuple[int, ...], inference: tuple[int, ...]) -> None:
+        """Back to the initial placement for the next step's rollout (RLinf does the same)."""
+        c, ledger = self.c, self.ledger
+        self.return_lent("step end")
+        if self.inf_lent:
+            self.return_inference(list(self.inf_lent))
+        if c.actor_layout != initial_layout:
+            self.reshard(initial_layout)
+        back_r = [d for d in rollout if d not in c.rollout]
+        back_i = [d for d in inference if d not in c.inference]
+        if back_r:
+            ledger.assign(back_r, Owner.ROLLOUT, "step end: rollout placement restored")
+            c.rollout = sorted(c.rollout + back_r)
+        if back_i:
+            ledger.assign(back_i, Owner.INFERENCE, "step end: inference placement restored")
+            c.inference = sorted(c.inference + back_i)
+        if back_r or back_i:
+            c.record("restore", step=self.st.step, rollout=back_r, inference=back_i)
