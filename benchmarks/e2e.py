@@ -197,6 +197,7 @@ def actor_iters(run, cfg, reps: int = 2) -> list[tuple[int, float, float]]:
 
     from tidal.engine.grpo import count_response_tokens, flatten_groups
     from tidal.engine.layout import Layout
+    from tidal.workers import roles
     g, st = run.group, run.pipe.step_state
     n = cfg.sequences_per_iter
     samples = flatten_groups([st.scored[i] for i in sorted(st.scored)])[:n]
@@ -204,10 +205,10 @@ def actor_iters(run, cfg, reps: int = 2) -> list[tuple[int, float, float]]:
     out = []
     for dp in (2, 4, 6, 8):
         lay = Layout(1, dp, tuple(range(dp)))
-        g.gather(g.submit_all("tidal.workers.roles:actor_reshard", layout=lay))
+        g.gather(g.submit_all(roles.actor_reshard, layout=lay))
         for _ in range(reps):
             t0 = time.monotonic()
-            res = g.gather([g.submit(d, "tidal.workers.roles:actor_train_iter", samples=ref, num_tokens=tokens)
+            res = g.gather([g.submit(d, roles.actor_train_iter, samples=ref, num_tokens=tokens)
                             for d in lay.devices])
             out.append((dp, time.monotonic() - t0, max(r["actor/iter_s"] for r in res if r)))
     return out

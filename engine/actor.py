@@ -30,9 +30,9 @@ only rebinds a model built on the meta device to new storage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,10 @@ from tidal.engine.optim import (
 from tidal.engine.reshard import ReshardReport
 from tidal.engine.reshard._commit import reshard_state
 from tidal.errors import LayoutError
+
+# (t, d) of a rank in a layout. The methods that train, sum and publish run only on the layout's members, where
+# `coord` and `state` are set (and so are they for the DP peers): they cast away the None of those attributes.
+Coord = tuple[int, int]
 
 LossFn = Callable[[Transformer, Any, int], torch.Tensor]
 
@@ -149,10 +153,10 @@ class _OverlappedSum:
     0.30 s at dp 8."""
 
     def __init__(self, shard: ActorShard, n: int):
-        st, lay = shard.state, shard.layout
-        t, _ = shard.coord
+        st, lay = cast(ShardState, shard.state), shard.layout
+        t, _ = cast(Coord, shard.coord)
         self.shard, self.shape = shard, st.shape
-        self.peers = [(r, st.shape.peer(lay.coord(r)[1])) for r in shard._dp_ranks() if r != shard.rank]
+        self.peers = [(r, st.shape.peer(cast(Coord, lay.coord(r))[1])) for r in shard._dp_ranks() if r != shard.rank]
         self.parts: dict[int, torch.Tensor] = {}
         self.works: list = []
         self.sent: list[torch.Tensor] = []   # kept alive until the sends complete
@@ -248,25 +252,25 @@ class ActorShard:
             self._skeletons[self.layout] = (model, slots)
         model, slots = self._skeletons[self.layout]
         for i, (mod, pname) in enumerate(slots):
-            mod._parameters[pname] = nn.Parameter(self.state.param(i))
+            mod._parameters[pname] = nn.Parameter(cast(ShardState, self.state).param(i))
         self.model = model
         self._grad = None
 
     def _grad_buffer(self) -> torch.Tensor:
         if self._grad is None:
-            st = self.state
+            st, model = cast(ShardState, self.state), cast(Transformer, self.model)
             self._grad = self.pool.take(st.shape.param_total, self.dtype, self.device)
             for i, spec in enumerate(self.specs):
                 mod_name, _, pname = spec.name.rpartition(".")
                 off, n = st.shape.param_offsets[i], st.shape.param_numel[i]
-                p = self.model.get_submodule(mod_name)._parameters[pname]
+                p = cast(nn.Parameter, model.get_submodule(mod_name)._parameters[pname])
                 p.grad = self._grad[off:off + n].view(p.shape)
         self._grad.zero_()
         return self._grad
 
     # ---- training ------------------------------------------------------------------------------------
     def _claim(self, source, g) -> tuple[int, Any] | None:
-        t, d = self.coord
+        t, d = cast(Coord, self.coord)
         dynamic = getattr(source, "dynamic", False) and g.tp is not None
         got = source.claim(d, self.layout.dp) if (t == 0 or not dynamic) else None
         if not dynamic:
@@ -286,14 +290,14 @@ class ActorShard:
         st, g, lay = self.state, self.groups.get(self.layout), self.layout
         grad = self._grad_buffer()
         ordered = lay.dp > 1 and self.grad_sum == "ordered"
-        early = _OverlappedSum(self, len(source)) if ordered and self.overlap_grad_sum and _overlappable(source) \
-            else None
+        early = _OverlappedSum(self, len(cast(Sized, source))) \
+            if ordered and self.overlap_grad_sum and _overlappable(source) else None
         acc32 = torch.zeros(st.shape.param_total, device=self.device) if self.dtype != torch.float32 else None
         mine: list[tuple[int, torch.Tensor]] = []
         losses = []
         while (item := self._claim(source, g)) is not None:
             idx, mb = item
-            loss = loss_fn(self.model, mb, num_tokens_in_iter)
+            loss = loss_fn(cast(Transformer, self.model), mb, num_tokens_in_iter)
             loss.backward()
             losses.append(loss.detach().double())
             if early is not None:
@@ -328,8 +332,8 @@ class ActorShard:
         t_publish = time.perf_counter()
         # between iters the generator is a pure function of (seed, step, t, d): resharding (which keeps it for
         # the same coordinates and seeds it from the same rule otherwise) never changes the random stream
-        st.rng.manual_seed(rng_seed(self.seed, st.step, *self.coord))
-        st.data_cursor += len(source) if hasattr(source, "__len__") else 0
+        st.rng.manual_seed(rng_seed(self.seed, st.step, *cast(Coord, self.coord)))
+        st.data_cursor += len(cast(Sized, source)) if hasattr(source, "__len__") else 0
         loss_t = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, dtype=torch.float64)
         loss_t = loss_t.to(self.device)
         if g.dp is not None:
@@ -351,10 +355,10 @@ class ActorShard:
 
     def _dp_ranks(self) -> list[int]:
         """Global ranks of this rank's DP group in group-rank order (torch sorts group members by id)."""
-        return sorted(self.layout.dp_group(self.coord[0]))
+        return sorted(self.layout.dp_group(cast(Coord, self.coord)[0]))
 
     def _ordered_sum(self, mine: list[tuple[int, torch.Tensor]], g) -> torch.Tensor:
-        st, lay = self.state, self.layout
+        st, lay = cast(ShardState, self.state), self.layout
         members = self._dp_ranks()
         dev = self.device
         cnt = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
@@ -371,7 +375,7 @@ class ActorShard:
         for i, gf in mine:
             for r in members:
                 if r != self.rank:
-                    peer = st.shape.peer(lay.coord(r)[1])
+                    peer = st.shape.peer(cast(Coord, lay.coord(r))[1])
                     if peer.opt_total:
                         ops.append(dist.P2POp(dist.isend, self._pack(gf, peer), r))
             parts[i] = self._pack(gf, st.shape)
@@ -387,7 +391,7 @@ class ActorShard:
         return acc
 
     def _sumsq(self, owned: torch.Tensor) -> float:
-        st, t = self.state, self.coord[0]
+        st, t = cast(ShardState, self.state), cast(Coord, self.coord)[0]
         views = [owned[st.shape.opt_offsets[i]:st.shape.opt_offsets[i] + hi - lo]
                  for i, (lo, hi) in enumerate(st.shape.owned)
                  if hi > lo and (self.specs[i].tp_dim is not None or t == 0)]
@@ -400,12 +404,12 @@ class ActorShard:
         return float(total.item())
 
     def _publish(self, g) -> None:
-        st = self.state
+        st = cast(ShardState, self.state)
         if self.layout.dp == 1:
             st.flat_param.copy_(st.master)
             return
         members = self._dp_ranks()
-        shapes = [st.shape.peer(self.layout.coord(r)[1]) for r in members]
+        shapes = [st.shape.peer(cast(Coord, self.layout.coord(r))[1]) for r in members]
         width = max(max(s.opt_total for s in shapes), 1)
         mine = torch.zeros(width, dtype=self.dtype, device=self.device)
         mine[:st.shape.opt_total].copy_(st.master)
@@ -503,7 +507,7 @@ class ActorShard:
         for (i, kind), full in zip(keys, fulls):
             spec = self.specs[i]
             if st is not None:
-                t, d = coord
+                t, d = cast(Coord, coord)
                 shard = full[spec.tp_slices(lay.tp, t)]
                 counted = spec.tp_dim is not None or t == 0  # TP-replicated tensors: t = 0's copy only
                 if kind == "param" and d == 0 and counted:
@@ -543,7 +547,7 @@ class ActorShard:
     def export_weights(self) -> ExportedWeights | None:
         if self.state is None:
             return None
-        t = self.coord[0]
+        t = cast(Coord, self.coord)[0]
         return ExportedWeights(self.layout.tp, t, self.specs,
                                {s.name: self.state.param(i) for i, s in enumerate(self.specs)})
 

@@ -56,6 +56,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -318,8 +319,8 @@ def prune(root: str | Path, keep_last: int) -> list[Path]:
             shutil.rmtree(p)
             dropped.append(p)
     for p in Path(root).iterdir():
-        s = _step_of(p, "tmp-")
-        if s is not None and s < complete[0]:
+        tmp_step = _step_of(p, "tmp-")
+        if tmp_step is not None and tmp_step < complete[0]:
             shutil.rmtree(p)
             dropped.append(p)
     return dropped
@@ -439,7 +440,7 @@ def load_moves(old: Layout, new: Layout, specs: tuple[ParamSpec, ...], dst: int)
     ranges (files hold each weight once, on its ZeRO owner) of the planner's source TP index."""
     plan = plan_reshard(old, new, specs)
     moves = [m for m in plan.moves if m.dst == dst and m.what == "optim"]
-    t_new, _ = new.coord(dst)
+    t_new, _ = cast("tuple[int, int]", new.coord(dst))  # a rank of `new`
     for i, spec in enumerate(specs):
         box = shard_box(spec, new.tp, t_new)
         for t in _source_ts(spec, old, dst, t_new, box):
@@ -475,7 +476,7 @@ def read_state(shard, m: Manifest, gen: Path, layout: Layout, verify_files: bool
     by_src.setdefault(meta.src, [])
     try:
         for src in sorted(by_src):
-            st_, sd_ = old.coord(src)
+            st_, sd_ = cast("tuple[int, int]", old.coord(src))  # a rank of the saved layout
             rec = m.shard(st_, sd_)
             if verify_files:
                 verify_file(gen, rec)
@@ -514,7 +515,8 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
     CheckpointError (the failing rank its own error)."""
     gen = Path(gen)
     error: BaseException | None = None
-    m = new_state = None
+    m: Manifest | None = None
+    new_state: ShardState | None = None
     try:
         m = read_manifest(gen)
         check_model(m, shard.args, shard.specs, str(gen))
@@ -528,7 +530,7 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
         shard.groups.get(layout)  # collective over the world: every rank, same point, before the vote
     if error is None:
         try:
-            new_state = read_state(shard, m, gen, layout, verify_files)
+            new_state = read_state(shard, cast(Manifest, m), gen, cast(Layout, layout), verify_files)  # no error
         except Exception as e:
             error = e
     if not _vote(error is None, shard.device):
@@ -541,7 +543,7 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
         raise CheckpointError("checkpoint", str(gen), "another rank failed to load it (this rank's state is "
                               "unchanged)", "see that rank's error")
     shard.adopt(layout, new_state)
-    return m
+    return cast(Manifest, m)  # every rank read it
 
 
 __all__ = ["CheckpointError", "CheckpointMeta", "Manifest", "ShardRecord", "gen_dir", "tmp_dir", "begin", "write_shard",

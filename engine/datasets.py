@@ -449,7 +449,8 @@ class PromptStream:
                             f"offset {position.offset} is past the end of an epoch of {self.num_items} prompts: "
                             "the data changed since the checkpoint was written",
                             "resume with the same data files and filters, or start without a data position")
-        epoch, offset, taken = position.epoch, position.offset, []
+        epoch, offset = position.epoch, position.offset
+        taken: list[int] = []
         while True:
             if offset == self.num_items:  # invariant of the returned position: offset < num_items
                 epoch, offset = epoch + 1, 0

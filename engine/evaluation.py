@@ -10,10 +10,11 @@ samples only ids the tokenizer has (`EngineConfig.vocab_limit`), as rollout does
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
+from tidal.engine.generation import EngineConfig, NativeEngine, Request, RequestResult, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def greedy_responses(model, prompts: list[tuple[int, ...]], stop_ids: tuple[int,
     while engine.has_work():
         for ev in engine.step():
             if ev.finished:
-                out[int(ev.request_id.split("/")[1])] = tuple(ev.result.token_ids)
+                out[int(ev.request_id.split("/")[1])] = tuple(cast(RequestResult, ev.result).token_ids)
     model.train(was_training)
     return [out[i] for i in range(len(prompts))]
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -216,7 +217,7 @@ def pack_samples(samples: Sequence[ScoredSample], pad_id: int, seq_len: int | No
         raise ValueError("some samples have reference log-probs and some do not; score them all alike")
     adv = _scatter(mask, [torch.full((s.num_response_tokens,), s.advantage) for s in samples])
     old = _scatter(mask, [s.old_logprobs for s in samples])
-    ref = _scatter(mask, [s.ref_logprobs for s in samples]) if has_ref == {True} else None
+    ref = _scatter(mask, [cast(torch.Tensor, s.ref_logprobs) for s in samples]) if has_ref == {True} else None
     return GRPOBatch(ids, mask, adv, old, ref)
 
 

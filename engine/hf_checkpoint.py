@@ -148,7 +148,7 @@ def read_hf_config(path: str | Path, max_seq_len: int) -> HFModel:
                    "use a checkpoint whose layers all use full attention")
     window = cfg.get("sliding_window")
     uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM") and window is not None
-    if uses_window and window < max_seq_len:
+    if uses_window and window is not None and window < max_seq_len:
         raise _bad(f"{where}: sliding_window", window, f"would bind within the run's {max_seq_len} tokens "
                    "(sliding-window attention is not implemented)",
                    f"keep prompts + responses within {window} tokens, or use a full-attention checkpoint")
@@ -229,7 +229,8 @@ def weight_inventory(model: HFModel) -> WeightInventory:
 
     specs = {s.name: s for s in param_specs(model.args)}
     location: dict[str, tuple[Path, str]] = {}
-    tied_head, dtypes, nbytes = None, {}, 0
+    tied_head, nbytes = None, 0
+    dtypes: dict[str, int] = {}
     files = weight_files(model.path)
     for f in files:
         nbytes += f.stat().st_size

@@ -28,7 +28,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from tidal.engine.datasets import Prompt
 from tidal.engine.tokenizer import CharTokenizer
@@ -124,8 +124,8 @@ class HFTokenizer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
             [{"role": r, "content": c} for r, c in prompt]
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                               **self.template_kwargs)
+            return cast(str, self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                         **self.template_kwargs))  # tokenize=False: text
         except Exception as err:  # noqa: BLE001 - jinja errors of a user's template: name them
             raise TidalError("data.chat_template_kwargs", self.template_kwargs,
                              f"the chat template failed to render ({type(err).__name__}: {err})",
@@ -136,7 +136,7 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=not self.chat))
 
     def response_text(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        return cast(str, self.hf.decode(list(ids), skip_special_tokens=True))  # one sequence: one text
 
     def save_pretrained(self, path: str) -> None:
         self.hf.save_pretrained(path)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -195,7 +195,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        gqa = {}
+        gqa: dict[str, Any] = {}
         if self.n_kv != self.n_heads:
             if q.is_cuda:  # fused GQA: no copy of the whole KV cache per decode step
                 gqa = {"enable_gqa": True}
@@ -243,6 +243,9 @@ def check_tp(args: ModelArgs, tp: int) -> None:
 
 class Transformer(nn.Module):
     """The decoder. `tp_group`: the TP process group of this rank (None: single process)."""
+
+    rope_cos: torch.Tensor  # buffers (register_buffer below)
+    rope_sin: torch.Tensor
 
     def __init__(self, args: ModelArgs, tp_group=None, dtype=torch.float32, device=None):
         super().__init__()

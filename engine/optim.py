@@ -102,7 +102,10 @@ class ZeroShape:
         for s in specs:
             n = math.prod(s.tp_shape(tp, t))
             lo, hi = s.zero_range(lay, t, d)
-            p_off.append(p), p_n.append(n), owned.append((lo, hi)), o_off.append(o)
+            p_off.append(p)
+            p_n.append(n)
+            owned.append((lo, hi))
+            o_off.append(o)
             p, o = p + n, o + hi - lo
         return ZeroShape(specs, tp, dp, t, d, tuple(p_off), tuple(p_n), tuple(owned), tuple(o_off), p, o)
 
@@ -175,8 +178,9 @@ class ShardState:
     def allocate(shape: ZeroShape, dtype: torch.dtype, device: torch.device, pool: BufferPool,
                  rng: torch.Generator) -> ShardState:
         take = pool.take
-        return ShardState(shape, take(shape.param_total, dtype, device),
-                          *(take(shape.opt_total, torch.float32, device) for _ in OPT_KINDS), 0, 0, rng)
+        flat_param = take(shape.param_total, dtype, device)
+        master, exp_avg, exp_avg_sq = (take(shape.opt_total, torch.float32, device) for _ in OPT_KINDS)
+        return ShardState(shape, flat_param, master, exp_avg, exp_avg_sq, 0, 0, rng)
 
     def buffer(self, kind: str) -> torch.Tensor:
         return self.flat_param if kind == "param" else getattr(self, kind)

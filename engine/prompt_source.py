@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from tidal.engine.datasets import (
     DataPosition,
@@ -30,6 +30,9 @@ from tidal.engine.datasets import (
 from tidal.engine.evaluation import EvalItem
 from tidal.engine.rl_tasks import Task
 
+if TYPE_CHECKING:
+    from tidal.engine.hf_tokenizer import Tokenizer
+
 
 class PromptSource(Protocol):
     def take(self, n: int, position: DataPosition) -> tuple[list[tuple[tuple[int, ...], PromptLabel]],
@@ -41,7 +44,7 @@ class PromptSource(Protocol):
 @dataclass
 class TaskSource:
     task: Task
-    tok: object        # a `Tokenizer` (hf_tokenizer)
+    tok: Tokenizer
     seed: int
 
     def take(self, n, position):
@@ -67,14 +70,15 @@ def _label(record) -> PromptLabel:
 class FileSource:
     """Prompt files (see module doc). Everything is read and rendered here, before any worker starts."""
 
-    def __init__(self, train: DataSpec, val: DataSpec, tok, max_prompt_length: int, truncation: str, seed: int,
+    def __init__(self, train: DataSpec, val: DataSpec, tok, max_prompt_length: int,
+                 truncation: Literal["filter", "error"], seed: int,
                  shuffle: bool = True):
         self.tok = tok
         self.train, self.train_report = self._load(train, max_prompt_length, truncation)
         self.val, self.val_report = self._load(val, max_prompt_length, truncation)
         self.stream = PromptStream(len(self.train), seed, shuffle)
 
-    def _load(self, spec: DataSpec, max_len: int, truncation: str):
+    def _load(self, spec: DataSpec, max_len: int, truncation: Literal["filter", "error"]):
         kept, report = filter_by_length(read_records(spec), self.tok.prompt_ids, max_len, truncation)
         return [(ids, _label(rec)) for rec, ids in kept], report
 

@@ -340,8 +340,9 @@ def _stop_child(process: multiprocessing.process.BaseProcess, conn: Connection, 
 class RewardScorer:
     """Scores responses with one reward function, under a per-call timeout."""
 
-    def __init__(self, spec: str, timeout_s: float = 10.0):
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+    def __init__(self, spec: str, timeout_s: object = 10.0):
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
+                or not 0 < float(timeout_s) < math.inf:
             raise TidalError("reward.timeout_s", timeout_s, "must be a positive number of seconds",
                              "set reward.timeout_s to e.g. 10")
         self.spec = spec

@@ -69,3 +69,13 @@ def test_scheduler_is_pure_decisions_over_typed_records():
         bad = sorted(m for m in _tidal_imports(p) if not m.startswith(allowed))
         assert not bad, f"{p.relative_to(ROOT)} imports {bad}"
         assert not _imports(p) & ORCHESTRATION, f"{p.relative_to(ROOT)} imports {_imports(p) & ORCHESTRATION}"
+
+
+def test_the_driver_names_worker_functions_by_reference_not_by_string():
+    """Worker calls pass the function itself (`roles.rollout_run`): a typo is an import or attribute error where
+    the code is read, not a failure on a worker at run time."""
+    import re
+    path = re.compile(r"""["']tidal\.workers\.[a-z_.]+:[a-z_]+["']""")
+    for p in [*(ROOT / "tidal").rglob("*.py"), *(ROOT / "flows").rglob("*.py"), *(ROOT / "tasks").rglob("*.py")]:
+        hits = path.findall(p.read_text())
+        assert not hits, f"{p.relative_to(ROOT)} names worker functions as strings: {hits}"

@@ -8,6 +8,8 @@ from tidal.config import build_config
 from tidal.pipeline.run import TrainingRun
 from tidal.scheduler.actions import LendToRollout, MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
 from tidal.scheduler.signals import ActorLayout
+from tidal.workers import roles
+from tidal.workers.messages import KeptWeights
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +65,8 @@ def _check_inference_matches_actor(run):
     """After the weight sync, inference and actor hold the same weights: their log-probs agree bit for bit."""
     pipe = run.pipe
     groups = list(pipe.step_state.scored.values())[:3]
-    rescored = pipe.group.call(pipe.cluster.inference[0], "tidal.workers.roles:inference_score", groups=groups)
-    handles = pipe.group.submit_all("tidal.workers.roles:actor_score", device_ids=pipe.cluster.actor_layout.devices,
+    rescored = pipe.group.call(pipe.cluster.inference[0], roles.inference_score, groups=groups)
+    handles = pipe.group.submit_all(roles.actor_score, device_ids=pipe.cluster.actor_layout.devices,
                                     groups=groups)
     actor = next(r for r in pipe.group.gather(handles) if r is not None)
     assert all(g.inference_version == pipe.version for g in rescored)
@@ -80,14 +82,14 @@ def _check_kept_weights(run):
     pipe = run.pipe
     full = pipe.global_weights()
     for d in sorted(pipe.kept):
-        kept = pipe.group.call(d, "tidal.workers.roles:kept_weights", version=pipe.version)
+        kept = pipe.group.call(d, roles.kept_weights, version=pipe.version)
         assert set(kept) == set(full) and all(torch.equal(kept[k], full[k]) for k in full), d
     if pipe.kept:
         pipe.weights_ref = None   # as after a sync where every engine loaded a kept copy
         other = next(d for d in range(8) if d not in pipe.kept)
         got = ray.get(pipe.weights_for(other))
         assert all(torch.equal(got[k], full[k]) for k in full)
-        assert pipe.weights_for(min(pipe.kept)) == "kept"
+        assert pipe.weights_for(min(pipe.kept)) == KeptWeights(pipe.version)
 
 
 def _run(tmp_path, name, overrides, policy=None, base=TINY):

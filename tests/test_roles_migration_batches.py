@@ -8,6 +8,7 @@ import pytest
 
 from tidal.engine.generation.requests import Request, RequestState
 from tidal.workers import roles
+from tidal.workers.messages import ExportReceipt, MigrationPackage, MoveResult, MoveSummary
 
 
 class Ctx:
@@ -39,8 +40,8 @@ def test_batches_keep_the_order_of_exports_and_settles(calls):
 def test_a_receipt_carries_ids_not_kv_caches():
     import torch
     st = RequestState(Request("m/g4/i0", (1, 2)), [5, 6], [0.0, 0.0], torch.zeros(8, dtype=torch.uint8), 0)
-    rec = roles.export_receipt({"states": [st], "open": {4: ((1, 2), [])}, "queued": ["q"]})
-    assert rec == {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}
+    rec = MigrationPackage(("q",), {4: ((1, 2), [])}, (st,)).receipt()
+    assert rec == ExportReceipt(("m/g4/i0",), (4,), ("q",))
 
 
 def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch):
@@ -50,8 +51,8 @@ def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch
     import ray
     import torch
     st = RequestState(Request("m/g4/i0", (1, 2)), [5, 6], [0.0, 0.0], torch.zeros(8, dtype=torch.uint8), 0)
-    pkg = {"states": [st], "open": {4: ((1, 2), [])}, "queued": ["q"]}
-    bad = {"states": [], "open": {}, "queued": ["boom"]}
+    pkg = MigrationPackage(("q",), {4: ((1, 2), [])}, (st,))
+    bad = MigrationPackage(("boom",), {}, ())
     store = {"ref_a": [bad, pkg], "ref_b": RuntimeError("source died")}
 
     def get(ref):
@@ -62,17 +63,17 @@ def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch
     imported = []
 
     def imp(ctx, package):
-        if package["queued"] == ["boom"]:
+        if package.queued == ("boom",):
             raise ValueError("policy version 9 != 3")
         imported.append(package)
-        return len(package["states"])
+        return len(package.states)
     monkeypatch.setattr(roles, "rollout_import", imp)
     got = roles.rollout_import_from(Ctx(), [("ref_a", 1), ("ref_b", 0), ("ref_a", 0)])
     assert imported == [pkg]
-    for r in got:   # the call's own timing, on every move
-        assert r.pop("fetch_s") >= 0 and r.pop("import_s") >= 0
-    assert got[0] == {"ok": True, "requests": 1, "tokens": 2, "open": 1, "queued": 1, "kv_bytes": 0,
-                      "receipt": {"request_ids": ["m/g4/i0"], "open": [4], "queued": ["q"]}}
-    assert got[1] == {"ok": False, "exported": False, "error": "export: RuntimeError: source died"}
-    assert got[2] == {"ok": False, "error": "ValueError: policy version 9 != 3",
-                      "receipt": {"request_ids": [], "open": [], "queued": ["boom"]}}
+    assert all(r.fetch_s >= 0 and r.import_s >= 0 for r in got)   # the call's own timing, on every move
+    untimed = [MoveResult(r.ok, r.summary, r.receipt, r.error, r.exported) for r in got]
+    assert untimed[0] == MoveResult(True, MoveSummary(requests=1, tokens=2, open=1, queued=1, kv_bytes=0),
+                                    ExportReceipt(("m/g4/i0",), (4,), ("q",)))
+    assert untimed[1] == MoveResult(False, exported=False, error="export: RuntimeError: source died")
+    assert untimed[2] == MoveResult(False, receipt=ExportReceipt((), (), ("boom",)),
+                                    error="ValueError: policy version 9 != 3")

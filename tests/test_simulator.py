@@ -249,7 +249,8 @@ def test_simulated_iters_train_id_prefixes_as_the_driver_does():
 
 
 def test_simulated_signals_report_prefixes():
-    """What the policy sees as generated / scored is the id prefix (the real control loop, tidal/pipeline/control.py, reports the same)."""
+    """What the policy sees as generated / scored is the id prefix (the real control loop,
+    tidal/pipeline/control.py, reports the same)."""
     from tidal.scheduler.simulator import _Sim
     spec = small(prompts=32)
     sim = _Sim(spec, "static", 0, keep_events=False)

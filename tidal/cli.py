@@ -11,12 +11,15 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.console import Console
 from rich.table import Table
 
 from tidal.errors import TidalError
+
+if TYPE_CHECKING:
+    from tidal.engine.hf_checkpoint import HFModel
 
 #: sub-command -> ("module:function" taking argv and returning an exit code, one-line help).
 #: Sub-commands whose body lives in another package are imported only when used (fast `--help`).
@@ -105,9 +108,9 @@ def validate_main(argv: list[str]) -> int:
     if cfg.model.path:   # the checkpoint, its tokenizer and the prompt files, read as `tidal train` reads them
         from tidal.pipeline.inputs import read_inputs
         inputs = read_inputs(cfg)
-        assert inputs.hf is not None  # read from model.path
+        hf = cast("HFModel", inputs.hf)  # read from model.path
         tok: Any = inputs.tok  # RunInputs.tok is typed `object` (HF or character tokenizer)
-        console.print(f"model: {inputs.hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
+        console.print(f"model: {hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
                       f"parameters; tokenizer {tok.vocab_size} tokens; reward {inputs.reward}; "
                       f"prompts {inputs.source.summary()}")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "

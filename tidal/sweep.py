@@ -40,7 +40,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import yaml
 
@@ -49,8 +49,8 @@ from tidal.errors import TidalError
 
 #: objective -> direction (real runs only: accuracy)
 Direction = Literal["minimize", "maximize"]
-OBJECTIVES: dict[str, Direction] = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize", "idle": "minimize",
-              "accuracy": "maximize"}
+OBJECTIVES: dict[str, Direction] = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize",
+                                    "idle": "minimize", "accuracy": "maximize"}
 REAL_ONLY = ("accuracy",)
 POLICY_KEY = "scheduler.policy"
 #: config keys the built-in `rlinf-example` workload understands -> its PolicyParams field
@@ -277,8 +277,8 @@ def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], 
     Returns (objective values, MLflow run id, database run id)."""
     from tidal.pipeline.run import run_training
     from tidal.pipeline.tracked_run import RunTracking, load_run_config, run_dir
-    assert space.config is not None  # check_space requires it of real runs
-    cfg = load_run_config(space.config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
+    config = cast(str, space.config)  # check_space requires one of real runs
+    cfg = load_run_config(config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
     out = run_dir(cfg)
     tracking = RunTracking.open(cfg, out, sink=sink, parent_run_id=parent_run_id, tags=tags)
     status = "FAILED"

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tidal.workers.roles import roles_of
+
 
 def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3) -> list[tuple[int, float]]:
     """(batch, seconds per decode step) on this device's worker: a fresh NativeEngine with the run's model
@@ -20,7 +22,7 @@ def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3
     from tidal.engine.generation.engine import EngineConfig, NativeEngine
     from tidal.engine.generation.requests import Request, SamplingParams
     from tidal.engine.model import Transformer, init_global_weights
-    spec = ctx.state["run"]
+    spec = roles_of(ctx).run
     torch.set_num_threads(1)
     model = Transformer(spec.args, device=ctx.device)
     model.load_global(init_global_weights(spec.args, 0))
@@ -51,7 +53,7 @@ def measure_prefill(ctx, tokens: int = 32, reps: int = 5) -> float:
     from tidal.engine.generation.engine import EngineConfig, NativeEngine
     from tidal.engine.generation.requests import Request, SamplingParams
     from tidal.engine.model import Transformer, init_global_weights
-    spec = ctx.state["run"]
+    spec = roles_of(ctx).run
     torch.set_num_threads(1)
     model = Transformer(spec.args, device=ctx.device)
     model.load_global(init_global_weights(spec.args, 0))

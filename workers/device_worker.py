@@ -87,6 +87,20 @@ class HealthReport:
     busy_for_s: float
 
 
+#: what a call names: a module-level function of an importable module, or its path "package.module:function"
+WorkerFn = Callable[..., Any] | str
+
+
+def fn_path(fn: WorkerFn) -> str:
+    """The path a worker resolves `fn` by: only the name crosses the process boundary, never code."""
+    if isinstance(fn, str):
+        return fn
+    mod, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not mod or "<" in name:
+        raise ValueError(f"{fn!r} is not a module-level function: a worker can only run those (by name)")
+    return f"{mod}:{name}"
+
+
 def resolve(fn_path: str) -> Callable[..., Any]:
     """``"package.module:function"`` -> the function. Errors name the path and the fix."""
     mod_name, sep, attr = fn_path.partition(":")

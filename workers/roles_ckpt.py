@@ -21,12 +21,13 @@ from tidal.engine.actor import ActorShard
 from tidal.engine.checkpoint import (CheckpointMeta, gather_records, load_actor, make_manifest, tmp_dir,
                                      write_manifest, write_shard)
 from tidal.engine.layout import Layout
+from tidal.workers.roles import actor_of
 
 
 def actor_save(ctx, dir: str, gen: int, meta: CheckpointMeta) -> dict | None:
     """Actor ranks: write this rank's shard into `<dir>/tmp-<gen>/` (the driver made it); the layout's first
     device also writes the manifest. Collective over the layout. Returns this rank's record (None outside)."""
-    shard: ActorShard = ctx.state["actor"]
+    shard: ActorShard = actor_of(ctx)
     if shard.state is None:
         return None
     assert meta.step == gen, (meta, gen)  # the generation is named by the step it was taken after
@@ -45,7 +46,7 @@ def actor_save(ctx, dir: str, gen: int, meta: CheckpointMeta) -> dict | None:
 def actor_load(ctx, dir: str, layout: Layout) -> dict:
     """Every worker (collective over the world): replace the actor state by the generation at `dir`, resharded
     to `layout`. On any rank's failure every rank keeps its state and raises CheckpointError."""
-    shard: ActorShard = ctx.state["actor"]
+    shard: ActorShard = actor_of(ctx)
     m = load_actor(shard, dir, layout)
     st = shard.state
     return {"in_layout": st is not None, "optimizer_step": st.step if st else m.optimizer_step,

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 from tidal.workers.compute_share import (DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process,
                                          process_alive)
-from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerInfo
+from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.ray_env import RaySession, connect, disconnect
 
@@ -198,12 +198,14 @@ class WorkerGroup:
     def device_ids(self) -> tuple[int, ...]:
         return tuple(self._actors)
 
-    def submit(self, device_id: int, fn: str, /, **kwargs: Any) -> CallHandle:
-        """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once."""
+    def submit(self, device_id: int, fn: WorkerFn, /, **kwargs: Any) -> CallHandle:
+        """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once. `fn` is a module-level function
+        (or its "package.module:function" path): the worker imports it by name."""
         self._usable(device_id)
-        return CallHandle(device_id, fn, self._actors[device_id].call.remote(fn, kwargs))
+        path = fn_path(fn)
+        return CallHandle(device_id, path, self._actors[device_id].call.remote(path, kwargs))
 
-    def submit_all(self, fn: str, /, *, device_ids: Iterable[int] | None = None,
+    def submit_all(self, fn: WorkerFn, /, *, device_ids: Iterable[int] | None = None,
                    **kwargs: Any) -> list[CallHandle]:
         """`submit` on every device (or on `device_ids`), same kwargs; handles in the given order."""
         ids = self.device_ids if device_ids is None else tuple(device_ids)
@@ -239,11 +241,11 @@ class WorkerGroup:
                 next_log = now + self._log_every_s
         return [results[h.ref] for h in handles]
 
-    def call(self, device_id: int, fn: str, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
+    def call(self, device_id: int, fn: WorkerFn, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
         """`fn(ctx, **kwargs)` on one device, waited for."""
         return self.gather([self.submit(device_id, fn, **kwargs)], timeout)[0]
 
-    def call_all(self, fn: str, /, *, timeout: float | None = None, device_ids: Iterable[int] | None = None,
+    def call_all(self, fn: WorkerFn, /, *, timeout: float | None = None, device_ids: Iterable[int] | None = None,
                  **kwargs: Any) -> dict[int, Any]:
         """`fn(ctx, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
         handles = self.submit_all(fn, device_ids=device_ids, **kwargs)

@@ -10,7 +10,7 @@ Autogenerate renders batch operations so new revisions also run on SQLite.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from alembic import context
 from sqlalchemy import text
@@ -35,9 +35,7 @@ def run_offline() -> None:
 def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is None:  # the alembic CLI pointed at this directory: make our own engine
-        url = config.get_main_option("sqlalchemy.url")
-        assert url is not None, "the alembic CLI needs sqlalchemy.url"
-        engine = make_engine(url)
+        engine = make_engine(cast(str, config.get_main_option("sqlalchemy.url")))  # the CLI's -x / ini url
         with engine.connect() as connection:
             _migrate(connection)
         engine.dispose()

@@ -45,7 +45,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ from tidal.engine.backends.megatron_map import (
 )
 from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
 from tidal.engine.backends.megatron_state_reshard import (
+    OptView,
     StateViews,
     execute_state,
     gather_ranges,
@@ -72,7 +73,7 @@ from tidal.engine.backends.protocol import register_backend
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, init_global_weights
 from tidal.engine.optim import OptimConfig, lr_at
-from tidal.engine.reshard import ReshardError, ReshardReport
+from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
 from tidal.engine.tp import vocab_parallel_logprobs
 from tidal.errors import LayoutError
 
@@ -120,7 +121,7 @@ class _Stack:
         mc.init_parallel(layout.tp)
         if device.type == "cuda":
             mrandom.model_parallel_cuda_manual_seed(seed)
-        self.layout, self.t, self.d = layout, *layout.coord(rank)
+        self.layout, self.t, self.d = layout, *cast("tuple[int, int]", layout.coord(rank))  # spans the world
         tp = layout.tp
         cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
         with mc.cpu_shim():
@@ -193,7 +194,8 @@ class _Stack:
 
     @torch.no_grad()
     def views(self, specs: tuple[ParamSpec, ...], step: int) -> StateViews:
-        params, opt = [], []
+        params: list[torch.Tensor] = []
+        opt: list[OptView | None] = []
         for spec in specs:
             name, _, half = spec.name.partition("#")
             p = self.params[name].data
@@ -342,6 +344,7 @@ class MegatronBackend:
             error = error or f"plan: {type(e).__name__}: {e}"
         if _vote(error is None, self.device):
             p_bytes = torch.empty((), dtype=self.dtype).element_size()
+            plan = cast(ReshardPlan, plan)  # every rank planned (no error)
             report.bytes_moved = plan.bytes_moved(p_bytes)
             report.bytes_sent, report.bytes_received = execute_state(
                 plan, old.views(self.specs, self.step), new_views, self.rank, self.dtype, self.device)
@@ -377,7 +380,7 @@ class MegatronBackend:
                 if d == 0:
                     shard.copy_(views.params[i])
             elif views.opt[i] is not None:
-                lo, hi, *bufs = views.opt[i]
+                lo, hi, *bufs = cast(OptView, views.opt[i])
                 piece = torch.zeros(shard.numel(), dtype=torch.float32, device=self.device)
                 piece[lo:hi] = bufs[("master", "exp_avg", "exp_avg_sq").index(kind)]
                 shard.copy_(piece.view(shard.shape))

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,12 +73,13 @@ def cpu_shim() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device, torch.cuda.synchronize
-    torch.cuda.current_device, torch.cuda.synchronize = _cpu_device, _no_sync
+    cuda: Any = torch.cuda  # its functions are swapped for CPU stand-ins of other signatures
+    saved = cuda.current_device, cuda.synchronize
+    cuda.current_device, cuda.synchronize = _cpu_device, _no_sync
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        cuda.current_device, cuda.synchronize = saved
 
 
 class _CudaToCpu(TorchFunctionMode):

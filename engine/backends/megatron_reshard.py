@@ -27,6 +27,8 @@ buffer shards: CUDA only), so a Megatron *actor* does not reshard yet; see docs/
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
@@ -118,9 +120,11 @@ def reshard_megatron_weights(state: dict[str, torch.Tensor] | None, args: ModelA
         if mv.what != "param":
             continue
         spec = specs[mv.spec]
-        if mv.src == rank:
+        if mv.src == rank:  # a source is in `old` (state and here_old set), a destination in `new`
+            state, here_old = cast(dict[str, torch.Tensor], state), cast("tuple[int, int]", here_old)
             src = _view(state, spec)[_local(spec, old.tp, here_old[0], mv.box)]
             if mv.dst == rank:
+                out, here_new = cast(dict[str, torch.Tensor], out), cast("tuple[int, int]", here_new)
                 _view(out, spec)[_local(spec, new.tp, here_new[0], mv.box)].copy_(src)
             else:
                 ops.append(dist.P2POp(dist.isend, src.contiguous(), mv.dst))
@@ -130,7 +134,8 @@ def reshard_megatron_weights(state: dict[str, torch.Tensor] | None, args: ModelA
             unpack.append((spec, mv.box, buf))
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
-    for spec, box, buf in unpack:
+    for spec, box, buf in unpack:  # received: this rank is in `new`
+        out, here_new = cast(dict[str, torch.Tensor], out), cast("tuple[int, int]", here_new)
         _view(out, spec)[_local(spec, new.tp, here_new[0], box)].copy_(buf)
     return out, plan
 

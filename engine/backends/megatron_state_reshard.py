@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.reshard import Move, ReshardPlan, plan_reshard
 from tidal.engine.reshard._plan import _source_ts, flat_boxes, intersect, shard_box
 
+OptView = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]  # lo, hi, main, exp_avg, exp_avg_sq
 Ranges = tuple[tuple[int, int], ...]   # per spec: owned flat range [lo, hi) of the TP-local tensor (lo == hi: none)
 
 
@@ -54,7 +56,7 @@ class StateViews:
     tp: int
     t: int
     params: list[torch.Tensor]
-    opt: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    opt: list[OptView | None]
 
     def ranges(self) -> Ranges:
         return tuple((o[0], o[1]) if o is not None else (0, 0) for o in self.opt)
@@ -86,7 +88,7 @@ def gather_ranges(mine: Ranges | None, n_specs: int, world: int, device) -> dict
 
 
 def _opt_boxes(spec: ParamSpec, lay: Layout, rank: int, ranges: dict[int, Ranges], i: int):
-    t, _ = lay.coord(rank)
+    t, _ = cast("tuple[int, int]", lay.coord(rank))  # a rank of `lay`
     lo, hi = ranges[rank][i]
     return flat_boxes(spec, lay.tp, t, lo, hi)
 
@@ -137,9 +139,11 @@ def _local_slices(spec: ParamSpec, tp: int, t: int, box) -> tuple[slice, ...]:
 def _opt_region(views: StateViews, i: int, box) -> list[torch.Tensor]:
     """Strided views of (main, exp_avg, exp_avg_sq) covering `box` inside the owned range of spec i."""
     spec = views.specs[i]
-    lo, hi, *bufs = views.opt[i]
+    lo, hi, *bufs = cast(OptView, views.opt[i])  # called for the ranges the rank owns
     local = spec.tp_shape(views.tp, views.t)
     sl = _local_slices(spec, views.tp, views.t, box)
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
     if len(local) == 1:
         start, size, stride = sl[0].start, (sl[0].stop - sl[0].start,), (1,)
     else:
@@ -155,7 +159,10 @@ def execute_state(plan: ReshardPlan, old: StateViews | None, new: StateViews | N
                   param_dtype: torch.dtype, device) -> tuple[int, int]:
     """Run this rank's part of `plan` (sends from `old`, receives into `new`); returns (bytes sent, received).
     Both sides walk the plan in the same order, so per-pair message order matches without a handshake."""
-    ops, unpack = [], []
+    # this rank sends only from `old` and receives only into `new`: each is there where the plan uses it
+    old, new = cast(StateViews, old), cast(StateViews, new)
+    ops: list[dist.P2POp] = []
+    unpack: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     sent = received = 0
     for mv in plan.moves:
         if rank not in (mv.src, mv.dst):
@@ -174,22 +181,22 @@ def execute_state(plan: ReshardPlan, old: StateViews | None, new: StateViews | N
             else:
                 buf = torch.empty(shape, dtype=param_dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, mv.src))
-                unpack.append(([dst], [buf]))
+                unpack.append(([cast(torch.Tensor, dst)], [buf]))  # receiving: dst is this rank's
                 received += buf.numel() * buf.element_size()
             continue
-        src = _opt_region(old, mv.spec, mv.box) if mv.src == rank else None
-        dst = _opt_region(new, mv.spec, mv.box) if mv.dst == rank else None
-        if src is not None and dst is not None:
-            for a, b in zip(dst, src):
+        src_opt = _opt_region(old, mv.spec, mv.box) if mv.src == rank else None
+        dst_opt = _opt_region(new, mv.spec, mv.box) if mv.dst == rank else None
+        if src_opt is not None and dst_opt is not None:
+            for a, b in zip(dst_opt, src_opt):
                 a.copy_(b)
-        elif src is not None:
-            buf = torch.stack([s.float() for s in src])
+        elif src_opt is not None:
+            buf = torch.stack([s.float() for s in src_opt])
             ops.append(dist.P2POp(dist.isend, buf, mv.dst))
             sent += buf.numel() * 4
         else:
             buf = torch.empty([3, *shape], dtype=torch.float32, device=device)
             ops.append(dist.P2POp(dist.irecv, buf, mv.src))
-            unpack.append((dst, list(buf.unbind(0))))
+            unpack.append((cast(list[torch.Tensor], dst_opt), list(buf.unbind(0))))
             received += buf.numel() * 4
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()

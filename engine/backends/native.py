@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -66,7 +67,7 @@ class NativeBackend:
         if st is None:
             return
         for i, spec in enumerate(sh.specs):
-            flat = local[spec.name].reshape(-1)
+            flat = cast(dict, local)[spec.name].reshape(-1)  # a rank with a state was active: it loaded
             st.param(i).copy_(flat.view(st.param(i).shape))
             lo, hi = st.shape.owned[i]
             o = st.shape.opt_offsets[i]

@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -269,9 +269,10 @@ class NativeEngine(GenerationEngine):
         t = len(ids)
         live.kv_len = t
         ids_1T = torch.tensor([ids], dtype=torch.long)
+        slot = cast(int, live.slot)  # prefill runs on admitted requests, which hold a slot
         if self._use_graph:
-            return self._graph_prefill(ids_1T, live.slot)
-        return self._prefill_forward(ids_1T.to(self.device), self.cache.prefill_writer(live.slot))
+            return self._graph_prefill(ids_1T, slot)
+        return self._prefill_forward(ids_1T.to(self.device), self.cache.prefill_writer(slot))
 
     def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
         pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
@@ -379,14 +380,14 @@ class NativeEngine(GenerationEngine):
         elif (len(live.tokens) >= p.max_new_tokens
               or len(live.request.prompt_ids) + len(live.tokens) >= self.args.max_seq_len):
             reason = "length"
-        new = ((token,), (logprob,)) if live.request.stream else ((), ())
+        new: tuple[tuple[int, ...], tuple[float, ...]] = ((token,), (logprob,)) if live.request.stream else ((), ())
         if reason is None:
             if live.request.stream:
                 events.append(RequestEvent(live.request.request_id, *new))
             return
         rid = live.request.request_id
         result = RequestResult(rid, live.request.prompt_ids, tuple(live.tokens), tuple(live.logprobs), reason,
-                               live.version, live.migrations)
+                               cast(int, live.version), live.migrations)  # set when it sampled a token
         self._remove(rid, "finished")
         events.append(RequestEvent(rid, *new, result=result))
 
@@ -533,7 +534,7 @@ class NativeEngine(GenerationEngine):
             self._check_version(version)
         for name, p in self.model.named_parameters():
             p.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
-        self._load(weights if weights is not None else self._offload)
+        self._load(weights if weights is not None else cast(Mapping[str, torch.Tensor], self._offload))  # checked
         self._offload = None
         if version is not None:
             self._version = version

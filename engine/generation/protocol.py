@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -68,7 +69,12 @@ class UnknownRequestError(GenerationError, KeyError):
         return self.args[0]
 
 
-def check_request_ids(op: str, ids: Sequence[str], live: Mapping[str, object], gone: Mapping[str, str],
+class _Held(Protocol):
+    @property
+    def frozen(self) -> bool: ...
+
+
+def check_request_ids(op: str, ids: Sequence[str], live: Mapping[str, _Held], gone: Mapping[str, str],
                       frozen: bool | None) -> list[str]:
     """The ids an engine may act on for `op`, or UnknownRequestError naming each bad one and why.
 
@@ -120,6 +126,9 @@ class GenerationEngine(ABC):
     """What rollout instances and migration code rely on. Implementations: `NativeEngine`."""
 
     # Guards shared by the backends (each keeps `status` and a `_live` dict of requests in flight).
+    status: EngineStatus
+    _live: Mapping[str, Any]
+
     def _need_ready(self, op: str) -> None:
         if self.status is not EngineStatus.READY:
             raise GenerationError(f"{op}: engine memory is released; call resume() first")

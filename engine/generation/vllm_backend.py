@@ -71,6 +71,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 from safetensors.torch import save_file
@@ -246,7 +247,7 @@ class _Server:
         self.hello = self._reply("start", timeout_s)
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in cast(IO[bytes], self.proc.stdout):  # stdout=PIPE
             self._lines.put(line)
         self._lines.put(None)
 
@@ -276,8 +277,9 @@ class _Server:
         if self.proc.poll() is not None:
             raise VLLMServerError(f"vLLM server is not running (exit {self.proc.returncode}); "
                                   f"log {self.log_path}:\n{self.log_tail()}")
-        self.proc.stdin.write((json.dumps({"op": op, **fields}) + "\n").encode())
-        self.proc.stdin.flush()
+        stdin = cast(IO[bytes], self.proc.stdin)  # stdin=PIPE
+        stdin.write((json.dumps({"op": op, **fields}) + "\n").encode())
+        stdin.flush()
         reply = self._reply(op, timeout_s)
         if not reply.get("ok"):
             raise VLLMServerError(f"vLLM server failed {op!r}: {reply.get('type')}: {reply.get('error')}; "
@@ -442,7 +444,8 @@ class VLLMEngine(GenerationEngine):
             req.tokens += toks
             req.logprobs += lps
             self.tokens_generated += len(toks)
-            new = (tuple(toks), tuple(lps)) if req.request.stream else ((), ())
+            new: tuple[tuple[int, ...], tuple[float, ...]] = \
+                (tuple(toks), tuple(lps)) if req.request.stream else ((), ())
             reason = out["finish_reason"]
             if reason is None:
                 if req.request.stream and toks:
@@ -451,7 +454,7 @@ class VLLMEngine(GenerationEngine):
             if reason not in ("stop", "length"):
                 raise VLLMServerError(f"step: vLLM finished {rid!r} with reason {reason!r}; expected stop/length")
             result = RequestResult(rid, req.request.prompt_ids, tuple(req.tokens), tuple(req.logprobs), reason,
-                                   req.version, req.migrations)
+                                   cast(int, req.version), req.migrations)  # set with its first token
             self._forget(rid, "finished")
             events.append(RequestEvent(rid, *new, result=result))
         return events
@@ -580,7 +583,7 @@ class VLLMEngine(GenerationEngine):
             raise GenerationError("resume: no weights given and none were offloaded; pass weights=... "
                                   "(and version=...), or release with release_memory(offload=True)")
         if weights is not None:
-            self._check_version(version)
+            self._check_version(cast(int, version))  # weights come with their version (checked above)
             write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
         self.info = self._load()
         if version is not None:

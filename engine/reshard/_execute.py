@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from math import prod
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -242,7 +243,7 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
     # meta first: tiny, and it must land before anything reads step
     meta_ops, meta_in = [], None
     if prog.meta_to:
-        raw = meta_bytes(old, device)
+        raw = meta_bytes(cast(ShardState, old), device)  # a meta source holds the old state
         meta_ops += [dist.P2POp(dist.isend, raw, m) for m in prog.meta_to]
     if prog.meta_from is not None and prog.meta_from[0] != dist.get_rank():
         meta_in = torch.empty(META_HEAD + rng_bytes, dtype=torch.uint8, device=device)
@@ -303,7 +304,7 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
         w.wait()
     if new is not None and prog.meta_from is not None:
         _src, keep = prog.meta_from
-        raw = meta_in if meta_in is not None else meta_bytes(old, device)
+        raw = meta_in if meta_in is not None else meta_bytes(cast(ShardState, old), device)  # its own meta
         apply_meta(new, raw, keep, seed)
     for buf in staging.values():
         pool.give(buf)

@@ -19,32 +19,33 @@ from typing import Any
 from tidal.devices import Owner
 from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
 from tidal.engine.layout import Layout
-from tidal.pipeline.cluster import ROLES, Cluster, StepState
+from dataclasses import replace
+
+from tidal.pipeline.cluster import Cluster, StepState
 from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
                                      ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
                                      StartRollout, Wait)
-from tidal.workers.roles import export_receipt
+from tidal.workers import roles
+from tidal.workers.messages import MoveResult, MoveSummary, ReshardReport, RolloutReport
 
 Move = tuple[int, int, int | None]   # (source instance, target instance, groups: None = all)
 
 
-def move_reported(signals: dict[int, dict], src: int, dst: int, moved: dict) -> None:
+def move_reported(reports: dict[int, RolloutReport], src: int, dst: int, moved: MoveSummary) -> None:
     """Carry a migration's work from `src`'s last report to `dst`'s: its open groups and their sequences in the
-    engine (running or waiting, with the tokens they generated); `moved` is the package's summary
-    (`roles.package_summary`). Queued groups need nothing: the reports count them as given minus in progress.
-    Without both reports, both go and the estimate falls back to the given groups until the next reports."""
-    a, b = signals.get(src), signals.get(dst)
+    engine (running or waiting, with the tokens they generated). Queued groups need nothing: the reports count
+    them as given minus in progress. Without both reports, both go and the estimate falls back to the given
+    groups until the next reports."""
+    a, b = reports.get(src), reports.get(dst)
     if a is None or b is None:
-        signals.pop(src, None)
-        signals.pop(dst, None)
+        reports.pop(src, None)
+        reports.pop(dst, None)
         return
-    seqs, tokens, opened = moved["requests"], moved["tokens"], moved["open"]
-    started_a = a.get("running", 0) + a.get("waiting", 0)
-    signals[src] = {**a, "running": max(0, started_a - seqs), "waiting": 0,
-                    "progress": max(0, a.get("progress", 0) - tokens),
-                    "groups_in_progress": max(0, a.get("groups_in_progress", 0) - opened)}
-    signals[dst] = {**b, "running": b.get("running", 0) + seqs, "progress": b.get("progress", 0) + tokens,
-                    "groups_in_progress": b.get("groups_in_progress", 0) + opened}
+    reports[src] = replace(a, running=max(0, a.started - moved.requests), waiting=0,
+                           progress=max(0, a.progress - moved.tokens),
+                           groups_in_progress=max(0, a.groups_in_progress - moved.open))
+    reports[dst] = replace(b, running=b.running + moved.requests, progress=b.progress + moved.tokens,
+                           groups_in_progress=b.groups_in_progress + moved.open)
 
 
 def migration_waves(moves: list[Move]) -> list[list[Move]]:
@@ -124,7 +125,7 @@ class RayActuator:
         if len(devices) == len(c.inference) and (st.to_score or st.scoring):
             raise RuntimeError("inference still has groups to score; release it when done")
         self.ledger.release(devices, "inference released")
-        self.group.gather([self.group.submit(d, f"{ROLES}:inference_release") for d in devices])
+        self.group.gather([self.group.submit(d, roles.inference_release) for d in devices])
         for d in devices:
             c.inference.remove(d)
         self.ledger.free(devices, "inference freed its memory")
@@ -168,50 +169,49 @@ class RayActuator:
             self._migrate_wave(wave, out)
         return out
 
-    def _exchange(self, wave: list[Move]) -> tuple[list[dict], dict[int, list[int]], dict]:
+    def _exchange(self, wave: list[Move]) -> tuple[list[MoveResult], dict[int, list[int]]]:
         """One call per device and phase: each source exports its moves' counts in wave order; each target, at
         once, imports its packages in wave order straight from the exports' results in the object store (the KV
-        caches never pass through the driver). Returns each move's import result, the moves per source and the
-        sources' export calls."""
+        caches never pass through the driver). Returns each move's result and the moves per source."""
         g = self.group
         by_src: dict[int, list[int]] = {}
         by_dst: dict[int, list[int]] = {}
         for k, (s, t, _) in enumerate(wave):
             by_src.setdefault(s, []).append(k)
             by_dst.setdefault(t, []).append(k)
-        exports = {s: g.submit(s, f"{ROLES}:rollout_export_many", counts=[wave[k][2] for k in ks])
+        exports = {s: g.submit(s, roles.rollout_export_many, counts=[wave[k][2] for k in ks])
                    for s, ks in by_src.items()}
         where = {k: (exports[s].ref, i) for s, ks in by_src.items() for i, k in enumerate(ks)}
-        hs = [g.submit(t, f"{ROLES}:rollout_import_from", sources=[where[k] for k in ks]) for t, ks in by_dst.items()]
-        res: list[dict] = [{}] * len(wave)
+        hs = [g.submit(t, roles.rollout_import_from, sources=[where[k] for k in ks]) for t, ks in by_dst.items()]
+        res: list[MoveResult] = [MoveResult(False)] * len(wave)
         for ks, h in zip(by_dst.values(), hs):
             try:
                 got = g.gather([h])[0]
             except Exception as err:   # the target's whole call failed: its moves stay on their sources
-                got = [{"ok": False, "error": f"{type(err).__name__}: {err}"}] * len(ks)
+                got = [MoveResult(False, error=f"{type(err).__name__}: {err}")] * len(ks)
             for k, r in zip(ks, got):
                 res[k] = r
         # a move whose target failed as a whole has no receipt from it: read the source's own export result
         for k, r in enumerate(res):
-            if "receipt" not in r and r.get("exported", True):
+            if r.receipt is None and r.exported:
                 try:
                     pkg = g.gather([exports[wave[k][0]]])[0][by_src[wave[k][0]].index(k)]
-                    res[k] = {**r, "receipt": export_receipt(pkg)}
+                    res[k] = replace(r, receipt=pkg.receipt())
                 except Exception:  # noqa: BLE001 - the export itself failed: nothing to settle
                     pass
-        return res, by_src, exports
+        return res, by_src
 
     def _migrate_wave(self, wave: list[Move], out: dict) -> None:
         c, st = self.c, self.st
         t_idle = c.clock()
         self.drain({d for s, t, _ in wave for d in (s, t)})
         t0 = c.clock()
-        res, by_src, _ = self._exchange(wave)
-        failed = [(k, r["error"]) for k, r in enumerate(res) if not r["ok"]]
+        res, by_src = self._exchange(wave)
+        failed = [(k, r.error) for k, r in enumerate(res) if not r.ok]
         # each source settles its exports: commit, or cancel where the import failed
-        settles = [self.group.submit(s, f"{ROLES}:rollout_settle_exports",
-                                     receipts=[res[k]["receipt"] for k in ks if "receipt" in res[k]],
-                                     commit=[res[k]["ok"] for k in ks if "receipt" in res[k]])
+        settles = [self.group.submit(s, roles.rollout_settle_exports,
+                                     receipts=[res[k].receipt for k in ks if res[k].receipt is not None],
+                                     commit=[res[k].ok for k in ks if res[k].receipt is not None])
                    for s, ks in by_src.items()]
         if failed:
             self.group.gather(settles)   # a cancel must be done before the failure is reported
@@ -220,21 +220,20 @@ class RayActuator:
         t1 = c.clock()
         # where the wave went: draining its instances' slices, the slowest target's wait for (and fetch of) its
         # exports and its imports, the rest (calls' round trips)
-        phases = {"drain": t0 - t_idle,
-                  "fetch": max((r.get("fetch_s", 0.0) for r in res), default=0.0),
-                  "import": max((r.get("import_s", 0.0) for r in res), default=0.0)}
+        phases = {"drain": t0 - t_idle, "fetch": max((r.fetch_s for r in res), default=0.0),
+                  "import": max((r.import_s for r in res), default=0.0)}
         for (src, dst, _), r in zip(wave, res):
-            if not r["ok"]:
+            if not r.ok or r.summary is None:
                 continue
-            moved = r["queued"] + r["open"]
-            st.given[src] = max(0, st.given.get(src, 0) - moved)
-            st.given[dst] = st.given.get(dst, 0) + moved
-            move_reported(st.signals, src, dst, r)
-            c.record("migration", step=st.step, src=src, dst=dst, groups=moved, requests=r["requests"],
-                     kv_bytes=r["kv_bytes"], mode="kv", seconds=t1 - t0, wave=len(wave),
+            m = r.summary
+            st.given[src] = max(0, st.given.get(src, 0) - m.groups)
+            st.given[dst] = st.given.get(dst, 0) + m.groups
+            move_reported(st.reports, src, dst, m)
+            c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
+                     kv_bytes=m.kv_bytes, mode="kv", seconds=t1 - t0, wave=len(wave),
                      phases_s={name: round(sec, 4) for name, sec in phases.items()})
-            out["groups"] += moved
-            out["kv_bytes"] += r["kv_bytes"]
+            out["groups"] += m.groups
+            out["kv_bytes"] += m.kv_bytes
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
         if failed:
             k, err = min(failed)
@@ -257,7 +256,7 @@ class RayActuator:
                 raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
                                    "take them")
         self.ledger.release(ids, "rollout instance released")
-        handles = [self.group.submit(inst, f"{ROLES}:rollout_release") for inst in ids]   # all at once
+        handles = [self.group.submit(inst, roles.rollout_release) for inst in ids]   # all at once
         refused = None
         for inst, h in zip(ids, handles):
             try:
@@ -277,7 +276,7 @@ class RayActuator:
 
     def _start_engines(self, devices: list[int]) -> None:
         g = self.group
-        g.gather([g.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), step=self.st.step,
+        g.gather([g.submit(d, roles.rollout_start, instance_id=str(d), step=self.st.step,
                            **self.engine_load(d)) for d in devices])
 
     def start_instances(self, devices, lent: bool) -> dict:
@@ -340,9 +339,9 @@ class RayActuator:
             ranks = members if local else list(g.device_ids)
             prepared = self._prepare(old, layout, ranks)
             prepare_s = c.clock() - t0
-            handles = [g.submit(d, f"{ROLES}:actor_reshard", layout=layout, current=old, local=local,
+            handles = [g.submit(d, roles.actor_reshard, layout=layout, current=old, local=local,
                                 prepared=prepared.get(d)) for d in ranks]
-            reports = [r for r in g.gather(handles) if r is not None]
+            reports: list[ReshardReport] = [r for r in g.gather(handles) if r is not None]
         except Exception:
             ledger.release(joining, "reshard failed: rolled back")
             ledger.free(joining, "reshard failed: rolled back")
@@ -350,7 +349,7 @@ class RayActuator:
         self.rank_sets.update(sets)
         if local:   # the others learn the layout in order, without waiting for them now
             others = [d for d in g.device_ids if d not in members]
-            self.notes += g.submit_all(f"{ROLES}:actor_set_layout", device_ids=others, layout=layout)
+            self.notes += g.submit_all(roles.actor_set_layout, device_ids=others, layout=layout)
         c.actor_layout = layout
         if leaving:
             ledger.release(leaving, f"actor shrinks to {layout}")
@@ -358,23 +357,21 @@ class RayActuator:
         secs = c.clock() - t0
         c.timeline.add_busy(members, "moving", "reshard", t0, t0 + secs)
         self._record_reshard(old, layout, reports, secs, idle_s=idle_s, prepare_s=prepare_s, local=local)
-        return {"bytes_moved": max(r["bytes_moved"] for r in reports)}
+        return {"bytes_moved": max(r.bytes_moved for r in reports)}
 
-    def _record_reshard(self, old: Layout, new: Layout, reports: list[dict], secs: float, *, idle_s: float,
-                        prepare_s: float, local: bool) -> None:
+    def _record_reshard(self, old: Layout, new: Layout, reports: list[ReshardReport], secs: float, *,
+                        idle_s: float, prepare_s: float, local: bool) -> None:
         """One event per reshard. The workers' own time excludes creating the layout's process groups (first use
         of a layout: collective over the world); the rest of `secs` is that plus call overhead. Each rank
         reports the whole plan's bytes."""
-        def slowest(key: str) -> float:
-            return max(r.get(key, 0.0) for r in reports)
-        phases = {k[len("phase_"):-2]: round(slowest(k), 4)
-                  for k in sorted({k for r in reports for k in r if k.startswith("phase_")})}
+        phases = {k: round(max(r.phase_s.get(k, 0.0) for r in reports), 4)
+                  for k in sorted({k for r in reports for k in r.phase_s})}
         self.c.record("reshard", step=self.st.step, iter=self.st.iters_done, from_layout=str(old),
-                      to_layout=str(new), bytes_moved=max(r["bytes_moved"] for r in reports), seconds=secs,
-                      worker_s=max(r["seconds"] for r in reports), phases_s=phases,
-                      prepared=all(r.get("prepared") for r in reports), idle_s=idle_s, prepare_s=prepare_s,
-                      call_s=slowest("call_s"), gc_s=slowest("gc_s"), devices=list(new.devices),
-                      scope="members" if local else "world")
+                      to_layout=str(new), bytes_moved=max(r.bytes_moved for r in reports), seconds=secs,
+                      worker_s=max(r.seconds for r in reports), phases_s=phases,
+                      prepared=all(r.prepared for r in reports), idle_s=idle_s, prepare_s=prepare_s,
+                      call_s=max(r.call_s for r in reports), gc_s=max(r.gc_s for r in reports),
+                      devices=list(new.devices), scope="members" if local else "world")
 
     # ---- end of step ---------------------------------------------------------------------------------------
     def return_lent(self, why: str) -> None:

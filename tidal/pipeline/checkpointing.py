@@ -27,9 +27,9 @@ from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, Ma
                                      latest, verify)
 from tidal.engine.datasets import DataPosition
 from tidal.engine.model import param_specs
+from tidal.workers import roles_ckpt
 
 log = logging.getLogger("tidal.checkpoint")
-ROLES_CKPT = "tidal.workers.roles_ckpt"
 
 
 def _idle(pipe, what: str) -> None:
@@ -48,7 +48,7 @@ def save(pipe, dir: str | Path, step: int, keep_last: int = 2) -> Path:
     t0 = pipe.clock()
     begin(dir, step)
     g = pipe.group
-    g.gather(g.submit_all(f"{ROLES_CKPT}:actor_save", device_ids=layout.devices, dir=str(dir), gen=step,
+    g.gather(g.submit_all(roles_ckpt.actor_save, device_ids=layout.devices, dir=str(dir), gen=step,
                           meta=meta))
     final = commit(dir, step, keep_last)
     pipe.timeline.add_busy(list(layout.devices), "actor", "checkpoint", t0, pipe.clock())
@@ -86,7 +86,7 @@ def resume(pipe, dir: str | Path) -> int:
     layout = pipe.cluster.actor_layout
     t0 = pipe.clock()
     g = pipe.group
-    g.gather(g.submit_all(f"{ROLES_CKPT}:actor_load", dir=str(gen), layout=layout))
+    g.gather(g.submit_all(roles_ckpt.actor_load, dir=str(gen), layout=layout))
     pipe.version, pipe.data_pos = m.meta.policy_version, DataPosition(m.meta.data_epoch, m.meta.data_pos)
     pipe._load_generation(ray.put(pipe.global_weights()), m.meta.step)
     pipe.cluster.record("resume", step=m.meta.step, path=str(gen), saved_layout=str(m.layout),

@@ -11,25 +11,35 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from tidal.devices import DeviceLedger
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline
+from tidal.workers import roles
+from tidal.workers.device_worker import WorkerFn
+from tidal.workers.messages import RolloutReport
 from tidal.workers.roles import ROLLOUT_INTERRUPT
 from tidal.workers.runtime import CallHandle, WorkerGroup
 
 log = logging.getLogger("tidal.pipeline")
-#: the module whose functions the device workers run (`WorkerGroup.submit(device, f"{ROLES}:{name}")`)
-ROLES = "tidal.workers.roles"
+
+
+class CallKind(Enum):
+    """What a call in flight does, so its result goes to the right handler of the driver."""
+
+    ROLLOUT = "rollout"      #: a rollout time slice -> (finished groups, RolloutReport)
+    INFERENCE = "inference"  #: scoring -> scored groups
+    ACTOR = "actor"          #: one rank's part of an actor iter -> its metrics (None outside the layout)
 
 
 @dataclass
 class Flight:
     """A call in flight: what it is, on which device, when it started."""
 
-    kind: str
+    kind: CallKind
     device: int
     handle: CallHandle
     t0: float
@@ -45,7 +55,7 @@ class StepState:
     num_groups: int
     given: dict[int, int] = field(default_factory=dict)          # instance -> groups handed out, not emitted
     total_given: dict[int, int] = field(default_factory=dict)    # instance -> sequences ever given this step
-    signals: dict[int, dict] = field(default_factory=dict)       # instance -> last rollout signals
+    reports: dict[int, RolloutReport] = field(default_factory=dict)   # instance -> its last slice report
     to_score: list[RolloutGroup] = field(default_factory=list)
     scoring: int = 0
     scored: dict[int, ScoredGroup] = field(default_factory=dict)
@@ -95,8 +105,8 @@ class Cluster:
         self.events: list[dict] = []
 
     # ---- calls -------------------------------------------------------------------------------------------
-    def submit(self, kind: str, device: int, fn: str, payload: Any = None, **kwargs) -> Flight:
-        f = Flight(kind, device, self.group.submit(device, f"{ROLES}:{fn}", **kwargs), self.clock(), payload)
+    def submit(self, kind: CallKind, device: int, fn: WorkerFn, payload: Any = None, **kwargs) -> Flight:
+        f = Flight(kind, device, self.group.submit(device, fn, **kwargs), self.clock(), payload)
         self.inflight[f.handle.ref] = f
         return f
 
@@ -104,12 +114,12 @@ class Cluster:
         """A rollout time slice, numbered per device: an interrupt names the last number it ends, so every slice
         queued by then ends and none submitted later does."""
         self.slice_seq[device] = seq = self.slice_seq.get(device, -1) + 1
-        return self.submit("rollout", device, "rollout_run", groups=groups, budget_s=budget_s, seq=seq)
+        return self.submit(CallKind.ROLLOUT, device, roles.rollout_run, groups=groups, budget_s=budget_s, seq=seq)
 
     def busy(self, device: int) -> bool:
         return any(f.device == device for f in self.inflight.values())
 
-    def calls(self, device: int, kind: str) -> int:
+    def calls(self, device: int, kind: CallKind) -> int:
         return sum(f.device == device and f.kind == kind for f in self.inflight.values())
 
     def wait_any(self, timeout: float) -> list[tuple[Flight, Any]]:
@@ -128,7 +138,7 @@ class Cluster:
         slices among them are interrupted first: they end after the engine pump in progress instead of running
         out their slice (up to `slice_s`, 0.1 s, per migration wave on the critical path otherwise)."""
         slices = sorted({f.device for f in self.inflight.values()
-                         if f.kind == "rollout" and (devices is None or f.device in devices)})
+                         if f.kind is CallKind.ROLLOUT and (devices is None or f.device in devices)})
         if slices:   # by number: the slice running and the one queued behind it both end (see `submit_slice`)
             self.group.interrupt({d: self.slice_seq[d] for d in slices}, ROLLOUT_INTERRUPT)
         while any(devices is None or f.device in devices for f in self.inflight.values()):

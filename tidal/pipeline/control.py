@@ -55,12 +55,13 @@ def rollout_progress(st: StepState, instances: list[int], lent: set[int], group_
     tokens, rate = np.zeros(n), np.zeros(n)
     given = np.asarray([st.given.get(i, 0) for i in instances], dtype=np.int64)
     for k, inst in enumerate(instances):
-        s = st.signals.get(inst, {})
-        tokens[k], rate[k] = s.get("tokens", 0), s.get("token_rate", 0.0)
-        if s and given[k]:
-            started[k] = s.get("running", 0) + s.get("waiting", 0)
-            progress[k] = s.get("progress", 0)
-            queued[k] = max(0, given[k] - s.get("groups_in_progress", 0)) * g
+        r = st.reports.get(inst)
+        if r is not None:
+            tokens[k], rate[k] = r.tokens, r.token_rate
+        if r is not None and given[k]:
+            started[k] = r.started
+            progress[k] = r.progress
+            queued[k] = max(0, given[k] - r.groups_in_progress) * g
         else:
             queued[k] = given[k] * g
     if n and st.queue:

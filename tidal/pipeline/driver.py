@@ -35,12 +35,14 @@ from tidal.engine.actor import ITER_PHASES
 from tidal.engine.datasets import DataPosition
 from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
 from tidal.engine.layout import Layout
+from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
-from tidal.pipeline.cluster import ROLES, Cluster, Flight, StepState
+from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.timeline import Timeline
 from tidal.workers.gc_pauses import GcPauses
-from tidal.workers.roles import KEPT
+from tidal.workers import roles
+from tidal.workers.messages import KeptWeights, RolloutReport
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import WorkerGroup
 
@@ -116,11 +118,11 @@ class Pipeline:
     def start(self) -> None:
         import ray
         c, g = self.cluster, self.group
-        g.gather(g.submit_all(f"{ROLES}:setup", spec=self.spec))
+        g.gather(g.submit_all(roles.setup, spec=self.spec))
         ref = ray.put(self._weights)
-        g.gather(g.submit_all(f"{ROLES}:actor_init", layout=self.initial_layout, weights=ref))
+        g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
         # what the actuator needs to plan reshards here rather than on (capped) workers
-        self.program_inputs = g.call(self.initial_layout.devices[0], f"{ROLES}:actor_program_inputs")
+        self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
         self.ledger.assign(self.initial_layout.devices, Owner.ACTOR, "placement")
         self.ledger.assign(c.rollout, Owner.ROLLOUT, "placement")
         self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
@@ -134,14 +136,14 @@ class Pipeline:
             from tidal.engine.groups import growth_rank_sets
             sets = growth_rank_sets(self.initial_layout, self.cfg.placement.num_devices)
             if sets:
-                secs = max(g.gather(g.submit_all(f"{ROLES}:actor_make_groups", rank_sets=sets)))
+                secs = max(g.gather(g.submit_all(roles.actor_make_groups, rank_sets=sets)))
                 actuator.known_rank_sets(sets)
                 c.record("groups", step=0, rank_sets=len(sets), seconds=secs)
         self._weights = None
         # on every worker what exists now (model, actor state, engine, Ray's and the modules' objects) is not
         # scanned by later collections (`GcPauses`). Not here: the driver may share its process with other runs
         # (a sweep's trials), whose frozen cycles would never be freed. Its pauses are reported per step
-        g.gather(g.submit_all(f"{ROLES}:freeze_gc"))
+        g.gather(g.submit_all(roles.freeze_gc))
         self.gc.take()
 
     def _load_generation(self, weights_ref, step: int) -> None:
@@ -149,10 +151,10 @@ class Pipeline:
         from `weights_ref` (None only when every engine's device kept a copy)."""
         c, g = self.cluster, self.group
         self.weights_ref = weights_ref  # kept: instances started mid-step (lend, StartRollout) load these weights
-        w = lambda d: KEPT if d in self.kept else weights_ref
-        hs = [g.submit(d, f"{ROLES}:rollout_start", instance_id=str(d), weights=w(d),
+        w = lambda d: KeptWeights(self.version) if d in self.kept else weights_ref
+        hs = [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
                        version=self.version, step=step) for d in c.rollout]
-        hs += [g.submit(d, f"{ROLES}:inference_load", weights=w(d), version=self.version)
+        hs += [g.submit(d, roles.inference_load, weights=w(d), version=self.version)
                for d in c.inference]
         g.gather(hs)
 
@@ -161,9 +163,9 @@ class Pipeline:
         or the step's weights through the object store, fetched once from a device that kept them."""
         import ray
         if device in self.kept:
-            return KEPT
+            return KeptWeights(self.version)
         if self.weights_ref is None:   # every engine loaded a kept copy: `kept` is not empty
-            self.weights_ref = ray.put(self.group.call(min(self.kept), f"{ROLES}:kept_weights",
+            self.weights_ref = ray.put(self.group.call(min(self.kept), roles.kept_weights,
                                                        version=self.version))
         return self.weights_ref
 
@@ -268,7 +270,7 @@ class Pipeline:
         st, c = self.step_state, self.cluster
         share = -(-len(st.queue) // max(1, len(c.rollout)))
         ahead = self.cfg.rollout.slices_ahead
-        room = {inst: ahead - c.calls(inst, "rollout") for inst in c.rollout}
+        room = {inst: ahead - c.calls(inst, CallKind.ROLLOUT) for inst in c.rollout}
         open_ = [inst for inst in c.rollout if room[inst] > 0]
         give: dict[int, list] = {inst: [] for inst in open_}
         cap = self._capacity_groups()
@@ -305,7 +307,7 @@ class Pipeline:
         for d, take in zip(idle, takes):
             batch, st.to_score = st.to_score[:take], st.to_score[take:]
             st.scoring += len(batch)
-            c.submit("inference", d, "inference_score", payload=len(batch), groups=batch)
+            c.submit(CallKind.INFERENCE, d, roles.inference_score, payload=len(batch), groups=batch)
 
     def _iter_groups(self, k: int) -> list[int]:
         g, n = self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
@@ -344,69 +346,78 @@ class Pipeline:
         st.iter_running = True
         st.iter_tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
         for d in self.cluster.actor_layout.devices:
-            self.cluster.submit("actor", d, "actor_train_iter", payload=k, samples=ref,
+            self.cluster.submit(CallKind.ACTOR, d, roles.actor_train_iter, payload=k, samples=ref,
                                 num_tokens=count_response_tokens(samples))
 
     # ---- results ------------------------------------------------------------------------------------------
     def _on_result(self, f: Flight, res: Any) -> None:
+        match f.kind:
+            case CallKind.ROLLOUT:
+                self._on_slice(f, *res)
+            case CallKind.INFERENCE:
+                self._on_scored(f, res)
+            case CallKind.ACTOR:
+                self._on_actor_rank(f, res)
+
+    def _on_slice(self, f: Flight, records: list[RolloutGroup], report: RolloutReport) -> None:
         st, c, now = self.step_state, self.cluster, self.clock()
-        if f.kind == "rollout":
-            records, sig = res
-            st.signals[f.device] = sig
-            # the call's own span: from its submission, or from the result of the call it was queued behind
-            t0 = max(f.t0, st.last_result.get(f.device, f.t0))
-            st.last_result[f.device] = now
-            if sig.get("call_tokens", 0) > 0:   # seconds per decode step as the driver sees it: call overhead,
-                b = sig["mean_batch"]                # admissions and the machine's contention included
-                st.decode_samples.append((b, (now - t0) * b / sig["call_tokens"]))
-            if sig.get("pumps", 0) > 0:
-                st.pump_samples.append(sig["busy_s"] / sig["pumps"])
-            c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
-            st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
-            st.rollout_busy_s += sig.get("busy_s", 0.0)
-            st.rollout_gc_s += sig.get("gc_s", 0.0)
-            st.reward_timeouts += sig.get("reward_timeouts", 0)
-            st.rollout_call_s += now - t0
-            if st.given[f.device] and not c.calls(f.device, "rollout"):
-                st.waiting_since[f.device] = now
-            st.generated += len(records)
-            st.gen_time.update((r.group_id, now) for r in records)
-            st.to_score.extend(records)
-        elif f.kind == "inference":
-            c.timeline.add_busy([f.device], "inference", "score", f.t0, now)
-            st.scoring -= f.payload
-            st.score_samples.append((len(res), float(sum(len(g.prompt_ids) * len(g.response_ids)
-                                                         + sum(len(r) for r in g.response_ids) for g in res)),
-                                     now - f.t0))
-            for g in res:
-                assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
-                st.scored[g.group_id] = g
-                st.score_time[g.group_id] = now
-        elif f.kind == "actor":
-            c.timeline.add_busy([f.device], "actor", f"iter {f.payload}", f.t0, now)
-            if res is not None:
-                st.actor_metrics.append(res)
-                st.iter_ranks.append(res)
-            if not any(x.kind == "actor" for x in c.inflight.values()):
-                st.iter_running = False
-                st.iters_done += 1
-                st.last_iter_s = now - f.t0
-                lay = c.actor_layout
-                st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
-                # where the iter went, slowest rank per phase (compute / sync / update / publish: engine/actor.py)
-                phases = {p: max(r[f"actor/iter_{p}_s"] for r in st.iter_ranks if f"actor/iter_{p}_s" in r)
-                          for p in ITER_PHASES if any(f"actor/iter_{p}_s" in r for r in st.iter_ranks)}
-                # when its mini-batch was generated and scored, and when the iter started (from the step's start):
-                # the critical path's first segment, and how long the iter waited for the devices' moves
-                gids = self._iter_groups(f.payload)
-                since = {"generated": max(st.gen_time[i] for i in gids), "scored": max(st.score_time[i] for i in gids),
-                         "started": f.t0}
-                c.record("iter", step=st.step, iter=f.payload, tp=lay.tp, dp=lay.dp, seconds=st.last_iter_s,
-                         tokens=st.iter_tokens, phases_s=phases,
-                         at_s={k: round(v - st.t_start, 4) for k, v in since.items()})
-                st.iter_ranks = []
-        elif f.kind == "eval":
-            self.last_eval = (f.payload, res)
+        st.reports[f.device] = report
+        # the call's own span: from its submission, or from the result of the call it was queued behind
+        t0 = max(f.t0, st.last_result.get(f.device, f.t0))
+        st.last_result[f.device] = now
+        if report.call_tokens > 0:   # seconds per decode step as the driver sees it: call overhead,
+            b = report.mean_batch    # admissions and the machine's contention included
+            st.decode_samples.append((b, (now - t0) * b / report.call_tokens))
+        if report.pumps > 0:
+            st.pump_samples.append(report.busy_s / report.pumps)
+        c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
+        st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
+        st.rollout_busy_s += report.busy_s
+        st.rollout_gc_s += report.gc_s
+        st.reward_timeouts += report.reward_timeouts
+        st.rollout_call_s += now - t0
+        if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):
+            st.waiting_since[f.device] = now
+        st.generated += len(records)
+        st.gen_time.update((r.group_id, now) for r in records)
+        st.to_score.extend(records)
+
+    def _on_scored(self, f: Flight, scored: list[ScoredGroup]) -> None:
+        st, now = self.step_state, self.clock()
+        self.cluster.timeline.add_busy([f.device], "inference", "score", f.t0, now)
+        st.scoring -= f.payload
+        st.score_samples.append((len(scored), float(sum(len(g.prompt_ids) * len(g.response_ids)
+                                                        + sum(len(r) for r in g.response_ids) for g in scored)),
+                                 now - f.t0))
+        for g in scored:
+            assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
+            st.scored[g.group_id] = g
+            st.score_time[g.group_id] = now
+
+    def _on_actor_rank(self, f: Flight, metrics: dict | None) -> None:
+        st, c, now = self.step_state, self.cluster, self.clock()
+        c.timeline.add_busy([f.device], "actor", f"iter {f.payload}", f.t0, now)
+        if metrics is not None:
+            st.actor_metrics.append(metrics)
+            st.iter_ranks.append(metrics)
+        if any(x.kind is CallKind.ACTOR for x in c.inflight.values()):
+            return   # the iter ends with its last rank
+        st.iter_running = False
+        st.iters_done += 1
+        st.last_iter_s = now - f.t0
+        lay = c.actor_layout
+        st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
+        # where the iter went, slowest rank per phase (compute / sync / update / publish: engine/actor.py)
+        phases = {p: max(r[f"actor/iter_{p}_s"] for r in st.iter_ranks if f"actor/iter_{p}_s" in r)
+                  for p in ITER_PHASES if any(f"actor/iter_{p}_s" in r for r in st.iter_ranks)}
+        # when its mini-batch was generated and scored, and when the iter started (from the step's start):
+        # the critical path's first segment, and how long the iter waited for the devices' moves
+        gids = self._iter_groups(f.payload)
+        since = {"generated": max(st.gen_time[i] for i in gids), "scored": max(st.score_time[i] for i in gids),
+                 "started": f.t0}
+        c.record("iter", step=st.step, iter=f.payload, tp=lay.tp, dp=lay.dp, seconds=st.last_iter_s,
+                 tokens=st.iter_tokens, phases_s=phases, at_s={k: round(v - st.t_start, 4) for k, v in since.items()})
+        st.iter_ranks = []
 
     # ---- end of step ----------------------------------------------------------------------------------------
     def _keep_weights(self) -> None:
@@ -418,7 +429,7 @@ class Pipeline:
         if not self.cfg.cluster.auto_scheduler or self.cluster.actor_layout.tp != 1:
             self._keeping = []
             return
-        self._keeping = [(d, self.group.submit(d, f"{ROLES}:actor_keep_weights", version=self.version + 1))
+        self._keeping = [(d, self.group.submit(d, roles.actor_keep_weights, version=self.version + 1))
                          for d in self.group.device_ids]
 
     def sync_weights(self, step: int) -> None:
@@ -441,12 +452,12 @@ class Pipeline:
 
     def evaluate(self, items: list) -> float:
         """Greedy held-out accuracy of `items` (`EvalItem`s) under the weights inference holds."""
-        return float(self.group.call(self.cluster.inference[0], f"{ROLES}:evaluate", items=items))
+        return float(self.group.call(self.cluster.inference[0], roles.evaluate, items=items))
 
     def global_weights(self) -> dict:
         """Current actor weights in global coordinates (for checks and checkpoints of the driver)."""
         c, g = self.cluster, self.group
-        shards = [w for w in g.gather(g.submit_all(f"{ROLES}:actor_weights", device_ids=c.actor_layout.devices))
+        shards = [w for w in g.gather(g.submit_all(roles.actor_weights, device_ids=c.actor_layout.devices))
                   if w is not None]
         shards.sort(key=lambda w: int(w["__tp__"][1]))
         from tidal.engine.generation.weights import rollout_shard

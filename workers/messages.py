@@ -1,0 +1,126 @@
+"""Typed records that cross the worker boundary (driver <-> device worker), besides the engine's own records
+(`tidal.engine.records`: prompt, rollout and scored groups).
+
+- `KeptWeights(version)`: the `weights` argument that tells an engine to load the copy its worker kept at the
+  step end (`roles.actor_keep_weights`) instead of weights sent through the object store.
+- `RolloutReport`: what a rollout time slice reports besides its finished groups (engine counters, the slice's
+  own time and tokens): the scheduler's view of the instance.
+- `MigrationPackage`: the work an export froze (queued groups, open groups with their finished samples, engine
+  states with their KV caches); `ExportReceipt`: what its source needs to commit or cancel it, without the KV
+  caches; `MoveResult`: one move of a migration wave as its target saw it.
+- `ReshardReport`: one rank's account of an actor reshard.
+
+All are frozen dataclasses of plain values, tensors and engine records; Ray carries them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KeptWeights:
+    """Load the weights of `version` this worker kept (it must hold that version: else it is a driver bug)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class RolloutReport:
+    """One rollout instance after a time slice. Counters of the whole step: `tokens`, `emitted`; of this slice:
+    `busy_s`, `pumps`, `mean_batch`, `call_tokens`, `gc_s`, `reward_timeouts`."""
+
+    groups_in_progress: int = 0   #: groups opened in the engine, not finished
+    running: int = 0              #: sequences running in the engine
+    waiting: int = 0              #: sequences admitted, waiting for a slot
+    progress: int = 0             #: tokens generated so far by unfinished sequences
+    tokens: int = 0               #: tokens generated this step
+    token_rate: float = 0.0       #: tokens per second, measured by the instance
+    emitted: int = 0              #: groups finished this step
+    queued: int = 0               #: groups in the local queue, not opened
+    busy_s: float = 0.0
+    pumps: int = 0                #: engine pumps (admit + one decode step)
+    mean_batch: float = 0.0       #: sequences running, averaged over the pumps
+    gc_s: float = 0.0             #: the worker's garbage-collector pauses
+    call_tokens: int = 0          #: tokens generated in this slice
+    reward_timeouts: int = 0      #: verifier calls cut by `reward.timeout_s`
+
+    @property
+    def started(self) -> int:
+        """Sequences in the engine (running or waiting)."""
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True)
+class ExportReceipt:
+    """What a source settles an export with: the engine request ids, open group ids and queued groups it froze."""
+
+    request_ids: tuple[str, ...]
+    open: tuple[int, ...]
+    queued: tuple[Any, ...]   #: `PromptGroup`s taken from the local queue
+
+
+@dataclass(frozen=True)
+class MoveSummary:
+    """What the driver books for a move: sequences and their tokens, open and queued groups, KV bytes."""
+
+    requests: int
+    tokens: int
+    open: int
+    queued: int
+    kv_bytes: int
+
+    @property
+    def groups(self) -> int:
+        return self.open + self.queued
+
+
+@dataclass(frozen=True)
+class MigrationPackage:
+    """Frozen work on its way from a source instance to a target (`roles.rollout_export`)."""
+
+    queued: tuple[Any, ...]                 #: `PromptGroup`s not started
+    open: dict[int, tuple[Any, Any]]        #: group id -> (group snapshot, its finished samples)
+    states: tuple[Any, ...]                 #: engine `RequestState`s (with KV caches)
+
+    def receipt(self) -> ExportReceipt:
+        return ExportReceipt(tuple(st.request_id for st in self.states), tuple(self.open), self.queued)
+
+    def summary(self) -> MoveSummary:
+        kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv)
+                 for st in self.states if st.kv is not None)
+        return MoveSummary(len(self.states), sum(len(st.token_ids) for st in self.states), len(self.open),
+                           len(self.queued), kv)
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """One move of a wave as its target saw it. `ok`: imported (all or nothing). A failed import keeps the
+    source's `receipt` (the driver cancels with it); a failed export has none (`exported` False)."""
+
+    ok: bool
+    summary: MoveSummary | None = None
+    receipt: ExportReceipt | None = None
+    error: str = ""
+    exported: bool = True
+    fetch_s: float = 0.0      #: the target's wait for (and fetch of) its wave's exports
+    import_s: float = 0.0     #: the target's imports
+
+    def timed(self, fetch_s: float, import_s: float) -> MoveResult:
+        return replace(self, fetch_s=fetch_s, import_s=import_s)
+
+
+@dataclass(frozen=True)
+class ReshardReport:
+    """One rank's account of a reshard: the plan's bytes (every rank reports the whole plan's), its own seconds
+    (process-group creation excluded), the memory it holds after, and where the call's time went."""
+
+    bytes_moved: int
+    seconds: float
+    held_bytes: int
+    prepared: bool             #: the rank ran a program the driver prepared
+    gc_s: float
+    groups_s: float            #: creating the layout's process groups (first use: collective over the world)
+    call_s: float              #: the whole call (layout sync, groups, reshard)
+    phase_s: dict[str, float] = field(default_factory=dict)
