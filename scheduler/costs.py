@@ -30,8 +30,8 @@ Model forms (t: seconds)::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 
@@ -121,7 +121,8 @@ class ReshardCost:
         """Contiguous layouts [0, from_size) -> [0, to_size) (growing or shrinking)."""
         if from_size == to_size:
             return 0.0
-        far = (max(from_size, to_size) - 1) // self.devices_per_node != (min(from_size, to_size) - 1) // self.devices_per_node
+        far = ((max(from_size, to_size) - 1) // self.devices_per_node
+               != (min(from_size, to_size) - 1) // self.devices_per_node)
         return self.time_counts(max(0, to_size - from_size), min(from_size, to_size), from_size // tp,
                                 to_size // tp, tp, far)
 
@@ -157,7 +158,7 @@ class CostModel:
         """Copy the KV cache of `tokens` (prompt + generated) to the target instance (no re-prefill)."""
         return self.kv_fixed_s + self.kv_bytes_per_token * tokens / self.kv_bw
 
-    def with_decode(self, decode: DecodeCost) -> "CostModel":
+    def with_decode(self, decode: DecodeCost) -> CostModel:
         return replace(self, decode=decode)
 
 
@@ -325,7 +326,7 @@ LEND_ACTIONS = ("LendToRollout", "StartRollout", "LendInference")
 RETURN_ACTIONS = ("ReturnFromRollout", "ReturnToInference")
 
 
-def learn_moves(events: Sequence[dict], prior: "CostModel", kv: bool) -> "CostModel | None":
+def learn_moves(events: Sequence[dict], prior: CostModel, kv: bool) -> CostModel | None:
     """The fixed costs of the policy's moves as last step's `action` events measured them, all in (the drain of
     the time slices in flight, the calls, and on a shared or capped machine the wait for the workers):
 

@@ -25,13 +25,22 @@ Model forms are those of costs.py; only the numbers differ.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from tidal.scheduler.costs import (LEND_ACTIONS, ActorCost, CostModel, DecodeCost, InferenceCost, ReshardCost,
-                                   fit_actor, fit_decode)
+from tidal.scheduler.costs import (
+    LEND_ACTIONS,
+    ActorCost,
+    CostModel,
+    DecodeCost,
+    InferenceCost,
+    ReshardCost,
+    fit_actor,
+    fit_decode,
+)
 
 
 def cpu_e2e() -> CostModel:
@@ -111,4 +120,4 @@ def calibrate(base: CostModel, decode: Sequence[tuple[int, float]], prefill_per_
     return c
 
 
-__all__ = ["cpu_e2e", "measure_decode", "measure_prefill", "iter_samples", "event_costs", "calibrate"]
+__all__ = ["cpu_e2e", "iter_samples", "event_costs", "calibrate"]

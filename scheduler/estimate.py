@@ -20,9 +20,9 @@ L > x (the expected maximum of n draws), tabulated on the x grid and on n = 2^k 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class LengthModel:
     tail: tuple[tuple[float, ...], ...] = ()  #: tail[g][k]: longest residual of 2^k - 1 sequences at x = g*step
 
     @classmethod
-    def prior(cls, max_new_tokens: int) -> "LengthModel":
+    def prior(cls, max_new_tokens: int) -> LengthModel:
         step = max_new_tokens / GRID
         table = tuple(max(1.0, (max_new_tokens - k * step) / 2) for k in range(GRID + 1))
         q = 1.0 - 1.0 / 2.0 ** np.arange(NK)                     # uniform on (x, cap]: quantile q
@@ -48,7 +48,7 @@ class LengthModel:
         return cls(max_new_tokens, (max_new_tokens + 1) / 2, table, step, 0, tail)
 
     @classmethod
-    def fit(cls, lengths: Sequence[float] | np.ndarray, max_new_tokens: int) -> "LengthModel":
+    def fit(cls, lengths: Sequence[float] | np.ndarray, max_new_tokens: int) -> LengthModel:
         ls = np.sort(np.asarray(lengths, dtype=np.float64))
         if ls.size == 0:
             return cls.prior(max_new_tokens)

@@ -20,8 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from tidal.scheduler.costs import (learn_actor_factor, learn_decode, learn_moves, learn_reshard, learn_rollout_factor,
-                                   learn_scoring)
+from tidal.scheduler.costs import (
+    learn_actor_factor,
+    learn_decode,
+    learn_moves,
+    learn_reshard,
+    learn_rollout_factor,
+    learn_scoring,
+)
 from tidal.scheduler.estimate import LengthModel
 from tidal.scheduler.state import SchedState
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.signals import (ActorSignal, DeviceSignal, InferenceSignal, RolloutColumns, RolloutView,
-                                     Signals)
+from tidal.scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutColumns, RolloutView, Signals
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,8 +44,8 @@ def rollout_columns(r: RolloutProgress, lengths: LengthModel) -> tuple[RolloutCo
     tail = lengths.tail_many(r.started, r.progress, r.queued)
     tail_all = lengths.tail_total(r.started, r.progress, r.queued)
     tail_started = lengths.tail_total(r.started, r.progress, np.zeros_like(r.queued))
-    cols = RolloutColumns(r.ids, r.n_devices, r.groups_queued, r.groups_unfinished, r.running, r.total, np.floor(r.progress),
-                          r.token_rate, est, r.lent, tail, np.floor(r.tokens))
+    cols = RolloutColumns(r.ids, r.n_devices, r.groups_queued, r.groups_unfinished, r.running, r.total,
+                          np.floor(r.progress), r.token_rate, est, r.lent, tail, np.floor(r.tokens))
     return cols, tail_all, tail_started
 
 

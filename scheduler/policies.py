@@ -9,7 +9,7 @@ The same functions drive the simulator and, through the reconciler, real workers
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tidal.errors import TidalError
 from tidal.scheduler import policy_rlinf, policy_tidal

@@ -28,8 +28,16 @@ import math
 
 import numpy as np
 
-from tidal.scheduler.actions import (Action, LendToRollout, MigrateRequests, ReleaseInference, ReleaseRollout,
-                                     ReshardActor, ReturnFromRollout, Wait)
+from tidal.scheduler.actions import (
+    Action,
+    LendToRollout,
+    MigrateRequests,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    Wait,
+)
 from tidal.scheduler.signals import ActorLayout, Signals
 from tidal.scheduler.state import PolicyParams, SchedState
 

@@ -47,13 +47,23 @@ O(n_minibatches) scalar work; Python loops run only over emitted actions. Well u
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
-from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, ReleaseInference,
-                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
-                                     StartRollout, Wait)
+from tidal.scheduler.actions import (
+    Action,
+    LendInference,
+    LendToRollout,
+    MigrateBatch,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    ReturnToInference,
+    StartRollout,
+    Wait,
+)
 from tidal.scheduler.signals import ActorLayout, RolloutColumns, Signals
 from tidal.scheduler.state import SchedState
 
@@ -627,7 +637,8 @@ def _return_and_release(state: SchedState, sig: Signals, x: _PlanInputs, returni
         rel = ReleaseRollout(why, tuple(cols.id[gone].tolist()), released, migrate_to=_dsts(moves))
         free = sorted(free + list(released))
         if back and moves:   # one batch for both: the lent and the released instances empty in the same waves
-            acts.append(MigrateBatch(f"{back[0].reason}; {why}", back[0].moves + moves[0].moves, kv=back[0].kv))
+            b0, m0 = cast(MigrateBatch, back[0]), cast(MigrateBatch, moves[0])   # `_spread` makes MigrateBatches
+            acts.append(MigrateBatch(f"{b0.reason}; {why}", b0.moves + m0.moves, kv=b0.kv))
             acts += [ret, rel]
         else:
             acts += back + ([ret] if returning else []) + moves + [rel]

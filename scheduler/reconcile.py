@@ -23,11 +23,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from tidal.scheduler.actions import (Action, LendInference, LendToRollout, MigrateBatch, MigrateRequests,
-                                     ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
-                                     ReturnToInference, StartRollout, Wait)
+from tidal.scheduler.actions import (
+    Action,
+    LendInference,
+    LendToRollout,
+    MigrateBatch,
+    MigrateRequests,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    ReturnToInference,
+    StartRollout,
+    Wait,
+)
 
 log = logging.getLogger("tidal.scheduler")
 
@@ -38,19 +49,20 @@ MAX_FAILURES_PER_STEP = 5
 
 class Actuator(Protocol):
     """The mechanism behind the actions: each method applies one action completely or raises, leaving the
-    cluster as it was before it (on real workers) and its devices' ownership in the ledger consistent."""
+    cluster as it was before it (on real workers) and its devices' ownership in the ledger consistent. None
+    for "nothing to record" (the simulator's methods): `apply_action` reads it as {}."""
 
     def wait(self, a: Wait) -> None: ...
-    def migrate_requests(self, a: MigrateRequests) -> dict: ...
-    def migrate_batch(self, a: MigrateBatch) -> dict: ...
-    def release_rollout(self, a: ReleaseRollout) -> dict: ...
-    def return_from_rollout(self, a: ReturnFromRollout) -> dict: ...
-    def release_inference(self, a: ReleaseInference) -> dict: ...
-    def reshard_actor(self, a: ReshardActor) -> dict: ...
-    def lend_to_rollout(self, a: LendToRollout) -> dict: ...
-    def start_rollout(self, a: StartRollout) -> dict: ...
-    def lend_inference(self, a: LendInference) -> dict: ...
-    def return_to_inference(self, a: ReturnToInference) -> dict: ...
+    def migrate_requests(self, a: MigrateRequests) -> dict | None: ...
+    def migrate_batch(self, a: MigrateBatch) -> dict | None: ...
+    def release_rollout(self, a: ReleaseRollout) -> dict | None: ...
+    def return_from_rollout(self, a: ReturnFromRollout) -> dict | None: ...
+    def release_inference(self, a: ReleaseInference) -> dict | None: ...
+    def reshard_actor(self, a: ReshardActor) -> dict | None: ...
+    def lend_to_rollout(self, a: LendToRollout) -> dict | None: ...
+    def start_rollout(self, a: StartRollout) -> dict | None: ...
+    def lend_inference(self, a: LendInference) -> dict | None: ...
+    def return_to_inference(self, a: ReturnToInference) -> dict | None: ...
 
 
 #: action type -> the actuator method that applies it (every action type has exactly one)
@@ -98,7 +110,9 @@ def apply_action(a: Action, actuator: Actuator) -> dict:
 
 def _error_text(err: BaseException) -> str:
     cause = getattr(err, "cause", "")   # a worker's error: its own line, not the transport's traceback
-    text = f"{type(err).__name__} on device {err.device_id}: {cause}" if cause else f"{type(err).__name__}: {err}"
+    # one with a `cause` is a tidal.workers WorkerCallError, which names its device (not imported here)
+    text = (f"{type(err).__name__} on device {cast(Any, err).device_id}: {cause}" if cause
+            else f"{type(err).__name__}: {err}")
     return text[:500]
 
 

@@ -99,7 +99,7 @@ class RolloutColumns:
     tokens_generated: np.ndarray
 
     @classmethod
-    def of(cls, rollout: tuple[RolloutInstanceSignal, ...]) -> "RolloutColumns":
+    def of(cls, rollout: Sequence[RolloutInstanceSignal]) -> RolloutColumns:
         n = len(rollout)
 
         def col(name: str, dtype) -> np.ndarray:
@@ -192,7 +192,7 @@ class DeviceSignal:
     owners: tuple[Owner, ...]
 
     @classmethod
-    def from_snapshot(cls, snapshot: dict[int, Owner]) -> "DeviceSignal":
+    def from_snapshot(cls, snapshot: dict[int, Owner]) -> DeviceSignal:
         assert sorted(snapshot) == list(range(len(snapshot))), "device ids must be 0..N-1"
         return cls(tuple(snapshot[d] for d in range(len(snapshot))))
 

@@ -49,18 +49,29 @@ import numpy as np
 from tidal.config import TidalConfig
 from tidal.devices import DeviceLedger, Owner
 from tidal.errors import TidalError
-from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests,
-                                     ReleaseInference, ReleaseRollout, ReshardActor, ReturnFromRollout,
-                                     ReturnToInference, StartRollout, Wait, describe)
+from tidal.scheduler.actions import (
+    LendInference,
+    LendToRollout,
+    MigrateBatch,
+    MigrateRequests,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    ReturnToInference,
+    StartRollout,
+    Wait,
+    describe,
+)
 from tidal.scheduler.estimate import LengthModel
+from tidal.scheduler.learning import ready_curve
+from tidal.scheduler.observe import RolloutProgress, observe
 from tidal.scheduler.policies import get_policy
 from tidal.scheduler.reconcile import reconcile
 from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
-from tidal.scheduler.learning import ready_curve
-from tidal.scheduler.observe import RolloutProgress, observe
 from tidal.scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
-from tidal.scheduler.state import SchedState
 from tidal.scheduler.sim_records import SimEvent, SimResult, StepStats
+from tidal.scheduler.state import SchedState
 from tidal.scheduler.workload import SimSpec
 
 __all__ = ["SimEvent", "SimResult", "StepStats", "simulate"]
@@ -90,6 +101,10 @@ class _Actor:
 
 
 class _Sim:
+    # set per step by `_reset_step` (and reset to None by `_new_instances` / `_relay` when they go stale)
+    inst_order: list[Instance] | None
+    packed: Packed | None
+
     def __init__(self, spec: SimSpec, policy: str, seed: int, keep_events: bool):
         self.spec, self.p, self.c = spec, spec.params, spec.costs
         self.policy_name = policy
@@ -184,8 +199,8 @@ class _Sim:
         self._seq = 0
         self.busy_at_start = dict(self.busy)
         self.inst: dict[int, Instance] = {}
-        self.inst_order: list[Instance] | None = None
-        self.packed: Packed | None = None
+        self.inst_order = None
+        self.packed = None
         self.packed_q: tuple[float, dict] | None = None   # (time, Packed.at result) of the last signals
         self.drained_ids: set[int] = set()
         self.dispatched = False
@@ -296,9 +311,9 @@ class _Sim:
         for inst in self.inst.values():
             inst.close_epoch(self.now)
             self.busy["rollout"] += inst.busy_s * len(inst.devices)
-        want = {d: Owner.ACTOR for d in self.p.actor_devices}
-        want.update({d: Owner.ROLLOUT for d in self.p.rollout_devices})
-        want.update({d: Owner.INFERENCE for d in self.p.inference_devices})
+        want = dict.fromkeys(self.p.actor_devices, Owner.ACTOR)
+        want.update(dict.fromkeys(self.p.rollout_devices, Owner.ROLLOUT))
+        want.update(dict.fromkeys(self.p.inference_devices, Owner.INFERENCE))
         snap = self.ledger.snapshot()
         moved = [d for d, o in snap.items() if o is not want[d]]
         busy = [d for d in moved if snap[d] is not Owner.FREE]
@@ -471,8 +486,8 @@ class _Sim:
         self.in_call = True
         self.counts["decisions"] += 1
         # this decision's context for the actuator methods below
-        self._moving = {}    # device -> time its old role has freed it
-        self._relaying = {}   # instances to re-lay: (t0, work parts)
+        self._moving: dict[int, float] = {}    # device -> time its old role has freed it
+        self._relaying: dict[int, tuple[float, list[Work]]] = {}   # instances to re-lay: (t0, work parts)
         self.kv_paused = set()   # instances this decision's KV moves paused (charged once each)
         if self.keep_events:
             for line in describe(acts):
@@ -494,7 +509,8 @@ class _Sim:
             return
         now = self.now
         insts = [self.inst[i] for i in todo]
-        pk, q = self.packed, self.packed_q
+        pk: Packed | None = self.packed
+        q: tuple[float, dict | None] | None = self.packed_q
         if pk is None or q is None or q[0] != now or not all(id(i) in pk.pos for i in insts):
             pk, q = None, (now, None)   # the decision's snapshot does not cover them: pack these alone
         for inst, (due, rest, tok) in zip(insts, settle_many(insts, now, self.c.decode, pk, q[1])):

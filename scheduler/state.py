@@ -51,7 +51,7 @@ class PolicyParams:
     return_on_generated: bool = True     #: tidal: lent devices return when the mini-batch is generated
 
     @classmethod
-    def from_config(cls, cfg: TidalConfig) -> "PolicyParams":
+    def from_config(cls, cfg: TidalConfig) -> PolicyParams:
         p = cfg.placement
         return cls(
             num_devices=cfg.cluster.num_devices, actor_devices=p.actor, rollout_devices=p.rollout,

@@ -61,12 +61,12 @@ class SimSpec:
     def num_devices(self) -> int:
         return self.params.num_devices
 
-    def scaled(self, devices: int) -> "SimSpec":
+    def scaled(self, devices: int) -> SimSpec:
         """The same workload shape on `devices` devices: actor 1/4, rollout 1/2, inference 1/4."""
         return replace(self, params=scale_params(self.params, devices, self.params.rollout_batch_size))
 
     @classmethod
-    def from_config(cls, cfg: TidalConfig, devices: int | None = None) -> "SimSpec":
+    def from_config(cls, cfg: TidalConfig, devices: int | None = None) -> SimSpec:
         """Costs: the CPU preset when `cluster.device` is cpu, else the GPU preset. Lengths: median at
         max_new_tokens / 8, the default spreads."""
         params = PolicyParams.from_config(cfg)

@@ -109,9 +109,8 @@ def validate_main(argv: list[str]) -> int:
         from tidal.pipeline.inputs import read_inputs
         inputs = read_inputs(cfg)
         hf = cast("HFModel", inputs.hf)  # read from model.path
-        tok: Any = inputs.tok  # RunInputs.tok is typed `object` (HF or character tokenizer)
         console.print(f"model: {hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
-                      f"parameters; tokenizer {tok.vocab_size} tokens; reward {inputs.reward}; "
+                      f"parameters; tokenizer {inputs.tok.vocab_size} tokens; reward {inputs.reward}; "
                       f"prompts {inputs.source.summary()}")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")

@@ -208,7 +208,7 @@ class ComputeShare:
 
     @classmethod
     def apply(cls, pid: int, cores: float, *, period_s: float = DEFAULT_PERIOD_S,
-              backend: Backend = "auto") -> "ComputeShare":
+              backend: Backend = "auto") -> ComputeShare:
         """Cap `pid` (its threads and future children) at `cores` core-seconds per second."""
         if not cores > 0:
             raise ValueError(f"cores={cores!r}: a compute share must be > 0 core (e.g. 0.25)")
@@ -240,7 +240,7 @@ class ComputeShare:
         raise AssertionError("unreachable: 'duty' always applies")
 
     @classmethod
-    def _apply_duty(cls, pid: int, cores: float, period_s: float) -> "ComputeShare":
+    def _apply_duty(cls, pid: int, cores: float, period_s: float) -> ComputeShare:
         cmd = [sys.executable, "-m", "tidal.workers.compute_share", "--pid", str(pid),
                "--cores", repr(cores), "--period", repr(period_s)]
         # Own session: a Ctrl-C aimed at the caller must not kill the companion before it resumes the target.
@@ -287,7 +287,7 @@ class ComputeShare:
             else:
                 log.warning("cgroup %s still busy; left in place", self._cgroup)
 
-    def __enter__(self) -> "ComputeShare":
+    def __enter__(self) -> ComputeShare:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,7 +21,7 @@ import time
 
 
 class GcPauses:
-    _installed: "GcPauses | None" = None
+    _installed: GcPauses | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -31,7 +31,7 @@ class GcPauses:
         self.collections = 0
 
     @classmethod
-    def install(cls) -> "GcPauses":
+    def install(cls) -> GcPauses:
         """The process's timer (registered with `gc.callbacks` on first use)."""
         if cls._installed is None:
             cls._installed = cls()

@@ -65,7 +65,7 @@ class Listener:
     @property
     def loopback(self) -> bool:
         a = self.address.strip("[]")
-        return a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1") or a.startswith("::ffff:127.")
+        return a.startswith(("127.", "::ffff:127.")) or a in ("::1", "::ffff:127.0.0.1")
 
 
 def ensure_token(path: Path | None = None) -> Path:
@@ -145,7 +145,7 @@ def ray_listeners() -> list[Listener]:
         for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', cols[5]):
             if int(pid) in pids:
                 found.append(Listener(addr, int(port), name, int(pid)))
-    return sorted(set(found), key=lambda l: (l.process, l.port))
+    return sorted(set(found), key=lambda x: (x.process, x.port))
 
 
 def _with_descendants(roots: set[int]) -> set[int]:

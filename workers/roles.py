@@ -21,24 +21,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tidal.engine.actor import ActorShard, SharedQueue
+from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueue
+from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import RequestState, SamplingParams
 from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
+from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.layout import Layout
-from tidal.workers.gc_pauses import GcPauses
 from tidal.engine.model import ModelArgs, Transformer
 from tidal.engine.optim import OptimConfig
-from tidal.engine.evaluation import EvalItem, greedy_accuracy
-from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.verifier import Verifier
-from tidal.workers.messages import (ExportReceipt, KeptWeights, MigrationPackage, MoveResult, ReshardReport,
-                                    RolloutReport)
+from tidal.workers.gc_pauses import GcPauses
+from tidal.workers.messages import (
+    ExportReceipt,
+    KeptWeights,
+    MigrationPackage,
+    MoveResult,
+    ReshardReport,
+    RolloutReport,
+)
 from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
 
 
@@ -159,14 +165,16 @@ def actor_init(ctx, layout: Layout, weights: Any) -> bool:
     return shard.state is not None
 
 
-def _grpo_loss_fn(spec: RunSpec):
+def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
+    """The GRPO loss of one iter, and the list its calls append their micro-batch's metrics to."""
+    collected: list[dict[str, float]] = []
+
     def loss_fn(model, batch, num_tokens_in_iter):
         loss, metrics = grpo_loss(model.token_logprobs(batch.input_ids_BT), batch, num_tokens_in_iter,
                                   clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
-        loss_fn.metrics.append(metrics)
+        collected.append(metrics)
         return loss
-    loss_fn.metrics = []
-    return loss_fn
+    return loss_fn, collected
 
 
 def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
@@ -176,15 +184,16 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     if shard.state is None:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
-    samples: list[ScoredSample] = _resolve(samples)
+    scored: list[ScoredSample] = _resolve(samples)
     mbs = spec.micro_batch_size
     # padded to max_seq_len like inference, so the two compute the same log-probs bit for bit (ratio 1 at iter 0)
-    batches = [pack_samples(samples[i:i + mbs], tok.pad_id, spec.args.max_seq_len)
-               for i in range(0, len(samples), mbs)]
-    loss_fn = _grpo_loss_fn(spec)
-    report = shard.train_iter(SharedQueue(batches), loss_fn, num_tokens)
+    batches = [pack_samples(scored[i:i + mbs], tok.pad_id, spec.args.max_seq_len)
+               for i in range(0, len(scored), mbs)]
+    loss_fn, loss_metrics = _grpo_loss_fn(spec)
+    # None only on ranks outside the layout, returned above (shard.state is None)
+    report = cast(IterReport, shard.train_iter(SharedQueue(batches), loss_fn, num_tokens))
     out = report.metrics()
-    for m in loss_fn.metrics:  # sum-style metrics: this rank's share of the iter's value
+    for m in loss_metrics:  # sum-style metrics: this rank's share of the iter's value
         for k, v in m.items():
             if k != "grpo/loss":
                 out[k] = out.get(k, 0.0) + v
@@ -201,11 +210,12 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     if shard.state is None:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
+    model = cast(Transformer, shard.model)   # bound whenever the shard holds state (checked above)
     out = []
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
                                          spec.args.max_seq_len)
-        out.append([lp.clone() for lp in unpack_response_logprobs(shard.model.token_logprobs(ids_BT), mask_BT)])
+        out.append([lp.clone() for lp in unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)])
     return out if shard.coord == (0, 0) else None
 
 
@@ -248,7 +258,7 @@ def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
     """DP rank 0 of each TP rank: its TP-local weights (copies), keyed by parameter name; others None."""
     shard = actor_of(ctx)
     exported = shard.export_weights()
-    if exported is None or shard.coord[1] != 0:
+    if exported is None or cast(Coord, shard.coord)[1] != 0:   # exported: the shard is in its layout
         return None
     return {"__tp__": torch.tensor([exported.tp, exported.t]),
             **{k: v.detach().to("cpu", torch.float32).clone() for k, v in exported.tensors.items()}}
@@ -305,7 +315,8 @@ def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) 
     if old is not None and old.version == version and loaded is None:
         engine = old.engine
     else:
-        engine = NativeEngine(_model_with(spec, loaded, ctx.device),
+        # `weights` None without an engine of `version` here: the caller's error (fails in _model_with)
+        engine = NativeEngine(_model_with(spec, cast(dict[str, torch.Tensor], loaded), ctx.device),
                               EngineConfig(max_running_requests=spec.max_running_requests,
                                            vocab_limit=spec.vocab_limit), policy_version=version)
     queue = GroupQueue([])
@@ -372,7 +383,7 @@ def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
     r = _rollout(ctx)
     inst = r.inst
     want = float("inf") if count is None else count
-    queued = []
+    queued: list[PromptGroup] = []
     while len(queued) < want and r.queue.remaining():
         queued.append(r.queue.pop_back())
     # groups frozen by an export not yet committed or cancelled are not offered again: several exports from one

@@ -16,10 +16,19 @@ Only paths, layouts and small records cross the driver boundary; tensors stay on
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import cast
 
 from tidal.engine.actor import ActorShard
-from tidal.engine.checkpoint import (CheckpointMeta, gather_records, load_actor, make_manifest, tmp_dir,
-                                     write_manifest, write_shard)
+from tidal.engine.checkpoint import (
+    CheckpointMeta,
+    ShardRecord,
+    gather_records,
+    load_actor,
+    make_manifest,
+    tmp_dir,
+    write_manifest,
+    write_shard,
+)
 from tidal.engine.layout import Layout
 from tidal.workers.roles import actor_of
 
@@ -40,7 +49,7 @@ def actor_save(ctx, dir: str, gen: int, meta: CheckpointMeta) -> dict | None:
     records = gather_records(shard, mine, error)
     if ctx.rank == shard.layout.devices[0]:
         write_manifest(tmp, make_manifest(shard, meta, records))
-    return asdict(mine)
+    return asdict(cast(ShardRecord, mine))   # in the layout: written, or an error raised by gather_records
 
 
 def actor_load(ctx, dir: str, layout: Layout) -> dict:

@@ -35,9 +35,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tidal.engine.datasets import PromptLabel
 from tidal.engine.generation.migration import migrate
 from tidal.engine.generation.protocol import GenerationEngine, GenerationError
-from tidal.engine.datasets import PromptLabel
 from tidal.engine.generation.requests import Request, RequestResult, SamplingParams, derive_seed
 from tidal.errors import TidalError
 
@@ -163,7 +163,7 @@ class RolloutInstance:
         """One iteration: refill, one engine step, emit finished groups. Returns tokens generated."""
         self.refill()
         before = getattr(self.engine, "tokens_generated", 0)
-        finished = [ev.result for ev in self.engine.step() if ev.finished] if self.engine.has_work() else []
+        finished = [ev.result for ev in self.engine.step() if ev.result is not None] if self.engine.has_work() else []
         for result in finished:
             self._collect(result)
         made = getattr(self.engine, "tokens_generated", 0) - before

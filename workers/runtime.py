@@ -39,14 +39,17 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
-from tidal.workers.compute_share import (DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process,
-                                         process_alive)
+from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
 from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.ray_env import RaySession, connect, disconnect
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("tidal.workers")
 
@@ -79,7 +82,7 @@ class WorkerGroup:
 
     def __init__(self, session: RaySession, device_kind: DeviceKind, actors: dict[int, Any],
                  infos: dict[int, WorkerInfo], local: bool, poll_s: float, log_every_s: float):
-        self._store = None  # rendezvous store, when the driver hosts it
+        self._store: TCPStore | None = None  # rendezvous store, when the driver hosts it
         self._session, self.device_kind = session, device_kind
         self._actors, self.infos, self._local = actors, infos, local
         self._poll_s, self._log_every_s = poll_s, log_every_s
@@ -92,7 +95,7 @@ class WorkerGroup:
     def start(cls, devices: Sequence[int], device_kind: DeviceKind = "cpu", compute_share: float | None = None,
               ray_address: str | None = None, *, cpu_cores: Sequence[int] | None = None,
               share_period_s: float = DEFAULT_PERIOD_S, world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
-              poll_s: float = 0.5, log_every_s: float = 10.0) -> "WorkerGroup":
+              poll_s: float = 0.5, log_every_s: float = 10.0) -> WorkerGroup:
         """Start one worker per device id and join them in one world. Connects to (or starts) Ray.
 
         CPU virtual devices: `cpu_cores` pins every worker to those cores, and `compute_share` is then a
@@ -119,7 +122,8 @@ class WorkerGroup:
         session = connect(ray_address)
         import ray
 
-        actor_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(DeviceWorker)
+        # Ray's typed overloads of remote() omit the actor option concurrency_groups (accepted at runtime)
+        actor_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(DeviceWorker)  # type: ignore[call-overload]
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         if session.embedded:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback, like the rest
@@ -323,7 +327,7 @@ class WorkerGroup:
         self._store = None  # the driver-hosted rendezvous store (embedded Ray) stops with its last reference
         disconnect(self._session)
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,17 +14,26 @@ bookkeeping (`StepState.given`, the instances' last reports) is the driver's; a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from tidal.devices import Owner
 from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
 from tidal.engine.layout import Layout
-from dataclasses import replace
-
 from tidal.pipeline.cluster import Cluster, StepState
-from tidal.scheduler.actions import (LendInference, LendToRollout, MigrateBatch, MigrateRequests, ReleaseInference,
-                                     ReleaseRollout, ReshardActor, ReturnFromRollout, ReturnToInference,
-                                     StartRollout, Wait)
+from tidal.scheduler.actions import (
+    LendInference,
+    LendToRollout,
+    MigrateBatch,
+    MigrateRequests,
+    ReleaseInference,
+    ReleaseRollout,
+    ReshardActor,
+    ReturnFromRollout,
+    ReturnToInference,
+    StartRollout,
+    Wait,
+)
 from tidal.workers import roles
 from tidal.workers.messages import MoveResult, MoveSummary, ReshardReport, RolloutReport
 
@@ -89,6 +98,11 @@ class RayActuator:
     def begin_step(self, st: StepState) -> None:
         self.st = st
 
+    @property
+    def _st(self) -> StepState:
+        """The step in progress: actions are applied only after its `begin_step`."""
+        return cast(StepState, self.st)
+
     def known_rank_sets(self, sets) -> None:
         """Rank sets whose groups every worker has made (outside a reshard, e.g. at start)."""
         self.rank_sets.update(tuple(sorted(r)) for r in sets if len(r) >= 2)
@@ -117,7 +131,7 @@ class RayActuator:
         return out
 
     def release_inference(self, a: ReleaseInference) -> dict:
-        c, st, devices = self.c, self.st, list(a.devices)
+        c, st, devices = self.c, self._st, list(a.devices)
         self.drain(set(devices))
         for d in devices:
             if d not in c.inference:
@@ -202,7 +216,7 @@ class RayActuator:
         return res, by_src
 
     def _migrate_wave(self, wave: list[Move], out: dict) -> None:
-        c, st = self.c, self.st
+        c, st = self.c, self._st
         t_idle = c.clock()
         self.drain({d for s, t, _ in wave for d in (s, t)})
         t0 = c.clock()
@@ -243,7 +257,7 @@ class RayActuator:
     def finish_instances(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
         """Stop rollout instances `instance_ids` (their work migrates to `migrate_to`, or to any other instance);
         their devices go to `back_to` (FREE, or straight back to the actor / inference)."""
-        c, st, ids = self.c, self.st, list(instance_ids)
+        c, st, ids = self.c, self._st, list(instance_ids)
         targets = [t for t in migrate_to if t in c.rollout and t not in ids] or \
             [t for t in c.rollout if t not in ids]
         self.drain(set(ids))
@@ -276,7 +290,7 @@ class RayActuator:
 
     def _start_engines(self, devices: list[int]) -> None:
         g = self.group
-        g.gather([g.submit(d, roles.rollout_start, instance_id=str(d), step=self.st.step,
+        g.gather([g.submit(d, roles.rollout_start, instance_id=str(d), step=self._st.step,
                            **self.engine_load(d)) for d in devices])
 
     def start_instances(self, devices, lent: bool) -> dict:
@@ -366,7 +380,7 @@ class RayActuator:
         reports the whole plan's bytes."""
         phases = {k: round(max(r.phase_s.get(k, 0.0) for r in reports), 4)
                   for k in sorted({k for r in reports for k in r.phase_s})}
-        self.c.record("reshard", step=self.st.step, iter=self.st.iters_done, from_layout=str(old),
+        self.c.record("reshard", step=self._st.step, iter=self._st.iters_done, from_layout=str(old),
                       to_layout=str(new), bytes_moved=max(r.bytes_moved for r in reports), seconds=secs,
                       worker_s=max(r.seconds for r in reports), phases_s=phases,
                       prepared=all(r.prepared for r in reports), idle_s=idle_s, prepare_s=prepare_s,
@@ -381,7 +395,7 @@ class RayActuator:
             lent = sorted(c.lent)
             self.finish_instances(lent, back_to=Owner.ACTOR)
             c.lent.clear()
-            c.record("return_lent", step=self.st.step, devices=lent, reason=why)
+            c.record("return_lent", step=self._st.step, devices=lent, reason=why)
 
     def restore(self, initial_layout: Layout, rollout: tuple[int, ...], inference: tuple[int, ...]) -> None:
         """Back to the initial placement for the next step's rollout (RLinf does the same)."""
@@ -400,4 +414,4 @@ class RayActuator:
             ledger.assign(back_i, Owner.INFERENCE, "step end: inference placement restored")
             c.inference = sorted(c.inference + back_i)
         if back_r or back_i:
-            c.record("restore", step=self.st.step, rollout=back_r, inference=back_i)
+            c.record("restore", step=self._st.step, rollout=back_r, inference=back_i)

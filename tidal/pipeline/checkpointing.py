@@ -23,8 +23,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tidal.engine.checkpoint import (MARKER, CheckpointError, CheckpointMeta, Manifest, begin, check_model, commit,
-                                     latest, verify)
+from tidal.engine.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CheckpointMeta,
+    Manifest,
+    begin,
+    check_model,
+    commit,
+    latest,
+    verify,
+)
 from tidal.engine.datasets import DataPosition
 from tidal.engine.model import param_specs
 from tidal.workers import roles_ckpt

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tidal.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
@@ -40,11 +40,14 @@ from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.timeline import Timeline
-from tidal.workers.gc_pauses import GcPauses
 from tidal.workers import roles
+from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import KeptWeights, RolloutReport
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import WorkerGroup
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 log = logging.getLogger("tidal.pipeline")
 
@@ -103,16 +106,21 @@ class Pipeline:
                                p.inference)
         self.version = 0
         self.data_pos = DataPosition()
-        self._weights = weights
+        self._weights: dict | None = weights   # the initial weights, until start() has sent them
         #: devices whose worker kept a copy of the current generation weights (`sync_weights`), and the step-end
         #: calls that keep the next ones
         self.kept: frozenset[int] = frozenset()
         self._keeping: list = []
-        self.weights_ref = None
+        self.weights_ref: ObjectRef | None = None
         self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
         self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
+
+    @property
+    def _control(self) -> ControlLoop:
+        """The control loop, for the steps (`start` sets it before any)."""
+        return cast(ControlLoop, self.control)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,7 +159,10 @@ class Pipeline:
         from `weights_ref` (None only when every engine's device kept a copy)."""
         c, g = self.cluster, self.group
         self.weights_ref = weights_ref  # kept: instances started mid-step (lend, StartRollout) load these weights
-        w = lambda d: KeptWeights(self.version) if d in self.kept else weights_ref
+
+        def w(d):
+            return KeptWeights(self.version) if d in self.kept else weights_ref
+
         hs = [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
                        version=self.version, step=step) for d in c.rollout]
         hs += [g.submit(d, roles.inference_load, weights=w(d), version=self.version)
@@ -181,7 +192,7 @@ class Pipeline:
                                "run_step(sync=False))")
         st = StepState(step, deque(groups), len(groups), t_start=t_start)
         self.step_state = st
-        self.control.consult("start", st)
+        self._control.consult("start", st)
         n = cfg.algorithm.n_minibatches
         while st.iters_done < n:
             # scoring first: its calls run on the inference workers while the policy's actions (which touch
@@ -199,7 +210,7 @@ class Pipeline:
                 self._on_result(f, res)
         c.drain(self._on_result)
         self._keep_weights()
-        self.control.end_step(st)
+        self._control.end_step(st)
         if sync:
             self.sync_weights(step)
         self.data_pos = next_pos
@@ -325,7 +336,7 @@ class Pipeline:
         ready = self.iter_ready()
         # generated, not yet scored: the policy may move devices now, while its last groups are scored
         generated = ready or all(gid in st.gen_time for gid in self._iter_groups(st.iters_done))
-        if not self.control.consult("boundary", st, data_ready=ready, data_generated=generated):
+        if not self._control.consult("boundary", st, data_ready=ready, data_generated=generated):
             st.held = True
             return
         st.held = False
@@ -334,7 +345,7 @@ class Pipeline:
         if self.cluster.lent & set(self.cluster.actor_layout.devices):
             if st.generated < st.num_groups:
                 return   # its devices host rollout instances: the actor trains once the policy takes them back
-            self.control.return_lent("rollout is done: lent devices go back to the actor")
+            self._control.return_lent("rollout is done: lent devices go back to the actor")
             return   # the next pass asks the policy again, with the devices back, before the iter starts
         k, g, n = st.iters_done, self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
         gids = self._iter_groups(k)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import cast
 
 from tidal.config import TidalConfig
 from tidal.engine.datasets import DataSpec
 from tidal.engine.hf_checkpoint import HFModel, load_hf_weights, read_hf_config
-from tidal.engine.hf_tokenizer import HFTokenizer, TokenizerSpec
+from tidal.engine.hf_tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from tidal.engine.model import ModelArgs
 from tidal.engine.prompt_source import FileSource, PromptSource, TaskSource
 from tidal.engine.rewards import resolve_reward
@@ -33,7 +34,7 @@ from tidal.errors import ConfigError
 class RunInputs:
     args: ModelArgs
     hf: HFModel | None
-    tok: object
+    tok: Tokenizer
     tokenizer_spec: TokenizerSpec
     source: PromptSource
     reward: str | None
@@ -50,8 +51,9 @@ class RunInputs:
 
 def _checkpoint_inputs(cfg: TidalConfig) -> RunInputs:
     d = cfg.data
-    hf = read_hf_config(cfg.model.path, cfg.max_seq_len)
-    tok = HFTokenizer(cfg.model.path, d.apply_chat_template, d.chat_template_kwargs)
+    path = cast(str, cfg.model.path)   # set: read_inputs calls this only with model.path
+    hf = read_hf_config(path, cfg.max_seq_len)
+    tok = HFTokenizer(path, d.apply_chat_template, d.chat_template_kwargs)
     if tok.vocab_size > hf.args.vocab_size:
         raise ConfigError("model.path", cfg.model.path, f"its tokenizer has {tok.vocab_size} tokens, more than the "
                           f"model's {hf.args.vocab_size} embedding rows", "use the tokenizer saved with the model")

@@ -47,7 +47,8 @@ class DbRecorder:
                         devices=ev.get("devices", []) if isinstance(ev.get("devices"), list) else [],
                         reason="; ".join(ev["actions"]) if kind == "decision" else ev.get("reason", ""),
                         iter=ev.get("iter"), action_type=ev.get("action"),
-                        outcome=None if kind == "decision" else ("ok" if ev.get("ok") else f"failed: {ev.get('error')}"))
+                        outcome=None if kind == "decision"
+                        else ("ok" if ev.get("ok") else f"failed: {ev.get('error')}"))
 
     def transitions(self, history) -> None:
         with session_scope(self.engine) as s:

@@ -15,14 +15,21 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
 from tidal.config import TidalConfig, flatten
 from tidal.errors import ConfigError, TidalError
+
+if TYPE_CHECKING:   # imported where used (the driver, the workers' runtime): not at import time
+    from tidal.engine.hf_checkpoint import HFModel
+    from tidal.engine.prompt_source import TaskSource
+    from tidal.pipeline.driver import Pipeline
+    from tidal.workers.runtime import WorkerGroup
 
 log = logging.getLogger("tidal.run")
 
@@ -53,7 +60,7 @@ class RunSummary:
         return asdict(self)
 
 
-def device_kind(cfg: TidalConfig) -> str:
+def device_kind(cfg: TidalConfig) -> Literal["cpu", "cuda"]:
     want = cfg.cluster.device
     n = cfg.cluster.num_devices
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -90,12 +97,12 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
             raise ConfigError("warm_start.checkpoint", ws.checkpoint, "file not found", "give a safetensors path")
         weights = load_file(str(path))
         from tidal.engine.model import param_specs
-        for spec in param_specs(args):
-            w = weights.get(spec.name)
-            if w is None or tuple(w.shape) != spec.shape:
+        for ps in param_specs(args):
+            w = weights.get(ps.name)
+            if w is None or tuple(w.shape) != ps.shape:
                 raise TidalError("warm_start.checkpoint", ws.checkpoint,
-                                 f"does not fit this model ({spec.name}: "
-                                 f"{None if w is None else tuple(w.shape)} vs {spec.shape})",
+                                 f"does not fit this model ({ps.name}: "
+                                 f"{None if w is None else tuple(w.shape)} vs {ps.shape})",
                                  "use a checkpoint of the same model config (model.* keys) and tokenizer")
         return weights, {"source": str(path)}
     if ws.iters == 0:
@@ -155,8 +162,8 @@ class TrainingRun:
             sink = NullSink()
             sink.start_run(cfg.run.name, flatten(cfg))
         self.cfg, self.out_dir, self.sink, self.recorder, self.log_fn = cfg, Path(out_dir), sink, recorder, log_fn
-        self.pipe = None
-        self.group = None
+        self.pipe: Pipeline | None = None        # set by `open`
+        self.group: WorkerGroup | None = None   # set by `open`, None again after `close`
         self.evals: list[tuple[int, float]] = []
         self.rewards: list[float] = []
         self.step_s: list[float] = []
@@ -164,7 +171,7 @@ class TrainingRun:
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
 
-    def open(self, resume_from: str | Path | None = None) -> "TrainingRun":
+    def open(self, resume_from: str | Path | None = None) -> TrainingRun:
         from tidal.pipeline.driver import Pipeline
         from tidal.pipeline.inputs import read_inputs
         from tidal.scheduler.costs_cpu import cpu_e2e
@@ -178,7 +185,8 @@ class TrainingRun:
         if resume_from is not None:  # fail before any worker starts: marker, checksums, model fields
             from tidal.pipeline.checkpointing import check_resumable
             check_resumable(resume_from, args)
-        task = inputs.source.task if inputs.hf is None else None   # Tidal's own model: the built-in task's
+        # Tidal's own model: the built-in task's (its source is a TaskSource)
+        task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.t_run = time.monotonic()
         weights = inputs.initial_weights()
@@ -216,6 +224,11 @@ class TrainingRun:
 
     policy = None  # a test or sweep may set a policy callable before `open`
 
+    @property
+    def _pipe(self) -> Pipeline:
+        """The driver, for the verbs after `open` (which sets it)."""
+        return cast("Pipeline", self.pipe)
+
     def step(self) -> dict:
         """One RL step; returns its metrics (also sent to the sink and the database)."""
         self.run_step(sync=True)
@@ -228,16 +241,16 @@ class TrainingRun:
     def run_step(self, sync: bool = True) -> dict:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
         new weights also reach rollout and inference. Its metrics are written by `record`."""
-        self._res = self.pipe.run_step(self.next_step, sync=sync)
+        self._res = self._pipe.run_step(self.next_step, sync=sync)
         self._extra: dict[str, float] = {}
         return dict(self._res.metrics)
 
     def sync_weights(self) -> dict:
         """Actor weights -> rollout and inference (policy version + 1), after `run_step(sync=False)`."""
-        n_events, t0 = len(self.pipe.cluster.events), time.monotonic()
-        self.pipe.sync_weights(self.next_step)
-        self._res.events.extend(self.pipe.cluster.events[n_events:])
-        m = {"sync/seconds": time.monotonic() - t0, "sync/version": float(self.pipe.version)}
+        n_events, t0 = len(self._pipe.cluster.events), time.monotonic()
+        self._pipe.sync_weights(self.next_step)
+        self._res.events.extend(self._pipe.cluster.events[n_events:])
+        m = {"sync/seconds": time.monotonic() - t0, "sync/version": float(self._pipe.version)}
         self._extra.update(m)
         return m
 
@@ -247,7 +260,7 @@ class TrainingRun:
 
     def evaluate(self) -> float:
         """Held-out accuracy of the weights rollout and inference now hold."""
-        acc = self.pipe.evaluate(self.heldout)
+        acc = self._pipe.evaluate(self.heldout)
         self.evals.append((self.next_step + 1, acc))
         self._extra["eval/heldout_accuracy"] = acc
         return acc
@@ -275,7 +288,7 @@ class TrainingRun:
         """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints), and
         with `run.save_hf` the model as a Hugging Face directory beside it (`export_hf`)."""
         from tidal.pipeline.checkpointing import save
-        path = save(self.pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
+        path = save(self._pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
         if self.cfg.run.save_hf:
             self.export_hf()
         return path
@@ -289,16 +302,17 @@ class TrainingRun:
         from tidal.engine.hf_checkpoint import save_hf
         dtype = None if self.cfg.run.save_hf_dtype == "auto" else self.cfg.run.save_hf_dtype
         root = self.out_dir / "hf"
-        out = save_hf(root / f"step-{self.next_step:06d}", self.pipe.global_weights(), self.inputs.hf, dtype,
+        hf = cast("HFModel", self.inputs.hf)   # exports need model.path (config check of run.save_hf)
+        out = save_hf(root / f"step-{self.next_step:06d}", self._pipe.global_weights(), hf, dtype,
                       tokenizer=self.inputs.tok)
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
             shutil.rmtree(old)
-        self.pipe.cluster.record("export_hf", step=self.next_step, path=str(out))
+        self._pipe.cluster.record("export_hf", step=self.next_step, path=str(out))
         return out
 
     def finish(self) -> RunSummary:
         """Timeline picture, events, summary (the workers stay up until `close`)."""
-        pipe, cfg, out = self.pipe, self.cfg, self.out_dir
+        pipe, cfg, out = self._pipe, self.cfg, self.out_dir
         if self.recorder:
             self.recorder.transitions(pipe.ledger.history)
         pipe._close_ownership()

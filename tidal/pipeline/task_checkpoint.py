@@ -8,8 +8,9 @@
 The model is Tidal's own architecture (CONFIG's `model.*` keys) with Qwen2's q/k/v biases, its embedding padded to a
 multiple of 64 rows past the tokenizer (as Qwen pads), supervised on the task's small noisy labelled set
 (`warm_start.*`) to answer with the number (the files hold GSM8K's `#### N`; the `gsm8k` verifier reads a
-response's last number), held-out accuracy measured through the native engine and that verifier. An RL config then loads it through `model.path` and `data.train_files` exactly as it
-would a user's Qwen: the main job exercises the same path a user's run does.
+response's last number), held-out accuracy measured through the native engine and that verifier. An RL config
+then loads it through `model.path` and `data.train_files` exactly as it would a user's Qwen: the main job
+exercises the same path a user's run does.
 
 The directory is a cache: `DIR/model/tidal_warm_start.json` records the settings' key, and a second call with the
 same settings returns at once. It is written into `DIR.tmp` and renamed, so a directory at DIR is complete.

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tidal.config import TidalConfig, flatten, load_config
 
@@ -62,7 +63,7 @@ class RunTracking:
 
     @classmethod
     def open(cls, cfg: TidalConfig, out_dir: Path, *, sink: Any = None, parent_run_id: str | None = None,
-             tags: dict[str, str] | None = None) -> "RunTracking":
+             tags: dict[str, str] | None = None) -> RunTracking:
         """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row)."""
         from tidal.db import repository as repo
         from tidal.db.migrate import open_database
@@ -82,13 +83,13 @@ class RunTracking:
         return cls(sink, DbRecorder(engine, db_id, policy), engine, db_id, mlflow_id, owns)
 
     @classmethod
-    def null(cls, cfg: TidalConfig) -> "RunTracking":
+    def null(cls, cfg: TidalConfig) -> RunTracking:
         """No MLflow, no database: values stay in memory (`NullSink`)."""
         from tidal.tracking import NullSink
         sink = NullSink()
         return cls(sink, None, None, None, sink.start_run(cfg.run.name, flatten(cfg)))
 
-    def close(self, status: str, artifacts: list[Path] = ()) -> None:
+    def close(self, status: str, artifacts: Sequence[Path] = ()) -> None:
         """End the MLflow run with `status` (FINISHED, FAILED, KILLED) and the database row likewise."""
         if status == "FINISHED":
             for path in artifacts:
@@ -98,7 +99,7 @@ class RunTracking:
         if self.engine is not None:
             from tidal.db import repository as repo
             from tidal.db.session import session_scope
-            with session_scope(self.engine) as s:
-                repo.finish_run(s, self.db_run_id, status=_STATUS_DB[status])
+            with session_scope(self.engine) as s:   # `open` sets the engine and the row's id together
+                repo.finish_run(s, cast(int, self.db_run_id), status=_STATUS_DB[status])
             self.engine.dispose()
             self.engine = None
