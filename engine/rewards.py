@@ -82,10 +82,6 @@ _KILL_GRACE_S = 1.0
 class RewardError(TidalError):
     """A reward function raised, or returned something that is not a score, for one sample."""
 
-    def __reduce__(self) -> tuple[type[RewardError], tuple[str, object, str, str]]:
-        # Exception's default reduce re-calls cls(*self.args) with the one formatted message.
-        return (type(self), (self.field, self.value, self.problem, self.fix))
-
 
 @dataclass(frozen=True)
 class RewardResult:

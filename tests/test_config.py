@@ -182,3 +182,15 @@ def test_model_path_and_architecture_keys_are_exclusive():
     cfg = build_config({"model": {"path": "/m"}, "data": {"train_files": ["t.jsonl"], "val_files": ["v.jsonl"],
                                                           "max_prompt_length": 100, "max_response_length": 28}})
     assert cfg.max_seq_len == 128 and cfg.response_length == 28
+
+
+@pytest.mark.parametrize("override", [
+    "actor.lr=.inf", "actor.lr=inf", "actor.eps=nan", "actor.weight_decay=inf", "actor.betas=[nan,0.999]",
+    "rollout.temperature=inf", "model.rope_theta=inf", "algorithm.clip_eps=inf", "scheduler.margin_s=inf",
+    "actor.betas=[0.9,-.inf]"])
+def test_non_finite_numbers_are_refused_naming_the_field(override):
+    """An infinite learning rate would train to NaN weights without a single error: every number is finite."""
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match="finite number") as e:
+        build_config({}, [override])
+    assert e.value.field.startswith(field), (e.value.field, field)

@@ -100,6 +100,18 @@ def test_function_errors_name_the_device(group4):
 
 
 @pytest.mark.timeout(120)
+def test_a_user_error_raised_on_a_worker_reaches_the_driver_as_itself(group4):
+    """A `TidalError` on a worker arrives as the same type with its fields (so the CLI exits 2 with its message),
+    naming the device and rank that raised it; the worker lives on."""
+    from tidal.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        group4.call(5, P + "fail_with_config_error", field="actor.lr", timeout=30)
+    assert e.value.field == "actor.lr" and e.value.fix == "give another value"
+    assert "device 5, rank 1" in str(e.value), str(e.value)
+    assert group4.call(5, P + "sleep", seconds=0, timeout=30) == 5
+
+
+@pytest.mark.timeout(120)
 def test_health_answers_while_a_call_is_running(group4):
     handles = group4.submit_all(P + "sleep", seconds=2.0)
     time.sleep(0.5)

@@ -25,9 +25,10 @@ from tidal.placement import COMPONENTS, Placement, parse_device_ids, parse_place
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are immutable once built."""
+    """Base of every config section: unknown keys are errors, values are immutable once built, and no number is
+    NaN or infinite (an infinite learning rate trains to NaN weights without a single error)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ClusterConfig(Section):

@@ -16,6 +16,16 @@ class TidalError(Exception):
         self.field, self.value, self.problem, self.fix = field, value, problem, fix
         super().__init__(f"{field}: {problem} (got {value!r}). Fix: {fix}")
 
+    def __reduce__(self) -> tuple[type[TidalError], tuple[str, object, str, str]]:
+        # Exception's default reduce re-calls cls(*self.args) with the one formatted message: an error raised on
+        # a worker would not survive the trip to the driver. Every subclass keeps this four-field constructor.
+        return (type(self), (self.field, self.value, self.problem, self.fix))
+
+    def on_device(self, device_id: int, rank: int) -> TidalError:
+        """The same error, of the same type, saying which device (and world rank) raised it."""
+        return type(self)(self.field, self.value, f"{self.problem} [raised on device {device_id}, rank {rank}]",
+                          self.fix)
+
 
 class ConfigError(TidalError):
     """A config file or override that cannot describe a valid run."""

@@ -20,6 +20,9 @@ class WorkerDied(WorkerError):
         self.device_id, self.reason = device_id, reason
         super().__init__(f"worker of device {device_id} died: {reason}")
 
+    def __reduce__(self):
+        return (type(self), (self.device_id, self.reason))
+
 
 class WorkerTimeout(WorkerError, TimeoutError):
     """`fn` was still running on `device_ids` after `timeout_s` seconds."""
@@ -29,6 +32,9 @@ class WorkerTimeout(WorkerError, TimeoutError):
         super().__init__(f"{fn} still running on devices {list(self.device_ids)} after {timeout_s:.1f}s "
                          "(raise the timeout, or check the workers with group.health())")
 
+    def __reduce__(self):
+        return (type(self), (self.device_ids, self.fn, self.timeout_s))
+
 
 class WorkerCallError(WorkerError):
     """`fn` raised on `device_id`; `remote_traceback` is the worker-side traceback."""
@@ -36,6 +42,9 @@ class WorkerCallError(WorkerError):
     def __init__(self, device_id: int, fn: str, remote_traceback: str):
         self.device_id, self.fn, self.remote_traceback = device_id, fn, remote_traceback
         super().__init__(f"{fn} failed on device {device_id}:\n{remote_traceback}")
+
+    def __reduce__(self):
+        return (type(self), (self.device_id, self.fn, self.remote_traceback))
 
     @property
     def cause(self) -> str:

@@ -77,6 +77,12 @@ def fail(ctx: WorkerContext, message: str) -> None:
     raise RuntimeError(f"device {ctx.device_id}: {message}")
 
 
+def fail_with_config_error(ctx: WorkerContext, field: str) -> None:
+    """Raise a user error (`ConfigError`) on the worker: the driver must receive it as itself."""
+    from tidal.errors import ConfigError
+    raise ConfigError(field, "x", "is refused here", "give another value")
+
+
 def allreduce_seeded(ctx: WorkerContext, seed: int, numel: int) -> list[float]:
     """All-reduce of an integer-valued float64 tensor drawn from `seed + device_id`.
 

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from tidal.errors import TidalError
 from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
 from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
@@ -362,6 +363,9 @@ class WorkerGroup:
                 if time.monotonic() >= deadline or not self._local:
                     break
                 time.sleep(0.05)
+            if isinstance(e.cause, TidalError):   # bad input found on a worker: the user's error, as itself
+                rank = list(self._actors).index(h.device_id)
+                raise e.cause.on_device(h.device_id, rank) from None
             raise WorkerCallError(h.device_id, h.fn, str(e)) from None
 
     def _check_processes(self, device_ids: Iterable[int]) -> None:
