@@ -122,15 +122,18 @@ def test_export_loads_in_transformers_and_resume_reads_the_same_prompts(tmp_path
 def test_a_reward_function_that_raises_stops_the_run_naming_the_sample(tmp_path, hf_run_inputs):
     """`json:loads` has no verl signature: called with four arguments it raises TypeError in the reward child
     process of the worker that scores (here the first held-out evaluation, as the run opens); the run stops with
-    the sample id, the function and the error."""
+    the user's error itself (a `RewardError`: exit 2), naming the sample id, the function, the error and the
+    device that raised it."""
+    from tidal.engine.rewards import RewardError
     cfg = _cfg(tmp_path, hf_run_inputs("qwen2") + ["reward.function=json:loads", "run.name=raises"])
     run = TrainingRun(cfg, tmp_path / "raises")
     try:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(RewardError) as info:
             run.open()
             run.step()
         text = str(info.value)
-        assert "RewardError" in text and "json:loads" in text and "TypeError" in text, text
+        assert info.value.field == "reward.function" and "json:loads" in text and "TypeError" in text, text
         assert "sample 'val:0'" in text, text   # the sample id: file stem and row
+        assert "raised on device" in text, text
     finally:
         run.close()
