@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from tidal.scheduler.actions import (
     Action,
@@ -109,9 +109,10 @@ def apply_action(a: Action, actuator: Actuator) -> dict:
 
 
 def _error_text(err: BaseException) -> str:
-    cause = getattr(err, "cause", "")   # a worker's error: its own line, not the transport's traceback
-    # one with a `cause` is a tidal.workers WorkerCallError, which names its device (not imported here)
-    text = (f"{type(err).__name__} on device {cast(Any, err).device_id}: {cause}" if cause
+    # a worker's error (tidal.workers WorkerCallError, not imported here) names its device and carries its own
+    # last line: that, not the transport's traceback
+    cause = getattr(err, "cause", "")
+    text = (f"{type(err).__name__} on device {getattr(err, 'device_id', '?')}: {cause}" if cause
             else f"{type(err).__name__}: {err}")
     return text[:500]
 
@@ -129,14 +130,15 @@ def reconcile(actions: Sequence[Action], actuator: Actuator, clock: Callable[[],
             actuator.wait(a)
             continue
         t0 = clock()
+        ok, error, detail = True, "", {}
         try:
-            out = Outcome(a, True, detail=apply_action(a, actuator))
+            detail = apply_action(a, actuator)
         except Exception as err:
             if not contain:
                 raise
-            out = Outcome(a, False, error=_error_text(err))
-            log.warning("action %s failed: %s", type(a).__name__, out.error)
-        out = Outcome(out.action, out.ok, out.error, clock() - t0, out.detail)
+            ok, error = False, _error_text(err)
+            log.warning("action %s failed: %s", type(a).__name__, error)
+        out = Outcome(a, ok, error, clock() - t0, detail)
         outcomes.append(out)
         if on_outcome is not None:
             on_outcome(out)

@@ -5,7 +5,6 @@ import pickle
 
 import pytest
 
-import tidal
 from tidal.errors import TidalError
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerError, WorkerTimeout
 
@@ -54,6 +53,3 @@ def test_runtime_errors_round_trip_through_pickle(err):
     assert type(back) is type(err) and str(back) == str(err)
     assert isinstance(back, WorkerError)
 
-
-def test_the_package_exports_its_error_base():
-    assert tidal.errors.TidalError is TidalError
