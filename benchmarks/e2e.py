@@ -23,13 +23,13 @@ Per-step wall time excludes step 0 (worker warm-up: first allocations, process-g
 plans); the JSON keeps every step. Each run's folder holds `events.json` (every decision, action, reshard and
 migration with its seconds), `timeline.png` and `summary.json`.
 
-Simulator part: `tidal.scheduler.simulator.simulate` on `rlinf_example()` (1.5B, 8 GPUs, 512 prompts x 16,
+Simulator part: `scheduler.simulator.simulate` on `rlinf_example()` (1.5B, 8 GPUs, 512 prompts x 16,
 4 iters, long tail) and on 1,024 devices (same shape, 2 prompts per device), static / rlinf / tidal.
 
 Calibration: from the static run's measurements (per rollout slice: batch and seconds per decode step; actor
 iter seconds per dp from every run; reshard seconds and bytes) the script fits the CPU cost model with
-`tidal.scheduler.costs.fit_linear` / `fit_decode` / `fit_actor` and reports the fitted values next to the
-preset the policy used (`tidal.scheduler.costs_cpu.cpu_e2e`); see docs/e2e.md.
+`scheduler.costs.fit_linear` / `fit_decode` / `fit_actor` and reports the fitted values next to the
+preset the policy used (`scheduler.costs_cpu.cpu_e2e`); see docs/e2e.md.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from tidal.placement import parse_device_ids
+from tidal.core.placement import parse_device_ids
 
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 8 of them
@@ -67,7 +67,7 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
 
 
 def build(label: str, a: argparse.Namespace, out: Path):
-    from tidal.config import build_config
+    from tidal.core.config import build_config
     policy, over = parse_variant(label)
     sections = {k: v for k, v in over.items() if "." in k}
     over = {k: v for k, v in over.items() if "." not in k}
@@ -233,9 +233,9 @@ def sim_figures(steps_8: int, steps_1024: int, cfg=None) -> dict:
     what the policy code would reach if the workers behaved as modelled (3 seeds, 3 steps each)."""
     from dataclasses import replace
 
-    from tidal.scheduler.costs_cpu import cpu_e2e
-    from tidal.scheduler.simulator import simulate
-    from tidal.scheduler.workload import LengthDist, SimSpec, rlinf_example
+    from scheduler.costs_cpu import cpu_e2e
+    from scheduler.simulator import simulate
+    from scheduler.workload import LengthDist, SimSpec, rlinf_example
     out = {}
     cases = [("rlinf_example_8", 8, rlinf_example(8, prompts_per_device=64), steps_8, (0,)),
              ("devices_1024", 1024, rlinf_example(1024, prompts_per_device=2), steps_1024, (0,))]
@@ -272,7 +272,7 @@ def fit(runs: dict, cfg_tokens: float, micro_batches: int, groups: int = 0, grou
     for the JSON, the fitted `CostModel` or None when the static run was not calibrated)."""
     from dataclasses import asdict
 
-    from tidal.scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
+    from scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
     static = runs.get("static", {})
     cal = static.get("calibration") or {}
     if not cal.get("decode"):
@@ -307,9 +307,9 @@ def predicted(costs, labels: list[str], a: argparse.Namespace, out: Path, measur
     same median, uncorrelated within a group. The policy is asked as often as the driver asks it (`MIN_INTERVAL_S`)."""
     from dataclasses import replace
 
+    from scheduler.simulator import simulate
+    from scheduler.workload import LengthDist, SimSpec
     from tidal.pipeline.control import MIN_INTERVAL_S
-    from tidal.scheduler.simulator import simulate
-    from tidal.scheduler.workload import LengthDist, SimSpec
     res = {}
     for label in labels:
         policy, _ = parse_variant(label)

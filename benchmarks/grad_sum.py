@@ -7,7 +7,7 @@ The actor sums micro-batch gradients in index order so that an update does not d
 (a dynamic run ends bit-equal to a static one). Each rank owns a ZeRO-1 range and needs every micro-batch's slice
 of it. The baseline mode sends every rank's slices after its last backward (`ActorShard._ordered_sum`); with the
 claim order known in advance (`SharedQueue` without a store) the receives are posted before the first
-forward and each micro-batch's slices leave as soon as its backward is done (`engine/actor.py` `_OverlappedSum`).
+forward and each micro-batch's slices leave as soon as its backward is done (`tidal/engine/actor.py` `_OverlappedSum`).
 
 Per dp, both modes run in one process group, alternating iter by iter (the machine's drift falls on both), on the
 same data; the final weights of both are compared bit for bit. Reported per mode: median iter seconds and phases

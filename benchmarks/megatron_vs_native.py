@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         pmb, pn = (int(x) for x in (ns.parity_batch or ("4x2" if cuda else "2x2")).lower().split("x"))
     except ValueError:
         raise SystemExit(f"error: --parity-batch {ns.parity_batch!r} is not MBxN (e.g. 4x2)") from None
-    from tidal.reshard_check import run_world
+    from tidal.cli.reshard_check import run_world
     r = run_world(1, "nccl" if cuda else "gloo", _body, args.__dict__, ns.device, (pmb, pn), mb, n, ns.iters,
                   ns.warmup, timeout=900)[0]
     n_params = args.num_params()

@@ -47,7 +47,7 @@ from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs
 from tidal.engine.optim import OPT_KINDS, OptimConfig
 from tidal.engine.reshard import plan_reshard
-from tidal.engine.reshard._plan import flat_boxes, shard_box
+from tidal.engine.reshard.plan import flat_boxes, shard_box
 
 QUICK = ModelArgs(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
                   intermediate_size=768, max_seq_len=64)
@@ -159,7 +159,7 @@ def _dcp(shard: ActorShard, old: Layout, new: Layout, path: str) -> float:
     into new-layout tensors. Target tensors are allocated before the clock starts; seconds of save+load+copy."""
     import torch.distributed.checkpoint as dcp
 
-    from tidal.engine.reshard._plan import _holdings, intersect
+    from tidal.engine.reshard.plan import holdings, intersect
     rank = dist.get_rank()
     saved = {}
     if shard.state is not None:
@@ -174,13 +174,13 @@ def _dcp(shard: ActorShard, old: Layout, new: Layout, path: str) -> float:
         tn, dn = coord
         for spec in shard.specs:
             for what in ("param", "optim"):
-                for dst_box in _holdings(spec, new, tn, dn, what):
+                for dst_box in holdings(spec, new, tn, dn, what):
                     for kind in (("param",) if what == "param" else OPT_KINDS):
                         dt = shard.dtype if kind == "param" else torch.float32
                         dst = torch.empty([hi - lo for lo, hi in dst_box], dtype=dt, device=shard.device)
                         for t in range(old.tp):
                             for d in (range(old.dp) if what == "optim" else (0,)):
-                                for src_box in _holdings(spec, old, t, d, what):
+                                for src_box in holdings(spec, old, t, d, what):
                                     inter = intersect(src_box, dst_box)
                                     if inter is None:
                                         continue
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=None, help="comma-separated indices into each world's case list "
                                                  "(default: all); big shapes take minutes per case")
     ns = p.parse_args(argv)
-    from tidal.reshard_check import run_world
+    from tidal.cli.reshard_check import run_world
     if ns.quick and ns.shape:
         p.error("--quick picks the tiny model; drop --shape or --quick")
     args = QUICK if ns.quick else SHAPES[ns.shape or "small"]

@@ -3,7 +3,7 @@
     python benchmarks/reshard_check_nccl.py --json out.json                  # NCCL, one process per GPU (2 GPUs)
     python benchmarks/reshard_check_nccl.py --backend gloo --json out.json   # the same on CPU processes
 
-Each pair runs the `tidal reshard-check` body (tidal/reshard_check.py): a small fp32 model trained one step at A,
+Each pair runs the `tidal reshard-check` body (tidal/cli/reshard_check.py): a small fp32 model trained one step at A,
 resharded to B, every tensor of B gathered and compared bit for bit with A (params, fp32 master, both Adam moments,
 step, data cursor, the RNG rule), then resharded back and every rank's own buffers compared with those before.
 Exit 0 when every pair passes.
@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from tidal.reshard_check import _check_body, run_world
+from tidal.cli.reshard_check import _check_body, run_world
 
 PAIRS = [("tp=1,dp=1", "tp=1,dp=2"), ("tp=1,dp=2", "tp=1,dp=1"), ("tp=2,dp=1", "tp=1,dp=1"),
          ("tp=1,dp=1", "tp=2,dp=1"), ("tp=1,dp=1", "tp=1,dp=1,devices=1"), ("tp=1,dp=2", "tp=2,dp=1")]

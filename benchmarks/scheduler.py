@@ -34,13 +34,13 @@ import random
 import time
 from pathlib import Path
 
-from tidal.devices import Owner
-from tidal.scheduler.costs import gpu_h200_1p5b
-from tidal.scheduler.policies import get_policy
-from tidal.scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal, Signals
-from tidal.scheduler.simulator import _Sim, simulate
-from tidal.scheduler.state import SchedState
-from tidal.scheduler.workload import SimSpec, rlinf_example
+from scheduler.costs import gpu_h200_1p5b
+from scheduler.policies import get_policy
+from scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal, Signals
+from scheduler.simulator import _Sim, simulate
+from scheduler.state import SchedState
+from scheduler.workload import SimSpec, rlinf_example
+from tidal.core.devices import Owner
 
 FLAGS = {"rlinf": (False, False), "rlinf_pre": (True, False), "rlinf_wait": (False, True),
          "rlinf_flags": (True, True)}

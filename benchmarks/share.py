@@ -51,7 +51,7 @@ def measure(share: float | None, cores: tuple[int, ...] | None, devices: int, bu
 
 
 def parse_setup(text: str) -> tuple[tuple[int, ...] | None, float]:
-    from tidal.placement import parse_device_ids
+    from tidal.core.placement import parse_device_ids
 
     cores_s, _, share_s = text.partition(":")
     cores = None if cores_s == "all" else parse_device_ids(cores_s, "--setups cores")

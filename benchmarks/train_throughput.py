@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU")
     p.add_argument("--json", dest="json_path")
     ns = p.parse_args(argv)
-    from tidal.reshard_check import run_world
+    from tidal.cli.reshard_check import run_world
     cuda = torch.cuda.is_available() and not ns.quick
     args = TINY if not cuda else BIG
     if ns.micro_batch or ns.num_mb:

@@ -1,4 +1,4 @@
-"""tidal.db: the platform database (SQLAlchemy 2 + Alembic; SQLite by default, PostgreSQL by URL).
+"""db: the platform database (SQLAlchemy 2 + Alembic; SQLite by default, PostgreSQL by URL).
 
 Records runs, steps, device ownership moves, reshards, request migrations and scheduler events, with one schema
 history for both databases. Guide: docs/database.md.
@@ -12,11 +12,11 @@ Entry points (re-exported here), one idea per module:
                 `MigrationEvent`, `SchedulerEvent`;
 - `repository`  verbs that take the caller's session: `add_run`, `add_step`, `finish_run`, `record_*`, `list_*`;
 - `checks`      input checks; `InvalidRecord` names the field, the value and the fix;
-- `__main__`    `python -m tidal.db upgrade|downgrade|current|check|revision`; `migrations/` holds the revisions
+- `__main__`    `python -m db upgrade|downgrade|current|check|revision`; `migrations/` holds the revisions
                 (package data).
 
-Imports: SQLAlchemy and Alembic; from Tidal only itself, `tidal.devices` (owner names), `tidal.errors` and, for
-the CLI's default URL, `tidal.config`. Never the engine, workers, scheduler, flows, tasks, torch, Prefect,
+Imports: SQLAlchemy and Alembic; from Tidal only itself, `tidal.core.devices` (owner names), `tidal.core.errors` and, for
+the CLI's default URL, `tidal.core.config`. Never the engine, workers, scheduler, flows, tasks, torch, Prefect,
 MLflow, Ray or Optuna (tests/test_db.py).
 
 Invariants (tests/test_db.py):
@@ -28,10 +28,10 @@ Invariants (tests/test_db.py):
 - the version table is `tidal_schema_version`, not Alembic's default, so MLflow's tables can share a database.
 """
 
-from tidal.db.checks import InvalidRecord
-from tidal.db.migrate import current_revision, downgrade, head_revision, open_database, schema_diff, upgrade
-from tidal.db.models import DeviceTransition, MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step
-from tidal.db.repository import (
+from db.checks import InvalidRecord
+from db.migrate import current_revision, downgrade, head_revision, open_database, schema_diff, upgrade
+from db.models import DeviceTransition, MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step
+from db.repository import (
                                  add_run,
                                  add_step,
                                  attach_mlflow_run,
@@ -49,7 +49,7 @@ from tidal.db.repository import (
                                  record_transition,
                                  record_transitions,
 )
-from tidal.db.session import make_engine, session_scope
+from db.session import make_engine, session_scope
 
 __all__ = [
     "InvalidRecord", "current_revision", "downgrade", "head_revision", "open_database", "schema_diff", "upgrade",

@@ -1,12 +1,12 @@
-"""`python -m tidal.db`: migrate and inspect the platform database.
+"""`python -m db`: migrate and inspect the platform database.
 
-    python -m tidal.db upgrade  [--url URL] [--revision head]
-    python -m tidal.db downgrade --revision REV [--url URL]
-    python -m tidal.db current  [--url URL]        # revision the database is at, and the newest one
-    python -m tidal.db check    [--url URL]        # exit 1 if the schema differs from the models
-    python -m tidal.db revision -m "message" [--url URL]   # autogenerate a revision (database at head)
+    python -m db upgrade  [--url URL] [--revision head]
+    python -m db downgrade --revision REV [--url URL]
+    python -m db current  [--url URL]        # revision the database is at, and the newest one
+    python -m db check    [--url URL]        # exit 1 if the schema differs from the models
+    python -m db revision -m "message" [--url URL]   # autogenerate a revision (database at head)
 
-URL defaults to $TIDAL_DB_URL, else `tracking.db_url`'s default in tidal/config.py.
+URL defaults to $TIDAL_DB_URL, else `tracking.db_url`'s default in tidal/core/config.py.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import argparse
 import os
 import sys
 
-from tidal.config import TrackingConfig
-from tidal.db.migrate import current_revision, downgrade, head_revision, new_revision, schema_diff, upgrade
-from tidal.db.session import make_engine
-from tidal.errors import TidalError
+from db.migrate import current_revision, downgrade, head_revision, new_revision, schema_diff, upgrade
+from db.session import make_engine
+from tidal.core.config import TrackingConfig
+from tidal.core.errors import TidalError
 
 
 def main(argv: list[str] | None = None) -> int:
     default_url = os.environ.get("TIDAL_DB_URL") or TrackingConfig.model_fields["db_url"].default
-    parser = argparse.ArgumentParser(prog="python -m tidal.db", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m db", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["upgrade", "downgrade", "current", "check", "revision"])
     parser.add_argument("--url", default=default_url, help=f"database URL (default {default_url})")
     parser.add_argument("--revision", default=None, help="target revision (upgrade: head; downgrade: required)")

@@ -7,7 +7,7 @@ These checks run first and raise `InvalidRecord`, which names the field, the val
     >>> check_nonneg_int("reshard.bytes_moved", -1)
     Traceback (most recent call last):
     ...
-    tidal.db.checks.InvalidRecord: reshard.bytes_moved: must be an integer >= 0 (got -1). Fix: pass a Python int >= 0
+    db.checks.InvalidRecord: reshard.bytes_moved: must be an integer >= 0 (got -1). Fix: pass a Python int >= 0
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def check_str(field: str, value: object, *, max_len: int | None = None, optional
 
 
 def check_one_of(field: str, value: object, allowed: Sequence[str]) -> str:
-    """One of `allowed`; a str-valued enum member (e.g. `tidal.devices.Owner.ACTOR`) counts as its value."""
+    """One of `allowed`; a str-valued enum member (e.g. `tidal.core.devices.Owner.ACTOR`) counts as its value."""
     raw = value.value if isinstance(value, enum.Enum) else value
     if raw not in allowed:
         raise InvalidRecord(field, value, "is not an allowed value", f"pass one of {list(allowed)}")

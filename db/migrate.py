@@ -1,12 +1,12 @@
 """Schema versions: Alembic migrations run from code, with no alembic.ini.
 
 The schema is made and changed only by the revisions in `db/migrations/versions/` (installed as package data
-of `tidal.db`), on SQLite and PostgreSQL alike. Applications open the database with `open_database(url)`,
+of `db`), on SQLite and PostgreSQL alike. Applications open the database with `open_database(url)`,
 which upgrades to head first; `create_all` is never used, so a database is always at a known revision.
 
     engine = open_database("sqlite:///runs/tidal.db")     # upgrade(url) then make_engine(url)
-    python -m tidal.db upgrade --url postgresql+psycopg://tidal:pw@127.0.0.1:55432/tidal
-    python -m tidal.db revision -m "add steps.kl" --url sqlite:///dev.db   # autogenerate a new revision
+    python -m db upgrade --url postgresql+psycopg://tidal:pw@127.0.0.1:55432/tidal
+    python -m db revision -m "add steps.kl" --url sqlite:///dev.db   # autogenerate a new revision
 
 Choices:
 - The version table is `tidal_schema_version`, not Alembic's default `alembic_version`, and autogenerate
@@ -31,8 +31,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
-from tidal.db.models import Base
-from tidal.db.session import make_engine, parse_url
+from db.models import Base
+from db.session import make_engine, parse_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "tidal_schema_version"
@@ -49,7 +49,7 @@ def alembic_config(url: str | URL) -> Config:
     """An Alembic config pointing at the packaged migrations directory and at `url`."""
     if not (MIGRATIONS_DIR / "env.py").is_file():
         raise FileNotFoundError(f"Alembic migrations not found at {MIGRATIONS_DIR}; reinstall tidal "
-                                "(they ship as package data of tidal.db)")
+                                "(they ship as package data of db)")
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # configparser treats % as interpolation; URL-escaped passwords contain it.

@@ -3,7 +3,7 @@
 One row per fact, each tied to its run (deleting a run deletes its rows)::
 
     runs ─┬─< steps                one per training step: reward, eval accuracy, where the time went
-          ├─< device_transitions   device ownership history (tidal.devices.Owner strings)
+          ├─< device_transitions   device ownership history (tidal.core.devices.Owner strings)
           ├─< reshard_events       actor layout changes: from/to layout, bytes, seconds, committed or rolled back
           ├─< migration_events     rollout request moves between instances (kv | reprefill)
           └─< scheduler_events     every scheduler decision and every action it took, with the reason
@@ -12,7 +12,7 @@ Design choices:
 - Enumerated strings (run status, owners, migration mode, event kind) are VARCHAR plus a named CHECK
   constraint, not native enums: identical on SQLite and PostgreSQL, no database types to migrate.
 - Event times are seconds on the recording component's injected clock (floats, like
-  `tidal.devices.Transition.time`); run start/end are timezone-aware UTC datetimes.
+  `tidal.core.devices.Transition.time`); run start/end are timezone-aware UTC datetimes.
 - JSON columns hold small structured values (config, layouts, device lists, per-phase seconds).
 - Constraint names come from one naming convention, so Alembic migrations name them the same on every
   backend (SQLite batch mode needs named constraints to rebuild tables).
@@ -43,7 +43,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from tidal.devices import Owner
+from tidal.core.devices import Owner
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -125,7 +125,7 @@ class Step(Base):
 
 
 class DeviceTransition(Base):
-    """One ownership move of one device (a row of `tidal.devices.DeviceLedger.history`)."""
+    """One ownership move of one device (a row of `tidal.core.devices.DeviceLedger.history`)."""
 
     __tablename__ = "device_transitions"
     __table_args__ = (

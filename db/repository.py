@@ -1,6 +1,6 @@
 """Repository functions: small verbs that take the caller's session.
 
-Each function checks its inputs (`tidal.db.checks`, errors name the field, the value and the fix), adds
+Each function checks its inputs (`db.checks`, errors name the field, the value and the fix), adds
 rows and flushes, so ids are assigned and constraint errors surface at the call, but never commits:
 the caller owns the transaction (`session_scope`), and may group several records into one.
 
@@ -8,12 +8,12 @@ the caller owns the transaction (`session_scope`), and may group several records
         run = add_run(s, name="gsm8k-grpo", config=cfg.model_dump(mode="json"), output_dir="runs/7")
     with session_scope(engine) as s:
         add_step(s, run.id, step=0, step_seconds=4.2, phase_seconds={"generate": 2.5, "train": 1.7}, reward=0.31)
-        record_transitions(s, run.id, ledger.history)     # tidal.devices.Transition rows, as they are
+        record_transitions(s, run.id, ledger.history)     # tidal.core.devices.Transition rows, as they are
     with session_scope(engine) as s:
         finish_run(s, run.id, status="finished")
         steps = list_steps(s, run.id)
 
-Reads return ORM objects (`tidal.db.models`); with `session_scope` they stay readable after it closes.
+Reads return ORM objects (`db.models`); with `session_scope` they stay readable after it closes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tidal.db.checks import (
+from db.checks import (
     InvalidRecord,
     check_bool,
     check_devices,
@@ -37,7 +37,7 @@ from tidal.db.checks import (
     check_phase_seconds,
     check_str,
 )
-from tidal.db.models import (
+from db.models import (
     MIGRATION_MODES,
     OWNERS,
     RUN_STATUSES,
@@ -49,7 +49,7 @@ from tidal.db.models import (
     SchedulerEvent,
     Step,
 )
-from tidal.devices import Owner, Transition
+from tidal.core.devices import Owner, Transition
 
 FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s != "running")
 
@@ -157,7 +157,7 @@ def list_steps(session: Session, run_id: int) -> list[Step]:
 
 def record_transition(session: Session, run_id: int, *, device_id: int, from_owner: Owner | str,
                       to_owner: Owner | str, reason: str, time: float) -> DeviceTransition:
-    """Record one ownership move. Owners are `tidal.devices.Owner` members or their strings."""
+    """Record one ownership move. Owners are `tidal.core.devices.Owner` members or their strings."""
     get_run(session, run_id)
     row = DeviceTransition(run_id=run_id, device_id=check_nonneg_int("transition.device_id", device_id),
                            from_owner=check_one_of("transition.from_owner", from_owner, OWNERS),
@@ -169,7 +169,7 @@ def record_transition(session: Session, run_id: int, *, device_id: int, from_own
 
 
 def record_transitions(session: Session, run_id: int, transitions: Iterable[Transition]) -> list[DeviceTransition]:
-    """Record `tidal.devices.Transition` values (e.g. a ledger's new history rows) in order."""
+    """Record `tidal.core.devices.Transition` values (e.g. a ledger's new history rows) in order."""
     return [record_transition(session, run_id, device_id=t.device, from_owner=t.src, to_owner=t.dst,
                               reason=t.reason, time=t.time) for t in transitions]
 

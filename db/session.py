@@ -1,7 +1,7 @@
 """Engines and sessions for the platform database: SQLite by default, PostgreSQL by URL.
 
     engine = make_engine("sqlite:///runs/tidal.db")   # or "postgresql+psycopg://user:pw@127.0.0.1:5432/tidal"
-    upgrade(engine.url)                                # tidal.db.migrate: the schema comes from migrations
+    upgrade(engine.url)                                # db.migrate: the schema comes from migrations
     with session_scope(engine) as session:             # one transaction: commit on exit, rollback on error
         run = add_run(session, name="gsm8k", config={...})
 
@@ -44,7 +44,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
-from tidal.errors import ConfigError
+from tidal.core.errors import ConfigError
 
 FIELD = "tracking.db_url"
 URL_FIX = 'use "sqlite:///path/to/tidal.db" or "postgresql+psycopg://user:password@127.0.0.1:5432/dbname"'

@@ -1,7 +1,7 @@
-"""tidal.flows: Tidal's Prefect flows. They are thin and read like the algorithm; the work is in `tidal.tasks` and
+"""flows: Tidal's Prefect flows. They are thin and read like the algorithm; the work is in `tasks` and
 library code. See docs/flows.md.
 
-Entry points (each takes one typed request from `tidal.tasks.requests`, which the Prefect UI renders as a form):
+Entry points (each takes one typed request from `tasks.requests`, which the Prefect UI renders as a form):
 - `rl_training.rl_training(TrainingRequest)`: flow `rl-training`, one flow run = one training run, each RL step a
   subflow run `rl-step` named step-N (run_step -> sync_weights -> evaluate if due -> record_step -> checkpoint if
   due); `tidal train --flow` runs it;
@@ -11,7 +11,7 @@ Entry points (each takes one typed request from `tidal.tasks.requests`, which th
   workload, optionally trained for real one after another (an `rl-training` subflow each);
 - `serve`: `tidal serve`, the three flows as deployments of the same names on a Prefect server.
 
-Imports: Prefect, `tidal.tasks.*`, `tidal.errors` and itself; the library is reached through the tasks.
+Imports: Prefect, `tasks.*`, `tidal.core.errors` and itself; the library is reached through the tasks.
 
 Invariants:
 - a flow only orders tasks and subflows; what crosses a task boundary is an id, a path or a small typed value,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tidal.errors import TidalError
-from tidal.flows.rl_training import rl_training
-from tidal.tasks.benchmark import simulate_policy, write_comparison
-from tidal.tasks.requests import BenchmarkRequest, TrainingRequest
+from flows.rl_training import rl_training
+from tasks.benchmark import simulate_policy, write_comparison
+from tasks.requests import BenchmarkRequest, TrainingRequest
+from tidal.core.errors import TidalError
 
 
 @flow(name="benchmark", flow_run_name="{request.workload}")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tidal.tasks.requests import SweepRequest
-from tidal.tasks.sweep import ask_trial, close_sweep, open_sweep, report_sweep, run_trial
+from tasks.requests import SweepRequest
+from tasks.sweep import ask_trial, close_sweep, open_sweep, report_sweep, run_trial
 
 
 @flow(name="policy-sweep", flow_run_name="{request.space}")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tidal.tasks.requests import TrainingRequest
-from tidal.tasks.training import (
+from tasks.requests import TrainingRequest
+from tasks.training import (
     OpenedRun,
     checkpoint,
     close_run,

@@ -14,7 +14,7 @@ each flow's schema by the server (`enforce_parameter_schema`), so a bad request 
 
 Serving needs a server someone else can reach: with no `PREFECT_API_URL` Prefect would start a temporary
 one inside this process, so that is refused with the fix. (Flows themselves run fine without a server:
-`python -c "from tidal.flows.rl_training import rl_training; rl_training()"`.)
+`python -c "from flows.rl_training import rl_training; rl_training()"`.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from tidal.errors import TidalError
+from tidal.core.errors import TidalError
 
 if TYPE_CHECKING:
     from prefect import Flow
@@ -37,9 +37,9 @@ def deployments(only: tuple[str, ...] = NAMES) -> list:
     """The RunnerDeployments `tidal serve` registers (one per flow, named like the flow)."""
     from prefect.deployments.runner import EntrypointType
 
-    from tidal.flows.benchmark import benchmark
-    from tidal.flows.policy_sweep import policy_sweep
-    from tidal.flows.rl_training import rl_training
+    from flows.benchmark import benchmark
+    from flows.policy_sweep import policy_sweep
+    from flows.rl_training import rl_training
     flows: dict[str, Flow[..., Any]] = {"rl-training": rl_training, "policy-sweep": policy_sweep,
                                         "benchmark": benchmark}
     return [flows[n].to_deployment(name=n, tags=["tidal"], description=(flows[n].description or "").strip(),

@@ -11,8 +11,8 @@ One decision, the same in a real run and in the simulator:
   teaches the next), `rollout_model.py` (continuous batching in closed form), `workload.py` (`SimSpec`),
   `simulator.py` (discrete-event simulation; its `_Sim` is an `Actuator`), `sim_cli.py` (`tidal simulate`).
 
-May import: `tidal.errors`, `tidal.devices`, `tidal.config`, `tidal.placement`, numpy. Never the engine, the
-workers, the pipeline or Ray (`tests/test_boundaries.py`): the real cluster's actuator is
+May import: the core (`tidal.core`: errors, devices, config, placement), numpy. Never the engine, the workers, the
+pipeline or Ray (`tests/test_boundaries.py`): the real cluster's actuator is
 `tidal.pipeline.actuator.RayActuator`.
 
 Invariants: policies are pure functions of (state, signals, now); an action is complete (devices, instance ids,

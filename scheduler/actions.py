@@ -17,7 +17,7 @@ A list without `Wait` lets a boundary-waiting actor proceed.
 Which groups a `MigrateRequests` moves is fixed by rule, not chosen by the actuator: the last `count`
 unfinished groups in the source's queue order (so groups that have not started go first, then the most
 recently admitted ones). Migration is abort + resubmit with `prompt + generated so far` (re-prefill), or, with
-`kv=True`, a copy of the sequences' KV cache to the target (Tidal's native engine: `engine/generation`
+`kv=True`, a copy of the sequences' KV cache to the target (Tidal's native engine: `tidal/engine/generation`
 migration; no re-prefill, cost = KV bytes / link bandwidth).
 
 `StartRollout` (new in the tidal policy's mid-step lending) starts rollout instances on FREE devices (e.g.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.scheduler.signals import ActorLayout
+from scheduler.signals import ActorLayout
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tidal.errors import TidalError
+from tidal.core.errors import TidalError
 
 
 @dataclass(frozen=True)

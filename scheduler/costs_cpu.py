@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.scheduler.costs import (
+from scheduler.costs import (
     LEND_ACTIONS,
     ActorCost,
     CostModel,

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.scheduler.costs import (
+from scheduler.costs import (
     learn_actor_factor,
     learn_decode,
     learn_moves,
@@ -28,8 +28,8 @@ from tidal.scheduler.costs import (
     learn_rollout_factor,
     learn_scoring,
 )
-from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.state import SchedState
+from scheduler.estimate import LengthModel
+from scheduler.state import SchedState
 
 
 def ready_curve(gen_times: np.ndarray, t_start: float) -> tuple[float, ...]:

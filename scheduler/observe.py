@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutColumns, RolloutView, Signals
+from scheduler.estimate import LengthModel
+from scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutColumns, RolloutView, Signals
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tidal.errors import TidalError
-from tidal.scheduler import policy_rlinf, policy_tidal
-from tidal.scheduler.actions import Action
-from tidal.scheduler.signals import Signals
-from tidal.scheduler.state import SchedState
+from scheduler import policy_rlinf, policy_tidal
+from scheduler.actions import Action
+from scheduler.signals import Signals
+from scheduler.state import SchedState
+from tidal.core.errors import TidalError
 
 Policy = Callable[[SchedState, Signals, float], list[Action]]
 

@@ -15,7 +15,7 @@ It reads the rollout as columns (`Signals.cols`), so a decision at 1,024 devices
 instance except over the migrations it emits (RLinf's spread can emit hundreds; they stay individual
 `MigrateRequests`, as RLinf sends them). Unlike RLinf, devices are named by id (the lowest free ids join the
 actor: with the contiguous actor -> rollout -> inference placement these are the ones rollout just released next
-to it), and each flag has one default (tidal/config.py), read once by `PolicyParams.from_config`.
+to it), and each flag has one default (tidal/core/config.py), read once by `PolicyParams.from_config`.
 
 Worked example (8 devices, actor 0-1 TP 2, rollout 2-5 TP 1, inference 6-7, max_running_requests 512, sizes
 {2, 4, 8}): after iter 0 with 700 sequences running, 2 instances suffice, so 2 may go; size 4 needs 2 devices:
@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from tidal.scheduler.actions import (
+from scheduler.actions import (
     Action,
     LendToRollout,
     MigrateRequests,
@@ -38,8 +38,8 @@ from tidal.scheduler.actions import (
     ReturnFromRollout,
     Wait,
 )
-from tidal.scheduler.signals import ActorLayout, Signals
-from tidal.scheduler.state import PolicyParams, SchedState
+from scheduler.signals import ActorLayout, Signals
+from scheduler.state import PolicyParams, SchedState
 
 
 def spread(src_ids: list[int], src_groups: list[int], survivor_ids: list[int], why: str) -> list[MigrateRequests]:

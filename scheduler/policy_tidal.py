@@ -51,7 +51,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from tidal.scheduler.actions import (
+from scheduler.actions import (
     Action,
     LendInference,
     LendToRollout,
@@ -64,8 +64,8 @@ from tidal.scheduler.actions import (
     StartRollout,
     Wait,
 )
-from tidal.scheduler.signals import ActorLayout, RolloutColumns, Signals
-from tidal.scheduler.state import SchedState
+from scheduler.signals import ActorLayout, RolloutColumns, Signals
+from scheduler.state import SchedState
 
 # A move must beat doing nothing by `margin(state, base)` predicted seconds on top of its modelled cost: the churn
 # guard, `scheduler.margin_s` + `scheduler.margin_frac` x the predicted time the move improves on. Relative, because

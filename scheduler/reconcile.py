@@ -7,7 +7,7 @@
 An `Actuator` is the mechanism: one method per action type, each taking the typed action and returning a
 dict of what it did (recorded with the outcome). `tidal.pipeline.actuator.RayActuator` moves real workers;
 the simulator's `_Sim` moves simulated instances and charges the cost model's seconds. Both keep device
-ownership in a `tidal.devices.DeviceLedger`, so an action that double-books a device fails the same way in
+ownership in a `tidal.core.devices.DeviceLedger`, so an action that double-books a device fails the same way in
 both (IllegalTransition).
 
 Failures: on real workers an action can fail (a worker's error, a refused release); the actuator leaves the
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tidal.scheduler.actions import (
+from scheduler.actions import (
     Action,
     LendInference,
     LendToRollout,

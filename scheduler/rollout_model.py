@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidal.scheduler.costs import DecodeCost
+from scheduler.costs import DecodeCost
 
 
 @dataclass

@@ -12,7 +12,7 @@ never call back into a component.
 
 Units: counts are sequences ("tasks", RLinf's word) unless named `groups_`; tokens are generated tokens;
 rates are tokens per second of wall time. `est_remaining_tokens` is an estimate made by the producer from the
-response-length distribution seen so far (`tidal.scheduler.estimate`), never ground truth.
+response-length distribution seen so far (`scheduler.estimate`), never ground truth.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from functools import cached_property
 
 import numpy as np
 
-from tidal.devices import Owner
-from tidal.errors import LayoutError
+from tidal.core.devices import Owner
+from tidal.core.errors import LayoutError
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class ActorSignal:
 
 @dataclass(frozen=True)
 class DeviceSignal:
-    """Owner of every device, indexed by device id (from `tidal.devices.DeviceLedger.snapshot`)."""
+    """Owner of every device, indexed by device id (from `tidal.core.devices.DeviceLedger.snapshot`)."""
 
     owners: tuple[Owner, ...]
 

@@ -7,6 +7,7 @@ CONFIG is a Tidal config (YAML) or `rlinf-example` (RLinf's 8-GPU example worklo
 
 from __future__ import annotations
 
+import argparse
 import json
 from argparse import Namespace
 from pathlib import Path
@@ -14,11 +15,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tidal.config import load_config
-from tidal.errors import TidalError
-from tidal.scheduler.policies import POLICIES
-from tidal.scheduler.simulator import SimResult, simulate
-from tidal.scheduler.workload import SimSpec, rlinf_example
+from scheduler.policies import POLICIES
+from scheduler.simulator import SimResult, simulate
+from scheduler.workload import SimSpec, rlinf_example
+from tidal.core.config import load_config
+from tidal.core.errors import TidalError
 
 
 def _spec(config: str, devices: int | None) -> SimSpec:
@@ -59,7 +60,6 @@ def cli_simulate(args: Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    import argparse
     ap = argparse.ArgumentParser(prog="tidal simulate",
                                  description="Discrete-event simulation of a run's scheduling (same policy code).")
     ap.add_argument("config", help="Tidal config YAML, or `rlinf-example` (RLinf's 8-GPU workload, built in)")

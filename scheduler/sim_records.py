@@ -1,4 +1,4 @@
-"""Records of a simulation (`tidal.scheduler.simulator`): events, per-step statistics, the result and its JSON."""
+"""Records of a simulation (`scheduler.simulator`): events, per-step statistics, the result and its JSON."""
 
 from __future__ import annotations
 

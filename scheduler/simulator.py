@@ -22,7 +22,7 @@ Who calls the policy: iter done ("boundary"); an instance drained ("drain", coal
 with `SimSpec.poll_s`, every `poll_s` while the actor waits at a boundary ("boundary", as the real driver asks).
 The actor's first mini-batch scored while its devices are lent ("data_ready"). While a Wait holds the actor
 the signal says so (`ActorSignal.held`) and the next of these events asks again. Actions are applied through
-a `tidal.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
+a `tidal.core.devices.DeviceLedger`, so a policy that double-books a device fails loudly (IllegalTransition).
 Migration cost lands on the receiving instance's epoch start: re-prefill (`CostModel.migration_time`; several
 arrivals in one decision add up), or a KV-cache copy when the action says `kv`: the real actuator runs a
 decision's KV moves as waves of one call per device and phase, so every instance a wave touches, source or
@@ -46,10 +46,7 @@ import time as _time
 
 import numpy as np
 
-from tidal.config import TidalConfig
-from tidal.devices import DeviceLedger, Owner
-from tidal.errors import TidalError
-from tidal.scheduler.actions import (
+from scheduler.actions import (
     LendInference,
     LendToRollout,
     MigrateBatch,
@@ -63,16 +60,19 @@ from tidal.scheduler.actions import (
     Wait,
     describe,
 )
-from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.learning import ready_curve
-from tidal.scheduler.observe import RolloutProgress, observe
-from tidal.scheduler.policies import get_policy
-from tidal.scheduler.reconcile import reconcile
-from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
-from tidal.scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
-from tidal.scheduler.sim_records import SimEvent, SimResult, StepStats
-from tidal.scheduler.state import SchedState
-from tidal.scheduler.workload import SimSpec
+from scheduler.estimate import LengthModel
+from scheduler.learning import ready_curve
+from scheduler.observe import RolloutProgress, observe
+from scheduler.policies import get_policy
+from scheduler.reconcile import reconcile
+from scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
+from scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
+from scheduler.sim_records import SimEvent, SimResult, StepStats
+from scheduler.state import SchedState
+from scheduler.workload import SimSpec
+from tidal.core.config import TidalConfig
+from tidal.core.devices import DeviceLedger, Owner
+from tidal.core.errors import TidalError
 
 __all__ = ["SimEvent", "SimResult", "StepStats", "simulate"]
 

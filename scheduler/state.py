@@ -2,7 +2,7 @@
 
 `PolicyParams.from_config(cfg)` is the only place the scheduler reads the config, so a flag the user omits
 means the same here as for the workers: both read `cfg.cluster.use_pre_process_policy` (and its one default
-in `tidal/config.py`). RLinf defaults the flag to True in its scheduler and False in its workers; there is no
+in `tidal/core/config.py`). RLinf defaults the flag to True in its scheduler and False in its workers; there is no
 second default here to drift.
 
 Valid actor sizes::
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidal.config import TidalConfig
-from tidal.scheduler.costs import CostModel, gpu_h200_1p5b
-from tidal.scheduler.signals import ActorLayout
+from scheduler.costs import CostModel, gpu_h200_1p5b
+from scheduler.signals import ActorLayout
+from tidal.core.config import TidalConfig
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from typing import Literal
 
 import numpy as np
 
-from tidal.config import TidalConfig
-from tidal.errors import TidalError
-from tidal.scheduler.costs import CostModel, cpu_tiny, gpu_h200_1p5b
-from tidal.scheduler.state import PolicyParams
+from scheduler.costs import CostModel, cpu_tiny, gpu_h200_1p5b
+from scheduler.state import PolicyParams
+from tidal.core.config import TidalConfig
+from tidal.core.errors import TidalError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""tidal.tasks: Prefect tasks, the verbs the flows call. Each calls library code and passes ids, paths and small
+"""tasks: Prefect tasks, the verbs the flows call. Each calls library code and passes ids, paths and small
 typed values, never tensors or worker handles (Prefect pickles results). See docs/flows.md.
 
 Entry points:
@@ -11,8 +11,8 @@ Entry points:
   parameters, a config path plus `key.path=value` overrides as on the command line) and `registry` (`put`,
   `get`, `pop`: the live objects of this process by short string key).
 
-Imports: Prefect, pydantic, `tidal.pipeline` (the run and its tracking), `tidal.scheduler` (the simulator, for
-`benchmark`), `tidal.sweep`, `tidal.errors` and itself; never the engine or workers directly, never `tidal.flows`.
+Imports: Prefect, pydantic, `tidal.pipeline` (the run and its tracking), `scheduler` (the simulator, for
+`benchmark`), `tidal.sweep`, `tidal.core.errors` and itself; never the engine or workers directly, never `flows`.
 
 Invariants:
 - the objects a task acts on (a `TrainingRun` holding its Ray workers, a `Sweep`) live in the flow run's process,

@@ -12,16 +12,16 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tidal.errors import TidalError
+from scheduler.policies import POLICIES
+from scheduler.simulator import simulate
+from scheduler.workload import rlinf_example
+from tidal.core.errors import TidalError
+from tidal.pipeline.tracked_run import load_run_config
 
 
 @task(name="simulate-policy", cache_policy=NO_CACHE, task_run_name="simulate-{policy}")
 def simulate_policy(workload: str, policy: str, devices: int | None, steps: int, seed: int) -> dict:
     """Simulate `steps` RL steps of the workload (`rlinf-example` or a config path) under `policy`."""
-    from tidal.pipeline.tracked_run import load_run_config
-    from tidal.scheduler.policies import POLICIES
-    from tidal.scheduler.simulator import simulate
-    from tidal.scheduler.workload import rlinf_example
     if policy not in POLICIES:
         raise TidalError("policies", policy, "unknown policy", f"use some of {sorted(POLICIES)}")
     spec = rlinf_example(devices or 8) if workload == "rlinf-example" else load_run_config(workload)

@@ -14,9 +14,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks import registry
+from tasks.requests import SweepRequest
 from tidal.sweep import Sweep, TrialResult, TrialSpec, load_space
-from tidal.tasks import registry
-from tidal.tasks.requests import SweepRequest
 
 
 @task(name="open-sweep", cache_policy=NO_CACHE)

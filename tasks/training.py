@@ -1,6 +1,6 @@
 """Prefect tasks of a training run: verbs over a `TrainingRun` that lives in the flow run's process.
 
-Tasks pass a run key (a string; see `tidal.tasks.registry`) and small typed values (metrics dicts, paths),
+Tasks pass a run key (a string; see `tasks.registry`) and small typed values (metrics dicts, paths),
 never tensors: Prefect pickles results. `cache_policy=NO_CACHE` everywhere: each call acts on live workers
 and must run every time.
 
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks import registry
+from tasks.requests import TrainingRequest
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
-from tidal.tasks import registry
-from tidal.tasks.requests import TrainingRequest
 
 if TYPE_CHECKING:
     from tidal.pipeline.run import TrainingRun

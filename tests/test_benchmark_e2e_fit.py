@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.scheduler.costs_cpu import calibrate, cpu_e2e
+from scheduler.costs_cpu import calibrate, cpu_e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.errors import ConfigError
+from tidal.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

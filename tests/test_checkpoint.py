@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tidal.core.errors import TidalError
 from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
 from tidal.engine.checkpoint import (
     MARKER,
@@ -39,7 +40,6 @@ from tidal.engine.model import ModelArgs, param_specs
 from tidal.engine.optim import OptimConfig, ZeroShape
 from tidal.engine.reshard import FaultInjected
 from tidal.engine.testing import run_ranks
-from tidal.errors import TidalError
 
 # as tests/test_reshard.py: TP 1, 2, 4 possible; vocab 23 and SwiGLU width 40 split unevenly; tiny.
 ARGS = ModelArgs(vocab_size=23, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=4,
@@ -346,7 +346,7 @@ def test_world8_layouts(tmp_path):
 
 # ---- the pipeline: TrainingRun.checkpoint / open(resume_from=...) on real Ray workers -------------------------
 def _run_cfg(out: Path, actor: str, rollout: str, inference: str, num_devices: int, **model):
-    from tidal.config import build_config
+    from tidal.core.config import build_config
     return build_config({
         "cluster": {"num_nodes": 1, "num_devices_per_node": num_devices, "auto_scheduler": False,
                     "component_placement": {"actor": actor, "rollout": rollout, "inference": inference}},

@@ -11,8 +11,8 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 
-from tidal import cli  # noqa: E402
-from tidal.convert_rlinf import convert_file  # noqa: E402
+from tidal.cli import main as cli  # noqa: E402
+from tidal.convert.rlinf import convert_file  # noqa: E402
 from tidal.engine.hf_tokenizer import train_bpe_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "rlinf"

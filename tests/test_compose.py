@@ -189,7 +189,7 @@ def _cli_subcommands() -> set[str]:
 def test_commands_exist(compose, pyproject):
     scripts = _console_scripts_of_dependencies(pyproject)
     assert {"prefect", "mlflow", "optuna-dashboard"} <= set(scripts), scripts
-    assert pyproject["project"]["scripts"]["tidal"] == "tidal.cli:main"
+    assert pyproject["project"]["scripts"]["tidal"] == "tidal.cli.main:main"
     for name, svc in compose["services"].items():
         if name == "postgres":
             continue
@@ -226,7 +226,7 @@ def test_flags_are_known_to_the_installed_tools(compose, service, help_argv):
 
 def test_dockerfile_in_sync_with_pyproject(pyproject):
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    folders = {name.rstrip("*") for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = set(re.findall(r"^COPY (\S+) \./\1$", dockerfile, flags=re.M))
     assert folders <= copied, f"Dockerfile misses package folders {folders - copied}"
     assert "['project']['dependencies']" in dockerfile  # the dependency layer reads pyproject, not a copy

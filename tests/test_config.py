@@ -7,10 +7,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tidal.cli import main
-from tidal.config import build_config, load_config
-from tidal.errors import ConfigError
-from tidal.placement import Mode, parse_device_ids
+from tidal.cli.main import main
+from tidal.core.config import build_config, load_config
+from tidal.core.errors import ConfigError
+from tidal.core.placement import Mode, parse_device_ids
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 

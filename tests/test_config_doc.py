@@ -1,4 +1,4 @@
-"""README's configuration table is generated from the config models (tidal.config_doc) and must match them."""
+"""README's configuration table is generated from the config models (tidal.core.config_doc) and must match them."""
 
 import enum
 import re
@@ -8,8 +8,8 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from tidal.config import TidalConfig
-from tidal.config_doc import (
+from tidal.core.config import TidalConfig
+from tidal.core.config_doc import (
     BEGIN,
     END,
     REGENERATE,

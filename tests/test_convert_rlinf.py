@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.config import TidalConfig, build_config
-from tidal.convert_rlinf import Conversion, convert, convert_file, resolve_interpolations, to_yaml
-from tidal.convert_rlinf_builder import leaves
-from tidal.convert_rlinf_interpolation import register_resolvers
-from tidal.errors import TidalError
+from tidal.convert.builder import leaves
+from tidal.convert.interpolation import register_resolvers
+from tidal.convert.rlinf import Conversion, convert, convert_file, resolve_interpolations, to_yaml
+from tidal.core.config import TidalConfig, build_config
+from tidal.core.errors import TidalError
 
 DATA = Path(__file__).resolve().parent / "data" / "rlinf"
 COLLOCATED = DATA / "qwen2.5-1.5b-grpo-fsdp-collocated.yaml"

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tidal.scheduler.costs import (
+from scheduler.costs import (
     learn_actor_factor,
     learn_decode,
     learn_moves,
@@ -15,7 +15,7 @@ from tidal.scheduler.costs import (
     learn_rollout_factor,
     learn_scoring,
 )
-from tidal.scheduler.costs_cpu import cpu_e2e
+from scheduler.costs_cpu import cpu_e2e
 
 
 def test_decode_step_is_the_median_residual_and_keeps_the_slope():

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from tidal.errors import TidalError
+from scheduler.costs import rank_share
+from scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
+from tidal.core.errors import TidalError
 from tidal.pipeline.timeline import Timeline
-from tidal.scheduler.costs import rank_share
-from tidal.scheduler.costs_cpu import calibrate, cpu_e2e, event_costs, iter_samples
 
 
 def test_calibrate_recovers_decode_actor_and_move_costs():

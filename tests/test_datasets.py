@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.core.errors import TidalError
 from tidal.engine.datasets import (
     DataError,
     DataPosition,
@@ -22,7 +23,6 @@ from tidal.engine.datasets import (
     filter_by_length,
     read_records,
 )
-from tidal.errors import TidalError
 
 
 def write_jsonl(path: Path, rows: list[object], raw_lines: list[str] | None = None) -> str:

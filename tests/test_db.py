@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from tidal.db import (
+from db import (
     DeviceTransition,
     InvalidRecord,
     add_run,
@@ -45,10 +45,10 @@ from tidal.db import (
     session_scope,
     upgrade,
 )
-from tidal.db.migrate import VERSION_TABLE
-from tidal.db.models import Base
-from tidal.devices import DeviceLedger, Owner
-from tidal.errors import ConfigError
+from db.migrate import VERSION_TABLE
+from db.models import Base
+from tidal.core.devices import DeviceLedger, Owner
+from tidal.core.errors import ConfigError
 
 PG_URL = os.environ.get("TIDAL_TEST_PG_URL")
 BACKENDS = [
@@ -307,7 +307,7 @@ def test_deleting_a_run_deletes_its_rows(engine):
     """ON DELETE CASCADE holds on both backends (SQLite enforces foreign keys only when asked to)."""
     from sqlalchemy import delete, func
 
-    from tidal.db.models import Run, SchedulerEvent, Step
+    from db.models import Run, SchedulerEvent, Step
 
     run_id, keep_id = _new_run(engine), _new_run(engine, "keep")
     with session_scope(engine) as s:
@@ -399,7 +399,7 @@ def test_concurrent_process_writers_lose_nothing_sqlite(tmp_path):
 def test_retry_locked_retries_only_lock_errors_and_gives_up_at_the_deadline():
     import sqlite3
 
-    from tidal.db.session import retry_locked
+    from db.session import retry_locked
 
     attempts = []
 
@@ -431,11 +431,11 @@ def test_db_imports_no_engine_worker_or_orchestration_code():
     import ast
     from pathlib import Path
 
-    import tidal.db
+    import db
 
-    forbidden = ("tidal.engine", "tidal.workers", "tidal.scheduler", "tidal.flows", "tidal.tasks", "torch",
+    forbidden = ("tidal.engine", "tidal.workers", "scheduler", "flows", "tasks", "torch",
                  "prefect", "mlflow", "ray", "optuna")
-    root = Path(tidal.db.__file__).parent
+    root = Path(db.__file__).parent
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)

@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from tidal.errors import TidalError
+from tidal.core.errors import TidalError
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerError, WorkerTimeout
 
 
@@ -18,7 +18,7 @@ def _subclasses(cls):
 
 def _import_everything():
     """Every module that defines an error, so `__subclasses__` sees them all."""
-    import tidal.config
+    import tidal.core.config
     import tidal.engine.backends.megatron_ckpt
     import tidal.engine.checkpoint
     import tidal.engine.datasets
@@ -39,7 +39,7 @@ def test_every_user_error_round_trips_through_pickle(cls):
 
 
 def test_a_user_error_names_the_device_that_raised_it():
-    from tidal.errors import ConfigError
+    from tidal.core.errors import ConfigError
     err = ConfigError("data.train_files", "x.jsonl", "is not readable", "check the path").on_device(5, 2)
     assert type(err) is ConfigError and err.field == "data.train_files"
     assert "[raised on device 5, rank 2]" in str(err)

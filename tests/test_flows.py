@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tidal.cli import main as cli_main
+from tasks import registry
+from tasks.requests import SweepRequest, TrainingRequest
+from tidal.cli.main import main as cli_main
 from tidal.pipeline.tracked_run import load_run_config
-from tidal.tasks import registry
-from tidal.tasks.requests import SweepRequest, TrainingRequest
 
 REPO = Path(__file__).resolve().parents[1]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -33,12 +33,12 @@ TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true"
 # ---- fast checks ----------------------------------------------------------------------------------------------
 
 def test_deployments_are_module_entrypoints_with_typed_parameter_forms():
-    from tidal.flows.serve import NAMES, deployments
+    from flows.serve import NAMES, deployments
     deps = {d.name: d for d in deployments()}
     assert set(deps) == set(NAMES)
-    assert deps["rl-training"].entrypoint == "tidal.flows.rl_training.rl_training"
-    assert deps["policy-sweep"].entrypoint == "tidal.flows.policy_sweep.policy_sweep"
-    from tidal.flows.rl_training import rl_training
+    assert deps["rl-training"].entrypoint == "flows.rl_training.rl_training"
+    assert deps["policy-sweep"].entrypoint == "flows.policy_sweep.policy_sweep"
+    from flows.rl_training import rl_training
     form = rl_training.parameters.model_dump()["definitions"]["TrainingRequest"]["properties"]
     assert {"config", "overrides", "track"} <= set(form)
     assert form["overrides"]["type"] == "array" and form["config"]["type"] == "string"
@@ -84,7 +84,7 @@ def test_environment_points_runs_at_the_platform_but_overrides_win(monkeypatch, 
 
 
 def test_bad_config_in_a_request_is_a_config_error_naming_the_field():
-    from tidal.errors import ConfigError
+    from tidal.core.errors import ConfigError
     with pytest.raises(ConfigError, match="run.num_stepz"):
         load_run_config(REPO / "experiments/rlinf_dynamic.yaml", ["run.num_stepz=2"])
 
@@ -187,9 +187,9 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
     import mlflow
     import optuna
 
-    from tidal.db import repository as repo
-    from tidal.db.migrate import open_database
-    from tidal.db.session import session_scope
+    from db import repository as repo
+    from db.migrate import open_database
+    from db.session import session_scope
     api, home = prefect_server
     db_url, ml_uri = f"sqlite:///{tmp_path}/tidal.db", f"sqlite:///{tmp_path}/mlruns.db"
     tracking = [f"tracking.db_url={db_url}", f"tracking.mlflow_uri={ml_uri}",

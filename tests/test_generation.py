@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tidal.core.errors import TidalError
 from tidal.engine.generation import (
     EngineBusyError,
     EngineConfig,
@@ -18,7 +19,6 @@ from tidal.engine.generation.sampler import sample
 from tidal.engine.generation.weights import actor_shards_from_global, rollout_shard
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 from tidal.engine.testing import run_ranks
-from tidal.errors import TidalError
 
 ARGS = ModelArgs(vocab_size=37, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
                  max_seq_len=32)

@@ -1,4 +1,4 @@
-"""The actor's overlapped ordered gradient sum (`engine/actor.py` `_OverlappedSum`) updates bit for bit like the
+"""The actor's overlapped ordered gradient sum (`tidal/engine/actor.py` `_OverlappedSum`) updates bit for bit like the
 exchange after the last backward, on real gloo ranks (benchmarks/grad_sum.py runs both modes side by side)."""
 
 import sys

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.core.errors import TidalError
 from tidal.engine.grpo import (
     build_batch,
     count_response_tokens,
@@ -27,14 +28,13 @@ from tidal.engine.grpo import (
     unpack_response_logprobs,
 )
 from tidal.engine.records import PromptGroup, RecordError, RolloutGroup, ScoredGroup
-from tidal.errors import TidalError
 
 V, PAD, BOS, EOS = 19, 0, 1, 2
 
 
 class PrefixPolicy(torch.nn.Module):
     """A tiny causal policy (bigram table + running sum of embeddings): log-probs depend on the whole
-    prefix, never on what follows, like any decoder. Model-agnostic stand-in for engine/model.py."""
+    prefix, never on what follows, like any decoder. Model-agnostic stand-in for tidal/engine/model.py."""
 
     def __init__(self, seed: int = 0):
         super().__init__()

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from tidal.config import build_config
+from tidal.core.config import build_config
+from tidal.core.errors import TidalError
 from tidal.engine.datasets import DataPosition
-from tidal.errors import TidalError
 from tidal.pipeline.inputs import read_inputs
 from tidal.pipeline.run import TrainingRun
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import load_config
+from tidal.core.config import load_config
 from tidal.pipeline.run import run_training
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]

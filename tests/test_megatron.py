@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from tidal.core.errors import LayoutError
 from tidal.engine.backends.megatron_ckpt import plan_chunks
 from tidal.engine.backends.megatron_map import (
     QKVShape,
@@ -29,7 +30,6 @@ from tidal.engine.backends.megatron_map import (
 )
 from tidal.engine.model import ModelArgs, RopeScaling, init_global_weights, param_specs
 from tidal.engine.testing import run_ranks
-from tidal.errors import LayoutError
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
@@ -353,9 +353,9 @@ def test_gpt_model_tp1_checkpoint_loads_into_native_tp2(tmp_path):
 
 # ---- backend protocol ----------------------------------------------------------------------------------------
 def test_backend_registry_and_protocol():
+    from tidal.core.errors import ConfigError
     from tidal.engine.backends.native import NativeBackend
     from tidal.engine.backends.protocol import backend_names, make_backend, register_backend
-    from tidal.errors import ConfigError
 
     assert "native" in backend_names()
     with pytest.raises(ValueError, match="already registered"):

@@ -247,9 +247,9 @@ def test_megatron_reshard_dp1_tp2_to_dp2_tp1_and_back_is_exact():
 
 
 def _bad_layout(rank, world):
+    from tidal.core.errors import LayoutError
     from tidal.engine.backends.megatron_backend import MegatronBackend
     from tidal.engine.layout import Layout
-    from tidal.errors import LayoutError
     args, hp, w, _, _ = _setup()
     try:
         MegatronBackend(args, hp, Layout(1, 1, (1,)), rank, weights=w)

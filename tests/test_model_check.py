@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tidal import cli, model_check  # noqa: E402
+from tidal.cli import main as cli  # noqa: E402
+from tidal.cli import model_check  # noqa: E402
 from tidal.engine.hf_tokenizer import train_bpe_tokenizer  # noqa: E402
 from tidal.engine.model import ModelArgs  # noqa: E402
 

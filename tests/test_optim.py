@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from tidal.core.errors import ConfigError
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.optim import BufferPool, OptimConfig, ShardState, ZeroShape, adamw_update, clip_coefficient, lr_at
-from tidal.errors import ConfigError
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():

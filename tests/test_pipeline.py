@@ -4,10 +4,10 @@ inference's old log-probs equal the actor's, and a dynamic run equals a static o
 import pytest
 import torch
 
-from tidal.config import build_config
+from scheduler.actions import LendToRollout, MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
+from scheduler.signals import ActorLayout
+from tidal.core.config import build_config
 from tidal.pipeline.run import TrainingRun
-from tidal.scheduler.actions import LendToRollout, MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
-from tidal.scheduler.signals import ActorLayout
 from tidal.workers import roles
 from tidal.workers.messages import KeptWeights
 
@@ -178,7 +178,7 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
     """Every consult asks for a move the cluster cannot make (device 9 does not exist): each attempt fails and is
     rolled back, and after `MAX_FAILURES_PER_STEP` in a step the policy is not asked again until the step ends.
     The run completes on its placement and learns exactly what the static run learns."""
-    from tidal.scheduler.reconcile import MAX_FAILURES_PER_STEP
+    from scheduler.reconcile import MAX_FAILURES_PER_STEP
 
     def stubborn(state, sig, now):
         lay = sig.actor.layout

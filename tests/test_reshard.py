@@ -230,7 +230,7 @@ def member_local(rank, world):
     every group; then A -> B -> A member-local (rank 3 sits out, only learning the layout) must end bit-identical
     to the world-wide round trip, and training at B after a local move must equal training at B after a world
     one. A local move whose groups do not exist is refused before anything moves."""
-    from tidal.errors import LayoutError
+    from tidal.core.errors import LayoutError
     groups = GroupCache()
     a, b = Layout.parse("tp=1,dp=2,devices=0-1"), Layout.parse("tp=2,dp=1,devices=1-2")
     c = Layout.parse("tp=1,dp=2,devices=0,2")   # its group (0, 2) was never made
@@ -274,8 +274,8 @@ def test_program_cache_relabels_device_sets_of_one_shape_exactly():
     """program_for plans a pair once per shape (monotone relabelling onto 0..k-1) and maps the peers back: the
     result equals compiling the pair's own plan, for every rank, including unsorted device orders and TP."""
     from tidal.engine.reshard import plan_reshard
-    from tidal.engine.reshard._commit import _canonical_program, program_for
-    from tidal.engine.reshard._execute import compile_program
+    from tidal.engine.reshard.commit import _canonical_program, program_for
+    from tidal.engine.reshard.execute import compile_program
 
     specs = tuple(param_specs(ModelArgs(vocab_size=20)))
     cases = [((1, 2, (0, 1)), (1, 4, (0, 1, 3, 5))), ((1, 4, (0, 1, 3, 5)), (1, 2, (0, 1))),
@@ -295,7 +295,7 @@ def test_program_cache_relabels_device_sets_of_one_shape_exactly():
 
 def test_prepared_program_is_used_only_for_its_own_inputs():
     """A program planned by the caller carries its inputs; a rank uses it only when they equal its own."""
-    from tidal.engine.reshard._commit import prepare_programs
+    from tidal.engine.reshard.commit import prepare_programs
 
     specs = tuple(param_specs(ModelArgs(vocab_size=20)))
     old, new = Layout(1, 2, (0, 1)), Layout(1, 4, (0, 1, 2, 3))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tidal.core.errors import TidalError
 from tidal.engine.rewards import (
     BUILTIN,
     RewardError,
@@ -23,7 +24,6 @@ from tidal.engine.rewards import (
     math_score,
     resolve_reward,
 )
-from tidal.errors import TidalError
 
 NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
            "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")

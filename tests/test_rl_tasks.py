@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tidal.core.errors import TidalError
 from tidal.engine.rl_tasks import (
     Addition,
     Multiplication,
@@ -17,7 +18,6 @@ from tidal.engine.rl_tasks import (
     verify,
 )
 from tidal.engine.tokenizer import DEFAULT_CHARS, CharTokenizer, check_compatible, default_tokenizer
-from tidal.errors import TidalError
 
 TOK = default_tokenizer()
 

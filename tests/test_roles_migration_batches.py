@@ -1,4 +1,4 @@
-"""The per-device batches of a migration wave (workers/roles.py): one call per device and phase does what one
+"""The per-device batches of a migration wave (tidal/workers/roles.py): one call per device and phase does what one
 call per move did, in the same order; a target imports from the exports' results in the object store, and a
 failed import (or export) is reported per move, not raised."""
 

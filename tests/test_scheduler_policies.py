@@ -6,11 +6,8 @@ import dataclasses
 
 import pytest
 
-from tidal.config import ClusterConfig, build_config
-from tidal.devices import Owner
-from tidal.errors import ConfigError
-from tidal.scheduler import policy_rlinf, policy_tidal
-from tidal.scheduler.actions import (
+from scheduler import policy_rlinf, policy_tidal
+from scheduler.actions import (
     LendInference,
     LendToRollout,
     MigrateBatch,
@@ -21,9 +18,9 @@ from tidal.scheduler.actions import (
     ReturnFromRollout,
     Wait,
 )
-from tidal.scheduler.costs import DecodeCost, fit_decode, fit_linear, gpu_h200_1p5b
-from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.signals import (
+from scheduler.costs import DecodeCost, fit_decode, fit_linear, gpu_h200_1p5b
+from scheduler.estimate import LengthModel
+from scheduler.signals import (
     ActorLayout,
     ActorSignal,
     DeviceSignal,
@@ -33,8 +30,11 @@ from tidal.scheduler.signals import (
     RolloutView,
     Signals,
 )
-from tidal.scheduler.state import PolicyParams, SchedState
-from tidal.scheduler.workload import rlinf_example
+from scheduler.state import PolicyParams, SchedState
+from scheduler.workload import rlinf_example
+from tidal.core.config import ClusterConfig, build_config
+from tidal.core.devices import Owner
+from tidal.core.errors import ConfigError
 
 P8 = rlinf_example(8).params   # actor 0-1 TP2, rollout 2-5 TP1, inference 6-7, 512 x 16, 4 iters, M=512
 L2 = ActorLayout(2, 1, (0, 1))
@@ -380,7 +380,7 @@ def test_tidal_does_not_ping_pong_a_straggler():
     at once does hand groups to the idle one. Measured before the fix: one tail group moved 8 times in a step."""
     import numpy as np
 
-    from tidal.scheduler.costs_cpu import cpu_e2e
+    from scheduler.costs_cpu import cpu_e2e
     st = SchedState(dataclasses.replace(P8, max_running_requests=16, group_size=8), cpu_e2e(), 20.0, 10.0)
     light = [tinst(3, 1, 1, 5.0, 5.0), tinst(4, 2, 1, 10.0, 8.0), tinst(5, 2, 1, 12.0, 9.0)]
     tail_bound = _between([tinst(2, 10, 3, 10 * 25.0, 48.0)] + light)
@@ -433,7 +433,7 @@ def test_tidal_reads_rollout_progress_from_tokens_when_the_prefix_stalls():
     """Group 0 still runs (generated prefix 0) but 87% of the step's tokens are generated: by the learned curve the
     first mini-batch is due now (not 45% of the rollout away, as the prefix alone said), and once its sequences
     all run it is ready no sooner than their longest remaining one."""
-    from tidal.scheduler.policy_tidal import _timeline
+    from scheduler.policy_tidal import _timeline
     st = lstate()
     late = [tinst(i, 500, 30, 500 * 900.0, 3000.0) for i in (2, 3, 4, 5)]
     s = sig(late, iters=0, generated=0, scored=0)
@@ -450,8 +450,8 @@ def test_tidal_does_not_release_instances_the_first_mini_batch_still_needs():
     sequences, exactly the 4 instances' 16 slots each. Releasing one would leave a quarter of it waiting a wave for
     slots; priced without that wait, releasing one looks 0.2 s better, and on the host the first mini-batch then
     comes ~0.7 s later."""
-    from tidal.scheduler.costs_cpu import cpu_e2e
-    from tidal.scheduler.policy_tidal import decide
+    from scheduler.costs_cpu import cpu_e2e
+    from scheduler.policy_tidal import decide
     cfg = build_config({"cluster": {"auto_scheduler": True},
                         "data": {"rollout_batch_size": 32},
                         "algorithm": {"group_size": 8, "n_minibatches": 4},

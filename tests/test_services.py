@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal import services
-from tidal.errors import TidalError
-from tidal.services import (
+from tidal.cli import services
+from tidal.cli.services import (
     SERVICES,
     TELEMETRY_ENV,
     PidRecord,
@@ -28,6 +27,7 @@ from tidal.services import (
     stop,
     trusted,
 )
+from tidal.core.errors import TidalError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def proc_gone(pid: int) -> bool:
 
 
 def tidal(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tidal.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tidal.cli.main", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "TIDAL_HOME": str(cwd / "home")})
 
 
@@ -186,7 +186,7 @@ def test_stale_and_recycled_pid_files_are_not_trusted(tmp_path):
 
 
 def test_no_pickle_in_platform_modules():
-    for rel in ("tidal/services.py", "tidal/tracking.py"):
+    for rel in ("tidal/cli/services.py", "tidal/tracking.py"):
         tree = ast.parse((REPO / rel).read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -8,9 +8,9 @@ from argparse import Namespace
 
 import pytest
 
-from tidal.scheduler.sim_cli import cli_simulate
-from tidal.scheduler.simulator import simulate
-from tidal.scheduler.workload import LengthDist, SimSpec, rlinf_example
+from scheduler.sim_cli import cli_simulate
+from scheduler.simulator import simulate
+from scheduler.workload import LengthDist, SimSpec, rlinf_example
 
 
 def small(prompts: int = 64, lengths: LengthDist | None = None, **flags) -> SimSpec:
@@ -153,9 +153,9 @@ def test_tidal_not_slower_than_static_on_balanced_work_at_several_sizes(devices,
 def test_shrink_with_start_rollout_then_release(monkeypatch):
     """A 4+-device actor shrinks to 2 mid-step; the 2 devices it leaves start rollout instances that take work
     and are released later (StartRollout + ReshardActor(shrink) through the ledger); tidal does the rest."""
-    from tidal.scheduler import policies, policy_tidal
-    from tidal.scheduler.actions import MigrateRequests, ReshardActor, StartRollout
-    from tidal.scheduler.signals import ActorLayout
+    from scheduler import policies, policy_tidal
+    from scheduler.actions import MigrateRequests, ReshardActor, StartRollout
+    from scheduler.signals import ActorLayout
     done = []
 
     def shrinking(state, sig, now):
@@ -184,8 +184,8 @@ def test_packed_snapshot_matches_per_instance_queries():
     """The vectorised snapshot (packed epochs of two batches, interleaved) equals per-instance scalar queries."""
     import numpy as np
 
-    from tidal.scheduler.costs import gpu_h200_1p5b
-    from tidal.scheduler.rollout_model import Instance, Packed, Work, lay_out
+    from scheduler.costs import gpu_h200_1p5b
+    from scheduler.rollout_model import Instance, Packed, Work, lay_out
     rng = np.random.default_rng(3)
     dec = gpu_h200_1p5b().decode
 
@@ -251,7 +251,7 @@ def test_simulated_iters_train_id_prefixes_as_the_driver_does():
 def test_simulated_signals_report_prefixes():
     """What the policy sees as generated / scored is the id prefix (the real control loop,
     tidal/pipeline/control.py, reports the same)."""
-    from tidal.scheduler.simulator import _Sim
+    from scheduler.simulator import _Sim
     spec = small(prompts=32)
     sim = _Sim(spec, "static", 0, keep_events=False)
     sim.run_step(0)
@@ -265,9 +265,9 @@ def test_simulated_signals_report_prefixes():
 def test_imported_sequences_run_before_the_targets_unstarted_ones(monkeypatch):
     """A migration's started sequences go first in the target's waiting queue, as the engine's `import_state`
     puts them, not after everything the target has queued."""
-    from tidal.scheduler import policies
-    from tidal.scheduler.actions import MigrateRequests
-    from tidal.scheduler.simulator import _Sim
+    from scheduler import policies
+    from scheduler.actions import MigrateRequests
+    from scheduler.simulator import _Sim
     moved = []
 
     def mover(state, sig, now):

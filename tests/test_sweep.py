@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidal.cli import main as cli_main
-from tidal.errors import TidalError
+from tidal.cli.main import main as cli_main
+from tidal.core.errors import TidalError
 from tidal.sweep import check_space, load_space
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_sweep_on_the_simulator_reports_best_and_pareto_and_stores_every_trial(t
         assert run.data.metrics["sweep/step_time"] == pytest.approx(t.values[0])
         assert run.data.metrics["sweep/reshards"] == t.values[1]
     # Optuna's tables sit beside the platform's: the platform schema is still exactly at head.
-    from tidal.db.migrate import open_database, schema_diff
+    from db.migrate import open_database, schema_diff
     engine = open_database(f"sqlite:///{tmp_path}/tidal.db")
     assert schema_diff(engine) == []
     engine.dispose()

@@ -62,8 +62,8 @@ def test_tp_forward_backward_match_single_process(tp, family):
 
 
 def test_tp_that_does_not_divide_heads_is_refused():
+    from tidal.core.errors import LayoutError
     from tidal.engine.model import check_tp
-    from tidal.errors import LayoutError
     check_tp(ARGS, 4)
     with pytest.raises(LayoutError, match="num_kv_heads"):
         check_tp(ARGS, 8)

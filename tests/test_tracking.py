@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import build_config, flatten
-from tidal.errors import TidalError
+from tidal.core.config import build_config, flatten
+from tidal.core.errors import TidalError
 from tidal.tracking import CompareRow, MetricsSink, MlflowSink, NullSink, compare_runs, sanitize_key, tracked_run
 
 
@@ -142,7 +142,7 @@ def test_compare_cli_and_errors(store):
     sink.end_run()
     b = sink.start_run("cli-b", {"x": 2})
     sink.end_run("FAILED")
-    out = subprocess.run([sys.executable, "-m", "tidal.cli", "compare", a, b, "--uri", uri],
+    out = subprocess.run([sys.executable, "-m", "tidal.cli.main", "compare", a, b, "--uri", uri],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "cli-a" in out.stdout and "FAILED" in out.stdout and "m/v" in out.stdout and "2.5" in out.stdout

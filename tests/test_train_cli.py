@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tidal.cli import main
+from tidal.cli.main import main
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "experiments" / "addition_dynamic.yaml")
 

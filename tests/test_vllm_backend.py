@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidal.core.errors import TidalError
 from tidal.engine.generation import (
     EngineBusyError,
     EngineConfig,
@@ -31,7 +32,6 @@ from tidal.engine.generation.migration import migrate
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, load_hf_weights, read_hf_config, save_hf
 from tidal.engine.model import ModelArgs, RopeScaling, Transformer, init_global_weights
 from tidal.engine.tokenizer import CharTokenizer
-from tidal.errors import TidalError
 
 VENV_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 pytestmark = [

@@ -103,7 +103,7 @@ def test_function_errors_name_the_device(group4):
 def test_a_user_error_raised_on_a_worker_reaches_the_driver_as_itself(group4):
     """A `TidalError` on a worker arrives as the same type with its fields (so the CLI exits 2 with its message),
     naming the device and rank that raised it; the worker lives on."""
-    from tidal.errors import ConfigError
+    from tidal.core.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         group4.call(5, P + "fail_with_config_error", field="actor.lr", timeout=30)
     assert e.value.field == "actor.lr" and e.value.fix == "give another value"
@@ -319,8 +319,8 @@ def test_ray_workers_pinned_to_cores_with_the_share_of_those_cores(ray_session):
 
 
 def test_cpu_cores_input_errors(tmp_path):
-    from tidal.config import build_config
-    from tidal.errors import ConfigError
+    from tidal.core.config import build_config
+    from tidal.core.errors import ConfigError
     from tidal.workers.compute_share import pin_process
 
     with pytest.raises(ValueError, match="this machine has cores"):

@@ -34,6 +34,7 @@ objective (ties: the next ones), so put the objective you care most about first.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -43,9 +44,15 @@ from pathlib import Path
 from typing import Any, Literal, cast, overload
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
-from tidal.config import TidalConfig, build_config, flatten
-from tidal.errors import TidalError
+from scheduler.simulator import simulate
+from scheduler.workload import rlinf_example
+from tidal.core.config import TidalConfig, build_config, flatten
+from tidal.core.errors import TidalError
+from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, run_dir
+from tidal.tracking import MlflowSink
 
 #: objective -> direction (real runs only: accuracy)
 Direction = Literal["minimize", "maximize"]
@@ -229,7 +236,6 @@ def check_space(space: SweepSpace, real: bool) -> None:
         known, what = set(flatten(TidalConfig())), "a config key"
     for prm in space.params:
         if prm.key not in known:
-            import difflib
             near = difflib.get_close_matches(prm.key, sorted(known), n=1)
             raise _err(space.path, f"space.{prm.key}", prm.key, f"is not {what}",
                        f"did you mean {near[0]}?" if near else f"use one of {', '.join(sorted(known)[:8])} ...")
@@ -256,9 +262,6 @@ def as_overrides(params: dict[str, Any]) -> list[str]:
 
 def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float]:
     """The settings on the simulator (the same policy code as real runs)."""
-    from tidal.pipeline.tracked_run import load_run_config
-    from tidal.scheduler.simulator import simulate
-    from tidal.scheduler.workload import rlinf_example
     if space.workload == BUILTIN:
         spec = rlinf_example(space.devices or 8)
         spec = replace(spec, params=replace(spec.params, **{SIM_KEYS[k]: v for k, v in params.items()
@@ -276,7 +279,6 @@ def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], 
     """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
     Returns (objective values, MLflow run id, database run id)."""
     from tidal.pipeline.run import run_training
-    from tidal.pipeline.tracked_run import RunTracking, load_run_config, run_dir
     config = cast(str, space.config)  # check_space requires one of real runs
     cfg = load_run_config(config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
     out = run_dir(cfg)
@@ -345,8 +347,6 @@ class Sweep:
                  storage: str | None = None, study: str | None = None):
         import optuna
 
-        from tidal.pipeline.tracked_run import env_overrides, load_run_config
-        from tidal.tracking import MlflowSink
         check_space(space, real)
         self.space, self.real, self.overrides = space, real, list(overrides)
         self.cfg = load_run_config(space.config, self.overrides) if space.config \
@@ -492,8 +492,6 @@ def _fmt(v: Any) -> str:
 
 
 def print_report(report: SweepReport, console: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console()
     keys = sorted({k for row in report.pareto for k in row["params"]})
     table = Table(title=f"Pareto front of {report.study} ({report.n_trials} complete trials, "
@@ -525,7 +523,6 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     for k, v in {"MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1"}.items():
         os.environ.setdefault(k, v)
-    from rich.console import Console
     console = Console()
     space = load_space(args.space)
 

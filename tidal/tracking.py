@@ -42,6 +42,7 @@ each call, so setting it before use suffices); an explicit value in the environm
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import numbers
@@ -57,7 +58,11 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from tidal.errors import TidalError
+from rich.console import Console
+from rich.table import Table
+
+from tidal.core.config import TrackingConfig
+from tidal.core.errors import TidalError
 
 if TYPE_CHECKING:  # mlflow is imported lazily: importing tidal.tracking for NullSink must stay cheap
     from mlflow.tracking import MlflowClient
@@ -447,8 +452,6 @@ def _fmt(v: object) -> str:
 
 
 def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console()
     table = Table(title="runs compared", show_lines=False)
     table.add_column("", style="dim")
@@ -469,9 +472,7 @@ def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = 
 
 def compare_main(argv: list[str]) -> int:
     """`tidal compare RUN... [--uri URI] [--all-params]`."""
-    import argparse
 
-    from tidal.config import TrackingConfig
     default_uri = os.environ.get("MLFLOW_TRACKING_URI") or TrackingConfig.model_fields["mlflow_uri"].default
     ap = argparse.ArgumentParser(prog="tidal compare",
                                  description="Side-by-side table of MLflow runs: params that differ, final metrics.")

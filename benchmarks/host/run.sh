@@ -6,8 +6,8 @@
 #
 # Makes a virtual environment that sees the image's packages (torch 2.11 and the rest), installs the pack into it
 # and this checkout in editable mode, as ./scripts/setup does here, then runs "$@" with it first on PATH.
-# Editable, not a plain install: Ray workers start in the driver's folder, the repo root, where the source
-# folder `tidal/` (without `tidal.workers`, which lives in `workers/`) would shadow a plain install.
+# Editable, not a plain install: Ray workers start in the driver's folder, the repo root, whose source folders
+# (`tidal/`, `scheduler/`, ...) are then the code that runs, on the driver and on every worker alike.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=/tmp/tidal-venv

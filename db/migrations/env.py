@@ -1,6 +1,6 @@
-"""Alembic environment for the platform database; run through `tidal.db.migrate`, no alembic.ini needed.
+"""Alembic environment for the platform database; run through `db.migrate`, no alembic.ini needed.
 
-`tidal.db.migrate` hands over an open connection made by `tidal.db.session.make_engine` (so SQLite gets
+`db.migrate` hands over an open connection made by `db.session.make_engine` (so SQLite gets
 WAL and BEGIN IMMEDIATE). All pending revisions run in one transaction:
 - SQLite: BEGIN IMMEDIATE holds the write lock, so concurrent `upgrade()` calls from several processes
   queue and the later ones find the schema at head;
@@ -15,9 +15,9 @@ from typing import Any, cast
 from alembic import context
 from sqlalchemy import text
 
-from tidal.db.migrate import PG_LOCK_KEY, VERSION_TABLE, include_name
-from tidal.db.models import Base
-from tidal.db.session import make_engine
+from db.migrate import PG_LOCK_KEY, VERSION_TABLE, include_name
+from db.models import Base
+from db.session import make_engine
 
 config = context.config
 OPTIONS: dict[str, Any] = dict(target_metadata=Base.metadata, version_table=VERSION_TABLE, render_as_batch=True,

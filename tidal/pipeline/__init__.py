@@ -8,8 +8,7 @@
   `actuator.py` (`RayActuator`: the scheduler's actions as worker calls and ledger transitions).
 - `checkpointing.py`, `recording.py`, `timeline.py`, `tracked_run.py`: checkpoints, events, device time lines.
 
-May import: the core (`tidal.errors`, `tidal.config`, `tidal.placement`, `tidal.devices`), `tidal.engine`,
-`tidal.workers`, `tidal.scheduler`, `tidal.tracking`, `tidal.db`.
+May import: the core (`tidal.core`), `tidal.engine`, `tidal.workers`, `scheduler`, `tidal.tracking`, `db`.
 
 Invariants: iter k trains on the sequences [k*S/n, (k+1)*S/n) of the step in group-id order, whatever the
 placement, so a dynamic run updates exactly like a static one; a device changes owner only through the

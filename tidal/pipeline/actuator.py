@@ -1,7 +1,7 @@
 """The actuator of real runs (`scheduler.reconcile.Actuator` on Ray device workers): each action becomes calls
 on the workers, ledger transitions and one event.
 
-Ownership rules (tidal.devices): a device leaves its role as MOVING and becomes FREE only after its old role
+Ownership rules (tidal.core.devices): a device leaves its role as MOVING and becomes FREE only after its old role
 freed it; a device joins a role only from FREE. A failed action leaves the cluster as it was before it
 (migration is two-phase, resharding rolls back inside the engine) and its ledger moves are undone.
 
@@ -17,11 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
-from tidal.devices import Owner
-from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
-from tidal.engine.layout import Layout
-from tidal.pipeline.cluster import Cluster, StepState
-from tidal.scheduler.actions import (
+from scheduler.actions import (
     LendInference,
     LendToRollout,
     MigrateBatch,
@@ -34,6 +30,11 @@ from tidal.scheduler.actions import (
     StartRollout,
     Wait,
 )
+from tidal.core.devices import Owner
+from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
+from tidal.engine.layout import Layout
+from tidal.engine.reshard.commit import prepare_programs
+from tidal.pipeline.cluster import Cluster, StepState
 from tidal.workers import roles
 from tidal.workers.messages import MoveResult, MoveSummary, ReshardReport, RolloutReport
 
@@ -321,13 +322,12 @@ class RayActuator:
         return {"devices": list(instance_ids)}
 
     def _prepare(self, old: Layout, new: Layout, ranks) -> dict:
-        """Every rank's reshard program, made here (`engine.reshard._commit.prepare_programs`, cached per pair
+        """Every rank's reshard program, made here (`engine.reshard.commit.prepare_programs`, cached per pair
         shape): the driver's core is not capped, while a capped CPU worker plans a new pair in seconds. Empty
         when the actor's inputs are unknown: the ranks plan."""
         inputs = self.program_inputs
         if not inputs:
             return {}
-        from tidal.engine.reshard._commit import prepare_programs
         return prepare_programs(old, new, inputs["specs"], ranks, inputs["param_bytes"], inputs["bucket_bytes"])
 
     def reshard(self, layout: Layout) -> dict:

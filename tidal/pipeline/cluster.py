@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from tidal.devices import DeviceLedger
+from tidal.core.devices import DeviceLedger
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline

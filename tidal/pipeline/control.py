@@ -19,17 +19,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tidal.devices import DeviceLedger
+from scheduler.actions import describe
+from scheduler.estimate import LengthModel
+from scheduler.learning import RolloutPrediction, StepHistory, learn_step
+from scheduler.observe import RolloutProgress, observe
+from scheduler.reconcile import FailureBreaker, Outcome, reconcile
+from scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
+from scheduler.state import SchedState
+from tidal.core.devices import DeviceLedger
 from tidal.engine.layout import Layout
 from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import Cluster, StepState
-from tidal.scheduler.actions import describe
-from tidal.scheduler.estimate import LengthModel
-from tidal.scheduler.learning import RolloutPrediction, StepHistory, learn_step
-from tidal.scheduler.observe import RolloutProgress, observe
-from tidal.scheduler.reconcile import FailureBreaker, Outcome, reconcile
-from tidal.scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
-from tidal.scheduler.state import SchedState
 
 #: the same boundary is not asked again sooner than this (the driver asks while the actor waits)
 MIN_INTERVAL_S = 0.2

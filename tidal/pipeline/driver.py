@@ -30,9 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from tidal.devices import DeviceLedger, Owner
+from tidal.core.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
 from tidal.engine.datasets import DataPosition
+from tidal.engine.generation.weights import rollout_shard
+from tidal.engine.groups import growth_rank_sets
 from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
@@ -141,7 +143,6 @@ class Pipeline:
         self.control = ControlLoop(self.cfg, self.policy, self.sched_state, c, self.ledger, actuator,
                                    self.initial_layout)
         if self.cfg.cluster.auto_scheduler:   # groups of every layout the actor can grow to: reshards stay local
-            from tidal.engine.groups import growth_rank_sets
             sets = growth_rank_sets(self.initial_layout, self.cfg.placement.num_devices)
             if sets:
                 secs = max(g.gather(g.submit_all(roles.actor_make_groups, rank_sets=sets)))
@@ -418,7 +419,7 @@ class Pipeline:
         st.last_iter_s = now - f.t0
         lay = c.actor_layout
         st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
-        # where the iter went, slowest rank per phase (compute / sync / update / publish: engine/actor.py)
+        # where the iter went, slowest rank per phase (compute / sync / update / publish: tidal/engine/actor.py)
         phases = {p: max(r[f"actor/iter_{p}_s"] for r in st.iter_ranks if f"actor/iter_{p}_s" in r)
                   for p in ITER_PHASES if any(f"actor/iter_{p}_s" in r for r in st.iter_ranks)}
         # when its mini-batch was generated and scored, and when the iter started (from the step's start):
@@ -471,5 +472,4 @@ class Pipeline:
         shards = [w for w in g.gather(g.submit_all(roles.actor_weights, device_ids=c.actor_layout.devices))
                   if w is not None]
         shards.sort(key=lambda w: int(w["__tp__"][1]))
-        from tidal.engine.generation.weights import rollout_shard
         return rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import cast
 
-from tidal.config import TidalConfig
+from tidal.core.config import TidalConfig
+from tidal.core.errors import ConfigError
 from tidal.engine.datasets import DataSpec
 from tidal.engine.hf_checkpoint import HFModel, load_hf_weights, read_hf_config
 from tidal.engine.hf_tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
@@ -27,7 +28,6 @@ from tidal.engine.prompt_source import FileSource, PromptSource, TaskSource
 from tidal.engine.rewards import resolve_reward
 from tidal.engine.rl_tasks import get_task
 from tidal.engine.tokenizer import check_compatible, default_tokenizer
-from tidal.errors import ConfigError
 
 
 @dataclass

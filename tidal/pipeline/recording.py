@@ -1,13 +1,13 @@
 """Database rows for a run: one per step, reshard, migration, scheduler decision/action and device move.
 
 The pipeline and the reconciler produce plain event dicts (`Cluster.record`); this is the one place that turns
-them into rows (via `tidal.db.repository`, in one transaction per step).
+them into rows (via `db.repository`, in one transaction per step).
 """
 
 from __future__ import annotations
 
-from tidal.db import repository as repo
-from tidal.db.session import session_scope
+from db import repository as repo
+from db.session import session_scope
 
 
 def _layout(text: str) -> dict:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,9 +22,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from tidal.config import TidalConfig, flatten
-from tidal.errors import ConfigError, TidalError
+from scheduler.costs_cpu import cpu_e2e
+from scheduler.policies import get_policy
+from scheduler.state import PolicyParams, SchedState
+from tidal.core.config import TidalConfig, flatten
+from tidal.core.errors import ConfigError, TidalError
+from tidal.engine.evaluation import greedy_accuracy
+from tidal.engine.generation.requests import SamplingParams
+from tidal.engine.hf_checkpoint import save_hf
+from tidal.engine.model import Transformer, init_global_weights, param_specs
+from tidal.engine.optim import OptimConfig
+from tidal.engine.prompt_source import TaskSource
+from tidal.engine.verifier import Verifier
+from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
+from tidal.pipeline.checkpointing import check_resumable, resume, save
+from tidal.pipeline.driver import Pipeline
+from tidal.pipeline.inputs import read_inputs
+from tidal.tracking import NullSink
+from tidal.workers.roles import RunSpec
+from tidal.workers.runtime import WorkerGroup
 
 if TYPE_CHECKING:   # imported where used (the driver, the workers' runtime): not at import time
     from tidal.engine.hf_checkpoint import HFModel
@@ -83,20 +102,13 @@ def weights_sha(weights: dict[str, torch.Tensor]) -> str:
 def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=None) -> tuple[dict, dict]:
     """Warm-start weights (global, fp32) of Tidal's own model on a built-in task and a description of how they were
     made. `tok`: the task's `CharPromptTokenizer`."""
-    from safetensors.torch import load_file, save_file
 
-    from tidal.engine.evaluation import greedy_accuracy
-    from tidal.engine.model import Transformer, init_global_weights
-    from tidal.engine.prompt_source import TaskSource
-    from tidal.engine.verifier import Verifier
-    from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
     ws = cfg.warm_start
     if ws.checkpoint:
         path = Path(ws.checkpoint)
         if not path.is_file():
             raise ConfigError("warm_start.checkpoint", ws.checkpoint, "file not found", "give a safetensors path")
         weights = load_file(str(path))
-        from tidal.engine.model import param_specs
         for ps in param_specs(args):
             w = weights.get(ps.name)
             if w is None or tuple(w.shape) != ps.shape:
@@ -139,9 +151,6 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
 
 
 def run_spec(cfg: TidalConfig, inputs):
-    from tidal.engine.generation.requests import SamplingParams
-    from tidal.engine.optim import OptimConfig
-    from tidal.workers.roles import RunSpec
     total_iters = cfg.run.num_steps * cfg.algorithm.n_minibatches
     r = cfg.rollout
     return RunSpec(args=inputs.args, optim=OptimConfig.from_actor(cfg.actor, total_iters),
@@ -157,7 +166,6 @@ class TrainingRun:
     """A run as verbs (what flows and tasks call): `open`, `step`, `evaluate`, `finish`. Holds the workers."""
 
     def __init__(self, cfg: TidalConfig, out_dir: Path, sink=None, recorder=None, log_fn=None):
-        from tidal.tracking import NullSink
         if sink is None:
             sink = NullSink()
             sink.start_run(cfg.run.name, flatten(cfg))
@@ -172,18 +180,11 @@ class TrainingRun:
         self.next_step = 0
 
     def open(self, resume_from: str | Path | None = None) -> TrainingRun:
-        from tidal.pipeline.driver import Pipeline
-        from tidal.pipeline.inputs import read_inputs
-        from tidal.scheduler.costs_cpu import cpu_e2e
-        from tidal.scheduler.policies import get_policy
-        from tidal.scheduler.state import PolicyParams, SchedState
-        from tidal.workers.runtime import WorkerGroup
         cfg = self.cfg
         check_runnable(cfg)
         self.inputs = inputs = read_inputs(cfg)
         args = inputs.args
         if resume_from is not None:  # fail before any worker starts: marker, checksums, model fields
-            from tidal.pipeline.checkpointing import check_resumable
             check_resumable(resume_from, args)
         # Tidal's own model: the built-in task's (its source is a TaskSource)
         task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
@@ -214,7 +215,6 @@ class TrainingRun:
                                  SchedState(PolicyParams.from_config(cfg), costs=cpu_e2e()), source=inputs.source)
             self.pipe.start()
             if resume_from is not None:  # tidal/pipeline/checkpointing.py: the actor, data position, version
-                from tidal.pipeline.checkpointing import resume
                 self.next_step = resume(self.pipe, resume_from)
             self.evals.append((self.next_step, self.pipe.evaluate(self.heldout)))
         except BaseException:
@@ -236,7 +236,7 @@ class TrainingRun:
             self.evaluate()
         return self.record()
 
-    # The verbs of one step, for callers that run them as separate tasks (tidal.flows):
+    # The verbs of one step, for callers that run them as separate tasks (flows):
     #   run_step(sync=False) -> sync_weights -> evaluate (if eval_due) -> record; then `checkpoint` (between steps)
     def run_step(self, sync: bool = True) -> dict:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
@@ -287,7 +287,6 @@ class TrainingRun:
     def checkpoint(self, dir: str | Path | None = None) -> Path:
         """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints), and
         with `run.save_hf` the model as a Hugging Face directory beside it (`export_hf`)."""
-        from tidal.pipeline.checkpointing import save
         path = save(self._pipe, Path(dir) if dir is not None else self.out_dir / "checkpoints", self.next_step)
         if self.cfg.run.save_hf:
             self.export_hf()
@@ -297,9 +296,7 @@ class TrainingRun:
         """The actor's weights as a Hugging Face directory `<run folder>/hf/step-<N>`: model.path's config.json
         (its architecture), safetensors in `run.save_hf_dtype`, the tokenizer and generation_config.json, which
         `transformers` and vLLM load. The newest `keep_last` exports are kept."""
-        import shutil
 
-        from tidal.engine.hf_checkpoint import save_hf
         dtype = None if self.cfg.run.save_hf_dtype == "auto" else self.cfg.run.save_hf_dtype
         root = self.out_dir / "hf"
         hf = cast("HFModel", self.inputs.hf)   # exports need model.path (config check of run.save_hf)

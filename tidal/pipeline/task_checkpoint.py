@@ -18,13 +18,15 @@ same settings returns at once. It is written into `DIR.tmp` and renamed, so a di
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from tidal.config import TidalConfig
+from tidal.core.config import TidalConfig, load_config
+from tidal.core.errors import ConfigError
 from tidal.engine.datasets import PromptLabel
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, save_hf
@@ -33,7 +35,6 @@ from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 from tidal.engine.rl_tasks import get_task
 from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
-from tidal.errors import ConfigError
 
 FORMAT = 2
 MARKER = "tidal_warm_start.json"
@@ -123,9 +124,7 @@ def _label(i: int, task, prompt: str) -> PromptLabel:
 
 def main(argv: list[str]) -> int:
     """`tidal warm-start CONFIG --out DIR [key=value ...]`: the built-in task's checkpoint and prompt files."""
-    import argparse
 
-    from tidal.config import load_config
     ap = argparse.ArgumentParser(prog="tidal warm-start", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="a config with Tidal's own model.* keys, data.task and warm_start.*")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")

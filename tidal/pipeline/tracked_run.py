@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tidal.config import TidalConfig, flatten, load_config
+from tidal.core.config import TidalConfig, flatten, load_config
+from tidal.tracking import MlflowSink, NullSink
 
 #: environment variable -> config key it sets (before the caller's overrides)
 ENV_KEYS = {"TIDAL_DB_URL": "tracking.db_url", "MLFLOW_TRACKING_URI": "tracking.mlflow_uri"}
@@ -65,11 +66,10 @@ class RunTracking:
     def open(cls, cfg: TidalConfig, out_dir: Path, *, sink: Any = None, parent_run_id: str | None = None,
              tags: dict[str, str] | None = None) -> RunTracking:
         """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row)."""
-        from tidal.db import repository as repo
-        from tidal.db.migrate import open_database
-        from tidal.db.session import session_scope
+        from db import repository as repo
+        from db.migrate import open_database
+        from db.session import session_scope
         from tidal.pipeline.recording import DbRecorder
-        from tidal.tracking import MlflowSink
         policy = policy_name(cfg)
         engine = open_database(cfg.tracking.db_url)
         with session_scope(engine) as s:
@@ -85,7 +85,6 @@ class RunTracking:
     @classmethod
     def null(cls, cfg: TidalConfig) -> RunTracking:
         """No MLflow, no database: values stay in memory (`NullSink`)."""
-        from tidal.tracking import NullSink
         sink = NullSink()
         return cls(sink, None, None, None, sink.start_run(cfg.run.name, flatten(cfg)))
 
@@ -97,8 +96,8 @@ class RunTracking:
                     self.sink.log_artifact(path)
         self.sink.end_run(status)
         if self.engine is not None:
-            from tidal.db import repository as repo
-            from tidal.db.session import session_scope
+            from db import repository as repo
+            from db.session import session_scope
             with session_scope(self.engine) as s:   # `open` sets the engine and the row's id together
                 repo.finish_run(s, cast(int, self.db_run_id), status=_STATUS_DB[status])
             self.engine.dispose()

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-29
 
-Written out in full (no imports from tidal.db.models): a revision is a fixed point in the schema's history,
+Written out in full (no imports from db.models): a revision is a fixed point in the schema's history,
 and must keep meaning the same thing after the models move on. Only CREATE/DROP here, so it runs on SQLite
 and PostgreSQL unchanged; later revisions that alter tables use `op.batch_alter_table` for SQLite.
 """
@@ -20,7 +20,7 @@ down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-OWNERS = "('free', 'actor', 'rollout', 'inference', 'moving')"  # tidal.devices.Owner values at this revision
+OWNERS = "('free', 'actor', 'rollout', 'inference', 'moving')"  # tidal.core.devices.Owner values at this revision
 EVENT_TABLES = ("device_transitions", "reshard_events", "migration_events", "scheduler_events")
 
 

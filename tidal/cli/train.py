@@ -1,0 +1,124 @@
+"""`tidal train CONFIG [key=value ...] [--json PATH] [--no-track]`: the main job.
+
+Runs an RL training job (GRPO) on the config's placement: CPU virtual devices unless the machine has enough
+GPUs. Prints a live progress line per step and a final summary; writes the run's folder (timeline.png,
+summary.json, events.json); logs to MLflow (`tracking.mlflow_uri`, local sqlite by default) and the platform
+database (`tracking.db_url`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tasks.requests import TrainingRequest
+from tidal.core.errors import ConfigError
+from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+
+
+def _spark(values: list[float]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in values)
+
+
+def _source(cfg) -> str:
+    model = f"model {cfg.model.path}" if cfg.model.path else "Tidal's own model"
+    data = f"prompts {', '.join(cfg.data.train_files)}" if cfg.data.train_files else f"task {cfg.data.task}"
+    return f"{model}, {data}"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tidal train", description="Run an RL training job from a config.")
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    ap.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
+    ap.add_argument("--no-track", action="store_true", help="skip MLflow and the database")
+    ap.add_argument("--flow", action="store_true",
+                    help="run it as the Prefect `rl-training` flow (a temporary local Prefect server when "
+                         "PREFECT_API_URL is unset; each step a subflow run)")
+    ap.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (its newest complete "
+                    "generation; the layout may differ)")
+    args = ap.parse_args(argv)
+    cfg = load_run_config(args.config, args.overrides)
+    if args.flow:
+        if args.resume:
+            raise ConfigError("--resume", args.resume, "is not a flow parameter yet", "drop --flow to resume")
+        from flows.rl_training import rl_training
+        flow_summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
+                                                   track=not args.no_track))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(flow_summary, indent=1, default=str))
+        return 0
+    for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
+        os.environ.setdefault(k, v)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    console = Console()
+    out_dir = run_dir(cfg)
+    policy = policy_name(cfg)
+    console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
+                  f"{cfg.cluster.num_devices} devices, policy [bold]{policy}[/], {cfg.run.num_steps} steps, "
+                  f"{_source(cfg)}; output {out_dir}")
+    where = ("the machine" if cfg.cluster.cpu_device_cores is None
+             else f"cores {cfg.cluster.cpu_device_cores} (devices pinned there)")
+    if cfg.cluster.cpu_compute_share:
+        console.print(f"CPU virtual devices capped at {cfg.cluster.cpu_compute_share:.3f} of {where} each "
+                      "(fixed compute share: idle capacity is lost, as on a GPU)")
+    elif cfg.cluster.cpu_device_cores is not None:
+        console.print(f"CPU virtual devices pinned to {where}")
+
+    from tidal.pipeline.run import run_training
+    tracking = RunTracking.null(cfg) if args.no_track else RunTracking.open(cfg, out_dir)
+
+    def on_step(step: int, m: dict) -> None:
+        ev = f" heldout {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
+        console.print(f"step {step + 1:>3}/{cfg.run.num_steps}  reward {m.get('grpo/reward_mean', 0):.3f}{ev}  "
+                      f"{m['step/seconds']:.1f}s  idle {m['step/idle_fraction']:.2f}  "
+                      f"actor {m.get('phase/actor_s', 0):.1f}s rollout {m.get('phase/rollout_s', 0):.1f}s "
+                      f"inference {m.get('phase/inference_s', 0):.1f}s")
+
+    status = "FAILED"
+    try:
+        summary = run_training(cfg, out_dir, tracking.sink, tracking.recorder, on_step, resume_from=args.resume,
+                               log_fn=lambda p: console.print(f"  warm start iter {p.iter}: loss {p.loss:.3f} "
+                                                              f"held-out {p.heldout_accuracy:.3f}"))
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracking.close(status, [out_dir / n for n in ("timeline.png", "summary.json", "events.json")])
+    t = Table(title=f"summary: {cfg.run.name}")
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("steps, wall", f"{summary.steps}, {summary.wall_s:.1f} s")
+    t.add_row("held-out accuracy", f"{summary.eval_accuracy_start:.3f} -> {summary.eval_accuracy_end:.3f}")
+    t.add_row("reward curve", f"{_spark(summary.reward_per_step)}  "
+                              f"({summary.reward_per_step[0]:.3f} -> {summary.reward_per_step[-1]:.3f})")
+    t.add_row("time per phase (device-s)", ", ".join(f"{k} {v:.1f}" for k, v in summary.phase_seconds.items()))
+    t.add_row("device idle fraction", f"{summary.device_idle_fraction:.2f}")
+    t.add_row("reshards, migrations", f"{summary.reshards}, {summary.migrations}")
+    if "train" in summary.data:   # data files: what the length filter kept
+        t.add_row("prompts kept, too long", ", ".join(f"{k} {v['kept']}, {v['too_long']}"
+                                                      for k, v in summary.data.items() if isinstance(v, dict)))
+    t.add_row("timeline", str(out_dir / "timeline.png"))
+    console.print(t)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "steps": summary.steps, "wall_s": summary.wall_s, "eval_accuracy_start": summary.eval_accuracy_start,
+            "eval_accuracy_end": summary.eval_accuracy_end, "reward_per_step": summary.reward_per_step,
+            "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
+            "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
+            "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
+            "data": summary.data}, indent=1))
+    return 0

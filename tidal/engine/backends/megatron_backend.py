@@ -1,0 +1,456 @@
+"""The "megatron" actor backend: megatron-core's GPTModel + DDP + DistributedOptimizer behind `ActorBackend`.
+
+One `MegatronBackend` per world rank, constructed like `ActorShard` (args, OptimConfig, layout, rank, seed,
+device, dtype, weights=...). What it builds, for layout (tp, dp)::
+
+    parallel_state      megatron-core's TP/DP groups (PP = 1) over the world; the layout must be the whole world
+                        in rank order (devices 0..n-1), which is how megatron-core numbers ranks: rank = d*tp + t
+    GPTModel            local layer spec (no Transformer Engine; q/k_layernorm with qk_norm), TransformerConfig
+                        from our ModelArgs (`megatron_map.transformer_config`: head_dim, qkv_bias, qk_norm, RoPE
+                        scaling), calculate_per_token_loss=True (see grads below); built without megatron's init
+                        (perform_initialization=False), so the TP attributes its init would set on the split weights
+                        are set by `_set_tp_attributes` (the optimizer's grad norm reads them)
+    weights             our global weights (HF names) -> `to_megatron` (fused QKV, [gate; up], padded vocab) ->
+                        `megatron_tp_shard`; the fp32 main params are then set from the fp32 weights (not from the
+                        bf16-rounded params), as ActorShard initializes its masters
+    DDP                 DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                        overlap_grad_reduce=False): grads accumulate in an fp32 flat buffer over micro-batches and
+                        are reduce-scattered once per iter; with calculate_per_token_loss and
+                        average_in_collective=False the DP reduction is a plain sum (no 1/dp scaling), which is our
+                        loss convention: each micro-batch's loss is summed over its tokens / num_tokens_in_iter;
+                        at TP > 1 the q/k_layernorm grads are then summed over TP (each rank saw its heads only)
+    optimizer           get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...)): DistributedOptimizer over
+                        torch AdamW (decoupled weight decay), fp32 main params, grad clip by global L2 norm
+    LR / weight decay   set on every param group before each step from our OptimConfig: `lr_at(hp, step)`
+                        (warmup + cosine, as ActorShard) and hp.weight_decay on *all* parameters (megatron-core
+                        would exempt norms; ActorShard does not)
+
+`train_iter(source, loss_fn, num_tokens_in_iter)` claims micro-batches from the same `MicrobatchSource` as
+ActorShard (TP ranks of a DP group agree on the index), calls `loss_fn(self.model, mb, num_tokens_in_iter)` and
+backpropagates it; `self.model` is a `GPTAdapter` with our model's `token_logprobs(ids_BT)` (fp32 log-probs of the
+real vocab: the padded columns are masked out of the softmax), so loss functions written for our Transformer
+(`nll_loss`, GRPO's) run unchanged. Then one DDP grad sync and one optimizer step; returns an `IterReport`.
+
+`reshard(new_layout)`: plan / execute / commit of the full state (params, fp32 main params, exp_avg, exp_avg_sq,
+step) through tidal/engine/backends/megatron_state_reshard.py. The new stack (parallel_state, GPTModel, DDP, optimizer)
+is built first (collective), the ranges of both layouts are all-gathered, the moves run, two votes commit; on a
+failure the old stack stays (parallel_state is re-initialized for the old layout) and ReshardError is raised.
+
+CPU: megatron-core's DDP and optimizer run on gloo inside `megatron_cpu.optimizer_shim()` (its table lists the
+sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded (`model_parallel_cuda_manual_seed`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.core.errors import LayoutError
+from tidal.engine.actor import ExportedWeights, IterReport
+from tidal.engine.backends import megatron_cpu as mc
+from tidal.engine.backends.megatron_map import (
+    FC1,
+    gpt_layer_spec,
+    gpt_model_kwargs,
+    megatron_tp_shard,
+    padded_vocab_size,
+    to_megatron,
+    transformer_config,
+)
+from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
+from tidal.engine.backends.megatron_state_reshard import (
+    OptView,
+    StateViews,
+    execute_state,
+    gather_ranges,
+    plan_state,
+    split_unit_range,
+)
+from tidal.engine.backends.protocol import register_backend
+from tidal.engine.layout import Layout, ParamSpec
+from tidal.engine.model import ModelArgs, init_global_weights
+from tidal.engine.optim import OptimConfig, lr_at
+from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
+from tidal.engine.tp import vocab_parallel_logprobs
+
+
+class GPTAdapter(nn.Module):
+    """GPTModel (through its DDP wrapper) with our model's `token_logprobs` (see module doc)."""
+
+    def __init__(self, ddp, vocab_size: int, padded_vocab: int, tp: int, t: int, tp_group, device):
+        super().__init__()
+        self.ddp, self.vocab_size, self.tp_group = ddp, vocab_size, tp_group
+        self.vocab_lo = padded_vocab // tp * t
+        cols = torch.arange(self.vocab_lo, self.vocab_lo + padded_vocab // tp, device=device)
+        self.register_buffer("pad_cols", cols >= vocab_size, persistent=False)
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """TP-local logits [B, T, Vp/tp] with the padded vocab columns at -1e30 (out of the softmax)."""
+        b, t = ids_BT.shape
+        pos = torch.arange(t, device=ids_BT.device).expand(b, t)
+        with mc.cpu_shim():
+            logits = self.ddp(ids_BT, pos, mc.causal_mask(t, ids_BT.device))
+        # finite, not -inf: a TP rank whose slice is all padding must still give 0 (not nan) when its picked logit
+        # is multiplied by 0 in vocab_parallel_logprobs; exp(-1e30 - max) is exactly 0 in fp32
+        return logits.masked_fill(self.pad_cols, -1e30)
+
+    def token_logprobs(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: [B, T-1], fp32 (causal attention, positions 0..T-1)."""
+        if attn_mask_BTS is not None or positions_BT is not None:
+            raise NotImplementedError("the megatron backend runs causal attention over positions 0..T-1 only "
+                                      "(pass input ids without attn_mask_BTS / positions_BT)")
+        logits = self.forward(ids_BT)[:, :-1]
+        return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo)
+
+
+class _Stack:
+    """parallel_state + GPTModel + DDP + DistributedOptimizer of one layout on one rank."""
+
+    def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, padded_vocab: int,
+                 dtype: torch.dtype, device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None):
+        mc.import_megatron()
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mc.init_parallel(layout.tp)
+        if device.type == "cuda":
+            mrandom.model_parallel_cuda_manual_seed(seed)
+        self.layout, self.t, self.d = layout, *cast("tuple[int, int]", layout.coord(rank))  # spans the world
+        tp = layout.tp
+        cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
+        with mc.cpu_shim():
+            from megatron.core.models.gpt.gpt_model import GPTModel
+
+            model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
+        model.to(device)
+        _set_tp_attributes(model, args, padded_vocab)
+        local = None
+        if weights is not None:
+            local = megatron_tp_shard(to_megatron(weights, args, padded_vocab), args, tp, self.t)
+            mc.load_gpt_weights(model, local)
+        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                                overlap_grad_reduce=False, overlap_param_gather=False,
+                                                average_in_collective=False)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=hp.lr, weight_decay=hp.weight_decay, adam_beta1=hp.betas[0],
+                                  adam_beta2=hp.betas[1], adam_eps=hp.eps, clip_grad=hp.grad_clip,
+                                  bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
+                                  use_distributed_optimizer=True)
+        with mc.optimizer_shim():
+            self.ddp = DistributedDataParallel(cfg, ddp_cfg, model)
+            self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
+        self.model, self.cfg = model, cfg
+        self.dopts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
+        tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        self.dp_group = ps.get_data_parallel_group() if layout.dp > 1 else None
+        self.tp_group = tp_group
+        self.adapter = GPTAdapter(self.ddp, args.vocab_size, padded_vocab, tp, self.t, tp_group, device)
+        self.params = dict(model.named_parameters())
+        self._index_optimizer()
+        if local is not None:  # fp32 main params from the fp32 weights (ActorShard's masters), not the cast params
+            with torch.no_grad():
+                for name, (lo, hi, main) in self.main.items():
+                    main.copy_(local[name].reshape(-1)[lo:hi].to(main))
+
+    def _index_optimizer(self) -> None:
+        """name -> (lo, hi, fp32 main param shard) for every param this rank owns a range of."""
+        main_of: dict[int, torch.Tensor] = {}
+        self.inner_of: dict[int, Any] = {}
+        for dopt in self.dopts:
+            pairs = list(zip(dopt.model_float16_groups, dopt.shard_fp32_from_float16_groups)) + \
+                list(zip(dopt.model_fp32_groups, dopt.shard_fp32_groups))
+            for models, shards in pairs:
+                for p, s in zip(models, shards):
+                    main_of[id(p)] = s
+                    self.inner_of[id(p)] = dopt
+        self.main: dict[str, tuple[int, int, torch.Tensor]] = {}
+        for name, p in self.params.items():
+            if id(p) not in main_of:
+                continue
+            r = self.inner_of[id(p)]._get_model_param_range_map(p)["param"]
+            self.main[name] = (r.start, r.end, main_of[id(p)])
+
+    def moments(self, name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) of param `name`'s main shard; created as torch AdamW would (zeros, step) if the
+        optimizer has not stepped yet."""
+        main = self.main[name][2]
+        state = self.inner_of[id(self.params[name])].optimizer.state[main]
+        if not state:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(main)
+            state["exp_avg_sq"] = torch.zeros_like(main)
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def set_step(self, step: int) -> None:
+        for name in self.main:
+            self.moments(name, step)
+            self.inner_of[id(self.params[name])].optimizer.state[self.main[name][2]]["step"].fill_(float(step))
+
+    @torch.no_grad()
+    def views(self, specs: tuple[ParamSpec, ...], step: int) -> StateViews:
+        params: list[torch.Tensor] = []
+        opt: list[OptView | None] = []
+        for spec in specs:
+            name, _, half = spec.name.partition("#")
+            p = self.params[name].data
+            n = p.shape[0] // 2
+            params.append(p if not half else (p[:n] if half == "gate" else p[n:]))
+            if name not in self.main:
+                opt.append(None)
+                continue
+            lo, hi, main = self.main[name]
+            m, v = self.moments(name, step)
+            a, b = split_unit_range(lo, hi, p.numel(), half)
+            if b <= a:
+                opt.append(None)
+                continue
+            base = 0 if half != "up" else p.numel() // 2
+            cut = slice(a + base - lo, b + base - lo)
+            opt.append((a, b, main[cut], m[cut], v[cut]))
+        return StateViews(specs, self.layout.tp, self.t, params, opt)
+
+
+class MegatronBackend:
+    """See the module doc. Construct on every world rank (collective)."""
+
+    name = "megatron"
+
+    def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
+                 weights: dict[str, torch.Tensor] | None = None, padded_vocab: int | None = None):
+        self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        # one padded size for every layout (it is part of the global shape the planner moves): Megatron-LM's
+        # rule at TP 1 (a multiple of 128, divisible by every TP size up to 128)
+        self.padded_vocab = padded_vocab or padded_vocab_size(args.vocab_size, 1)
+        self.specs = megatron_specs(args, self.padded_vocab)
+        self._check(layout)
+        self.step, self.data_cursor = 0, 0
+        weights = weights if weights is not None else init_global_weights(args, seed)
+        self.stack = _Stack(args, hp, layout, rank, self.padded_vocab, self.dtype, self.device, seed, weights)
+        self.layout = layout
+
+    def _check(self, layout: Layout) -> None:
+        check_layout(self.args, self.padded_vocab, layout)
+        world = dist.get_world_size()
+        if layout.devices != tuple(range(world)):
+            raise LayoutError("layout.devices", layout.devices, f"the megatron backend spans the whole world of "
+                              f"{world} ranks in order (megatron-core's parallel_state is global)",
+                              f"use devices 0-{world - 1} (tp * dp = {world})")
+
+    @property
+    def model(self) -> GPTAdapter:
+        return self.stack.adapter
+
+    def inventory(self) -> tuple[ParamSpec, ...]:
+        return self.specs
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _claim(self, source) -> tuple[int, Any] | None:
+        st, lay = self.stack, self.layout
+        dynamic = getattr(source, "dynamic", False) and st.tp_group is not None
+        got = source.claim(st.d, lay.dp) if (st.t == 0 or not dynamic) else None
+        if not dynamic:
+            return got
+        idx = torch.tensor([got[0] if got is not None else -1], dtype=torch.int64, device=self.device)
+        dist.broadcast(idx, src=lay.device(0, st.d), group=st.tp_group)
+        i = int(idx.item())
+        if i < 0:
+            return None
+        return got if got is not None else (i, source.items[i])
+
+    def forward_backward(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> tuple[float, int]:
+        """Zero the grad buffer, run the iter's micro-batches, sync grads over DP (reduce-scatter: each rank's
+        owned ranges of `param.main_grad` hold the DP sum). Returns (this rank's loss sum, micro-batches run)."""
+        st = self.stack
+        st.ddp.zero_grad_buffer()
+        st.opt.zero_grad()
+        losses = []
+        while (item := self._claim(source)) is not None:
+            loss = loss_fn(st.adapter, item[1], num_tokens_in_iter)
+            loss.backward()
+            losses.append(loss.detach().double())
+        with mc.optimizer_shim():
+            st.ddp.finish_grad_sync()
+            if st.tp_group is not None and self.args.qk_norm:
+                # q/k_layernorm weights are TP-replicated but each rank normalizes only its own heads: sum their
+                # grads over TP, as Megatron-LM's finalize_model_grads does (ours: RMSNorm(grad_group=tp))
+                from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+                _allreduce_non_tensor_model_parallel_grads([st.ddp], st.cfg, st.tp_group)
+        return float(torch.stack(losses).sum()) if losses else 0.0, len(losses)
+
+    def train_iter(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> IterReport:
+        """One optimizer step over the iter's queue (collective over the layout)."""
+        start = time.perf_counter()
+        st = self.stack
+        loss, n = self.forward_backward(source, loss_fn, num_tokens_in_iter)
+        lr = lr_at(self.hp, self.step)
+        for dopt in st.dopts:
+            for group in dopt.optimizer.param_groups:
+                group["lr"], group["weight_decay"] = lr, self.hp.weight_decay
+        with mc.optimizer_shim():
+            ok, grad_norm, _ = st.opt.step()
+        if not ok:
+            raise FloatingPointError(f"megatron optimizer step skipped (non-finite grads) at step {self.step}")
+        self.step += 1
+        self.data_cursor += len(source) if hasattr(source, "__len__") else 0
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        if st.dp_group is not None:
+            dist.all_reduce(loss_t, group=st.dp_group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return IterReport(float(loss_t.item()), float(grad_norm), lr, float(grad_norm) > self.hp.grad_clip, n,
+                          time.perf_counter() - start)
+
+    # ---- resharding ----------------------------------------------------------------------------------
+    def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None) -> ReshardReport:
+        """Move the full state to `new_layout` (collective over the world); see module doc."""
+        self._check(new_layout)
+        old_layout, old = self.layout, self.stack
+        report = ReshardReport(old_layout, new_layout, ok=False)
+        t0 = time.perf_counter()
+        error = None
+
+        def phase(name: str) -> None:
+            nonlocal error
+            if fault is not None and error is None:
+                try:
+                    fault(name)
+                except Exception as e:
+                    error = f"{name}: {type(e).__name__}: {e}"
+
+        phase("plan")
+        world = dist.get_world_size()
+        old_ranges = gather_ranges(old.views(self.specs, self.step).ranges(), len(self.specs), world, self.device)
+        new = _Stack(self.args, self.hp, new_layout, self.rank, self.padded_vocab, self.dtype, self.device,
+                     self.seed, None)  # collective (parallel_state groups): built on every rank, then voted on
+        new.set_step(self.step)
+        new_views = new.views(self.specs, self.step)
+        new_ranges = gather_ranges(new_views.ranges(), len(self.specs), world, self.device)
+        phase("allocate")
+        plan = None
+        try:
+            plan = plan_state(old_layout, new_layout, self.specs, old_ranges, new_ranges)
+        except Exception as e:
+            error = error or f"plan: {type(e).__name__}: {e}"
+        if _vote(error is None, self.device):
+            p_bytes = torch.empty((), dtype=self.dtype).element_size()
+            plan = cast(ReshardPlan, plan)  # every rank planned (no error)
+            report.bytes_moved = plan.bytes_moved(p_bytes)
+            report.bytes_sent, report.bytes_received = execute_state(
+                plan, old.views(self.specs, self.step), new_views, self.rank, self.dtype, self.device)
+            phase("transfer")
+            phase("commit")
+        ok = _vote(error is None, self.device)
+        report.seconds = time.perf_counter() - t0
+        if not ok:
+            mc.init_parallel(old_layout.tp)  # megatron's global groups back to the old layout
+            report.error = error or "another rank voted to abort"
+            raise ReshardError(report)
+        self.stack, self.layout = new, new_layout
+        report.ok = True
+        return report
+
+    # ---- views -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def state_dict_global(self) -> dict[str, torch.Tensor]:
+        """Every tensor in global Megatron coordinates on every rank (collective; checks only): param/<spec>
+        (as fp32), master|exp_avg|exp_avg_sq/<spec>, step (owned ranges summed from their single owner)."""
+        views = self.stack.views(self.specs, self.step)
+        lay, t, d = self.layout, self.stack.t, self.stack.d
+        keys = [(i, k) for i in range(len(self.specs)) for k in ("param", "master", "exp_avg", "exp_avg_sq")]
+        sizes = [self.specs[i].numel for i, _ in keys]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+        fulls = [part.view(self.specs[i].shape) for part, (i, _) in zip(flat.split(sizes), keys)]
+        for (i, kind), full in zip(keys, fulls):
+            spec = self.specs[i]
+            if spec.tp_dim is None and t > 0:
+                continue  # TP-replicated: t = 0's copy only
+            shard = full[spec.tp_slices(lay.tp, t)]
+            if kind == "param":
+                if d == 0:
+                    shard.copy_(views.params[i])
+            elif views.opt[i] is not None:
+                lo, hi, *bufs = cast(OptView, views.opt[i])
+                piece = torch.zeros(shard.numel(), dtype=torch.float32, device=self.device)
+                piece[lo:hi] = bufs[("master", "exp_avg", "exp_avg_sq").index(kind)]
+                shard.copy_(piece.view(shard.shape))
+        dist.all_reduce(flat)  # each element has exactly one non-zero contributor: the sum is exact
+        out = {f"{k}/{self.specs[i].name}": full for (i, k), full in zip(keys, fulls)}
+        out["step"] = torch.tensor(self.step)
+        return out
+
+    def export_weights(self) -> ExportedWeights:
+        """TP-local weights in GPTModel terms (specs = `inventory()`; fc1 halves are views)."""
+        views = self.stack.views(self.specs, self.step)
+        return ExportedWeights(self.layout.tp, self.stack.t, self.specs,
+                               {s.name: p for s, p in zip(self.specs, views.params)})
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """TP-local fp32 grads after `forward_backward` (module names; at DP > 1 only owned ranges are summed)."""
+        return {name: p.main_grad for name, p in self.stack.params.items()}
+
+    def save_megatron(self, ckpt_dir: str | Path, padded_vocab: int | None = None) -> Path:
+        """GPTModel's own `sharded_state_dict` through megatron-core's dist_checkpointing (weights)."""
+        from megatron.core import dist_checkpointing
+        if padded_vocab not in (None, self.padded_vocab):
+            raise LayoutError("padded_vocab", padded_vocab, f"the megatron backend's model is padded to "
+                              f"{self.padded_vocab}", "omit padded_vocab")
+        path = Path(ckpt_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        with mc.cpu_shim():
+            dist_checkpointing.save(self.stack.model.sharded_state_dict(), str(path))
+        return path
+
+    @torch.no_grad()
+    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> None:
+        """Weights of a dist_checkpointing checkpoint (any writer TP) into params and fp32 main params; moments
+        and step reset unless `reset_optimizer=False`."""
+        from megatron.core import dist_checkpointing
+        st = self.stack
+        with mc.cpu_shim():
+            st.model.load_state_dict(dist_checkpointing.load(st.model.sharded_state_dict(), str(ckpt_dir)),
+                                     strict=False)
+        for name, (lo, hi, main) in st.main.items():
+            main.copy_(st.params[name].data.reshape(-1)[lo:hi].float())
+            if reset_optimizer:
+                for m in st.moments(name, 0):
+                    m.zero_()
+        if reset_optimizer:
+            self.step = 0
+            st.set_step(0)
+
+
+def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
+    """The `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes megatron-core 0.16.1 sets on
+    TP-split weights only inside its init functions, i.e. not with perform_initialization=False (linear biases do
+    get them). The optimizer reads them (`param_is_not_tensor_parallel_duplicate`): without them every TP-split
+    weight counts in the grad norm on TP rank 0 only, and clipping at TP > 1 uses a wrong norm. Set as megatron-core
+    sets them with initialization (stride 2 for the fused SwiGLU fc1); replicated norms stay unmarked, as there."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    tp_dim = {s.name.partition("#")[0]: s.tp_dim for s in megatron_specs(args, padded_vocab)}
+    for name, p in model.named_parameters():
+        if tp_dim[name] is not None and not getattr(p, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(p, True, tp_dim[name], 2 if name.endswith(FC1) else 1)
+
+
+def _vote(ok: bool, device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+register_backend("megatron", MegatronBackend)
+
+__all__ = ["MegatronBackend", "GPTAdapter"]

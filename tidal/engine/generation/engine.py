@@ -1,0 +1,542 @@
+"""The native (torch) generation engine: continuous batching over a slot KV cache, exact per request.
+
+    step():  admit   waiting requests into free slots (FIFO; imported ones first); for each: load its
+                     moved KV, or prefill ([1, T], one request at a time) and sample its first token
+             decode  one batched forward over all W slots (row-exact, see `kv_cache.py`); rows that are
+                     replaying a re-prefilled request feed their recorded token and sample nothing
+             finish  stop token / max_new_tokens / max_seq_len -> RequestResult, the slot is free again
+
+Capacity: W = min(max_running_requests, kv_budget_bytes // bytes of one slot) slots; a slot holds
+`max_seq_len` positions of every layer. Every decode forward has R rows: R = W on CUDA, W rounded up to a
+multiple of 64 on CPU (padding rows share one dummy slot, so the KV budget holds).
+
+Why R is a multiple of 64 on CPU (measured, torch 2.13 CPU, AVX-512): elementwise kernels run a flat loop
+over numel in vector chunks of 2 x Vec::size() and finish the last `numel % 32` elements with the *scalar*
+function; for SiLU (Sleef exp vs std::exp) that gives other bits. With 5 rows of width 48 the last row's
+last 16 values were computed by the scalar path, so the request in the last slot decoded 1 ulp apart from
+the same request in slot 0 and once flipped a log-prob. With R a multiple of 64 no decode tensor has a tail.
+GEMMs: per-row bits depend on M (classes M=1, 2..15, >=16 measured) but not on row position or other rows at
+fixed M, so R is fixed per engine. Intra-op threads split large elementwise loops into chunks with their own
+tails: run CPU engines with torch.set_num_threads(1) (our workers do) when bit-exactness matters.
+
+Exactness guarantee (measured, see tests/test_generation.py): a request's tokens and log-probs are a function
+of (weights, prompt, sampling params, seed) only, not of which requests share its batch, its slot, or its
+arrival time, and not of migrations between engines with equal `numerics` (decode rows, whether rows gather
+their slots, dtype, device type, TP size, max_seq_len; same torch build and thread count). Why: prefill is per
+request; decode has fixed shapes (R rows, S keys); sampling uses the request's own generator. Bigger batched
+prefills or a dynamic decode width would be faster but change round-off with batch composition (a flipped
+argmax/sample), so we do not use them.
+
+Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
+with KV; `commit_export` forgets them, `cancel_export` unfreezes them. `import_state` queues them first in
+line; a KV state continues at once, a KV-less one is re-prefilled: with `reprefill="replay"` (default) the
+prompt is prefilled and the generated tokens are fed back through decode rows, reproducing the source's KV
+bit for bit; `"single_pass"` prefills prompt + generated in one forward (faster; what a vLLM backend does;
+equal up to round-off, so a rare near-tie can flip).
+
+Example::
+
+    engine = NativeEngine(model, EngineConfig(max_running_requests=8))
+    engine.add(Request("a", (1, 5, 7), SamplingParams(temperature=1.0, max_new_tokens=8), seed=3))
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.finished: print(ev.result.token_ids)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+import torch
+
+from tidal.core.errors import TidalError
+from tidal.engine.generation import sampler
+from tidal.engine.generation.kv_cache import SlotKVCache
+from tidal.engine.generation.protocol import (
+    TRANSITIONS,
+    EngineStatus,
+    GenerationEngine,
+    GenerationError,
+    IllegalTransition,
+    check_importable,
+    check_request_ids,
+)
+from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
+from tidal.engine.model import Transformer
+from tidal.engine.tp import group_size
+
+CPU_ROW_MULTIPLE = 64
+PREFILL_GRAPHS = 32  # captured prefill graphs kept per engine (one per prompt length)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running_requests: int = 64
+    """Most requests decoding at once (RLinf key `rollout.max_running_requests`); the decode width."""
+    kv_budget_bytes: int | None = None
+    """KV memory this engine may use; None: one slot per running request. Fewer slots if smaller."""
+    reprefill: Literal["replay", "single_pass"] = "replay"
+    """How a KV-less imported request rebuilds its KV (see module doc)."""
+    cuda_graph: bool = True
+    """On CUDA (TP 1), replay one captured CUDA graph per decode step instead of launching each kernel."""
+    vocab_limit: int | None = None
+    """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
+    rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise TidalError("rollout.max_running_requests", self.max_running_requests, "must be >= 1", "e.g. 64")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
+            raise TidalError("kv_budget_bytes", self.kv_budget_bytes, "must be positive", "omit it for no cap")
+        if self.vocab_limit is not None and self.vocab_limit < 2:
+            raise TidalError("vocab_limit", self.vocab_limit, "must be >= 2", "the tokenizer's size, or None")
+        if self.reprefill not in ("replay", "single_pass"):
+            raise TidalError("reprefill", self.reprefill, "unknown mode", 'use "replay" or "single_pass"')
+
+    @staticmethod
+    def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> EngineConfig:
+        return EngineConfig(rollout_cfg.max_running_requests, kv_budget_bytes)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one request in flight."""
+
+    request: Request
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list[float] = field(default_factory=list)
+    version: int | None = None
+    slot: int | None = None
+    kv_len: int = 0  # positions of prompt + tokens whose K/V are in the slot
+    replay: deque = field(default_factory=deque)  # recorded tokens to feed before sampling resumes
+    pending_kv: list | None = None  # imported KV waiting for a slot
+    frozen: bool = False  # exported, waiting for commit/cancel
+    migrations: int = 0
+
+    def all_tokens(self) -> list[int]:
+        return list(self.request.prompt_ids) + self.tokens
+
+
+class NativeEngine(GenerationEngine):
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), policy_version: int = 0):
+        self.model, self.config, self._version = model, config, int(policy_version)
+        self.args = model.args
+        if config.vocab_limit is not None and config.vocab_limit > self.args.vocab_size:
+            raise TidalError("vocab_limit", config.vocab_limit, f"exceeds the model's {self.args.vocab_size} rows",
+                             "use a tokenizer no larger than the model's embedding")
+        self._vocab = config.vocab_limit or self.args.vocab_size
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.tp = group_size(model.tp_group)
+        kv_heads = self.args.num_kv_heads // self.tp
+        s = self.args.max_seq_len
+        slot = SlotKVCache.slot_bytes(self.args.num_layers, kv_heads, s, self.args.head_dim, self.dtype)
+        width = config.max_running_requests
+        if config.kv_budget_bytes is not None:
+            fit = config.kv_budget_bytes // slot
+            width = min(width, fit)
+            if self.device.type == "cpu" and width % CPU_ROW_MULTIPLE and width == fit:
+                width -= 1  # leave room for the dummy slot of the padding rows
+            if width < 1:
+                need = slot * (2 if self.device.type == "cpu" else 1)  # CPU: + the padding rows' dummy slot
+                raise TidalError("kv_budget_bytes", config.kv_budget_bytes,
+                                 f"leaves no room for one request's KV slot ({slot} bytes at max_seq_len={s})",
+                                 f"give at least {need} bytes, or lower model.max_seq_len")
+        self.width = width
+        # decode rows: on CPU a multiple of 64, so no elementwise kernel has a scalar tail (see module doc)
+        self.rows = width if self.device.type != "cpu" else -(-width // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
+        # `gather`: rows read their slot's KV through the row -> slot index (padding rows), else the cache directly.
+        # The two paths differ by an ulp on some CPUs (AMD EPYC, AVX-512: 6 of 1,200 requests' log-probs between a
+        # 64-slot and a 16-slot engine, both 64 rows), so KV moves only between engines on the same path
+        self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
+                         f"device={self.device.type},tp={self.tp},seq={s}")
+        # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
+        self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
+                                 self.dtype, self.device)
+        self._row_slot = torch.tensor([min(r, width) for r in range(self.rows)], device=self.device)
+        self.status = EngineStatus.READY
+        self._param_shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
+        self._offload: dict[str, torch.Tensor] | None = None
+        self._live: dict[str, _Live] = {}
+        self._waiting: deque[str] = deque()
+        self._slots: list[str | None] = [None] * width
+        self._gone: dict[str, str] = {}  # id -> "finished" / "aborted" / "migrated away" (for error messages)
+        self.tokens_generated = 0
+        # per-slot sampling params, kept on the device (inactive slots are greedy and ignored)
+        self._temp = torch.zeros(self.rows, device=self.device)
+        self._top_p = torch.ones(self.rows, device=self.device)
+        self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._prefill_graphs: dict[int, tuple] = {}
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def request_ids(self) -> list[str]:
+        return [rid for rid, lv in self._live.items() if not lv.frozen]
+
+    def num_running(self) -> int:
+        return sum(1 for rid in self._slots if rid is not None and not self._live[rid].frozen)
+
+    def num_waiting(self) -> int:
+        return sum(1 for rid in self._waiting if not self._live[rid].frozen)
+
+    def free_slots(self) -> int:
+        return self._slots.count(None)
+
+    # ---- requests in -------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._need_ready("add")
+        if request.request_id in self._live:
+            raise GenerationError(f"add: request {request.request_id!r} is already in flight on this engine "
+                                  "(ids must be unique per engine; derive them from step, group and sample)")
+        self._check_prompt(request)
+        gen = torch.Generator().manual_seed(request.seed)
+        self._live[request.request_id] = _Live(request, gen)
+        self._gone.pop(request.request_id, None)
+        self._waiting.append(request.request_id)
+
+    def _check_prompt(self, request: Request) -> None:
+        n, s, v = len(request.prompt_ids), self.args.max_seq_len, self.args.vocab_size
+        if n >= s:
+            raise TidalError("prompt_ids", n, f"request {request.request_id!r}: a prompt of {n} tokens leaves no "
+                             f"room to generate within max_seq_len={s}",
+                             "shorten the prompt or raise model.max_seq_len")
+        bad = [t for t in request.prompt_ids if not 0 <= t < v]
+        if bad:
+            raise TidalError("prompt_ids", bad[:5], f"request {request.request_id!r}: token ids outside the vocab "
+                             f"[0, {v})", "tokenize with the model's tokenizer")
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[RequestEvent]:
+        self._need_ready("step")
+        events: list[RequestEvent] = []
+        self._admit(events)
+        if any(rid is not None and not self._live[rid].frozen for rid in self._slots):
+            self._decode(events)
+        return events
+
+    @torch.no_grad()
+    def admit(self) -> list[RequestEvent]:
+        """Admit waiting requests into free slots (prefill, or load moved KV) without a decode step. `step()`
+        does this first anyway; calling it alone lets a driver prefill ahead or time a migration."""
+        self._need_ready("admit")
+        events: list[RequestEvent] = []
+        self._admit(events)
+        return events
+
+    def _admit(self, events: list[RequestEvent]) -> None:
+        skipped: list[str] = []
+        while self._waiting and None in self._slots:
+            rid = self._waiting.popleft()
+            live = self._live[rid]
+            if live.frozen:
+                skipped.append(rid)
+                continue
+            slot = self._slots.index(None)
+            self._slots[slot], live.slot = rid, slot
+            p = live.request.params
+            self._temp[slot], self._top_p[slot], self._top_k[slot] = p.temperature, p.top_p, p.top_k
+            if live.pending_kv is not None:
+                live.kv_len = self.cache.write(slot, [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+                                                      for k, v in live.pending_kv])
+                live.pending_kv = None
+            elif live.tokens:  # imported without KV: re-prefill
+                upto = len(live.request.prompt_ids) if self.config.reprefill == "replay" else -1
+                self._prefill(live, live.all_tokens()[:upto])
+            else:
+                logits = self._prefill(live, list(live.request.prompt_ids))
+                live.version = self._version
+                u = self._uniforms([live], [True])
+                tok = sampler.sample(logits, self._temp[slot:slot + 1], self._top_p[slot:slot + 1],
+                                     self._top_k[slot:slot + 1], u)
+                lp = sampler.logprobs(logits, tok)
+                self._record(live, int(tok.item()), float(lp.item()), events)
+                continue
+            live.replay = deque(live.all_tokens()[live.kv_len:-1])
+        self._waiting.extendleft(reversed(skipped))
+
+    def _prefill(self, live: _Live, ids: list[int]) -> torch.Tensor:
+        """Write the K/V of `ids` into the request's slot; return the last position's full logits [1, V]."""
+        t = len(ids)
+        live.kv_len = t
+        ids_1T = torch.tensor([ids], dtype=torch.long)
+        slot = cast(int, live.slot)  # prefill runs on admitted requests, which hold a slot
+        if self._use_graph:
+            return self._graph_prefill(ids_1T, slot)
+        return self._prefill_forward(ids_1T.to(self.device), self.cache.prefill_writer(slot))
+
+    def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
+        pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
+        h = self.model.hidden(ids_1T, pos_1T, None, writer)
+        return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1, :self._vocab].float()
+
+    def _graph_prefill(self, ids_1T: torch.Tensor, slot: int) -> torch.Tensor:
+        """CUDA: one captured graph per prompt length (LRU, at most PREFILL_GRAPHS), slot as a device index."""
+        t = ids_1T.shape[1]
+        entry = self._prefill_graphs.pop(t, None)
+        if entry is None:
+            static_ids = ids_1T.to(self.device)
+            static_slot = torch.tensor([slot], device=self.device)
+            writer = self.cache.prefill_writer(static_slot)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up writes this request's own K/V into its own slot
+                self._prefill_forward(static_ids, writer)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._prefill_forward(static_ids, writer)
+            entry = (graph, static_ids, static_slot, out)
+            while len(self._prefill_graphs) >= PREFILL_GRAPHS:
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
+        self._prefill_graphs[t] = entry  # most recent last
+        graph, static_ids, static_slot, out = entry
+        static_ids.copy_(ids_1T, non_blocking=True)
+        static_slot.fill_(slot)
+        graph.replay()
+        return out
+
+    def _decode(self, events: list[RequestEvent]) -> None:
+        ids, pos, active, sampling = [0] * self.rows, [0] * self.rows, [], []
+        for slot, rid in enumerate(self._slots):
+            if rid is None:
+                continue
+            live = self._live[rid]
+            pos[slot] = live.kv_len  # frozen rows write past their valid length: harmless, overwritten later
+            if live.frozen:
+                continue
+            ids[slot] = live.replay[0] if live.replay else live.tokens[-1]
+            active.append(live)
+            sampling.append(not live.replay)
+        u = torch.zeros(self.rows)
+        drawn = self._uniforms(active, sampling)
+        for live, x in zip(active, drawn.tolist()):
+            u[live.slot] = x
+        ids_R = torch.tensor(ids, dtype=torch.long)
+        pos_R = torch.tensor(pos, dtype=torch.long)
+        if self._use_graph:
+            tok, lp = self._graph_decode(ids_R, pos_R, u)
+        else:
+            tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device))
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        for live, samples in zip(active, sampling):
+            live.kv_len += 1
+            if not samples:
+                live.replay.popleft()
+                continue
+            self._record(live, tok_l[live.slot], lp_l[live.slot], events)
+
+    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
+        """The fixed-shape decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
+        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot)
+        logits_local = self.model(ids_R[:, None], pos_R[:, None], self.cache.decode_mask(pos_R), decoder)
+        logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
+        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R)
+        return tok, sampler.logprobs(logits, tok)
+
+    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
+        """CUDA: replay one captured graph of `_decode_forward` (its shapes never change, so one capture serves
+        every step); the kernels are the eager ones, so the results are too. Captured lazily, dropped on release."""
+        if self._graph is None:
+            self._static = [ids_R.to(self.device), pos_R.to(self.device), u_R.to(self.device)]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
+                for _ in range(2):
+                    self._decode_forward(*self._static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._static_out = self._decode_forward(*self._static)
+            self._graph = graph
+        for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
+            buf.copy_(src, non_blocking=True)
+        self._graph.replay()
+        return self._static_out
+
+    def _uniforms(self, lives: list[_Live], sampling: list[bool]) -> torch.Tensor:
+        """One uniform per sampling, non-greedy request, drawn from its own generator (0 for the others)."""
+        out = [torch.rand((), generator=lv.generator).item() if s and not lv.request.params.greedy else 0.0
+               for lv, s in zip(lives, sampling)]
+        return torch.tensor(out, dtype=torch.float32, device=self.device)
+
+    def _record(self, live: _Live, token: int, logprob: float, events: list[RequestEvent]) -> None:
+        live.tokens.append(token)
+        live.logprobs.append(logprob)
+        self.tokens_generated += 1
+        p = live.request.params
+        reason = None
+        if token in p.stop_token_ids:
+            reason = "stop"
+        elif (len(live.tokens) >= p.max_new_tokens
+              or len(live.request.prompt_ids) + len(live.tokens) >= self.args.max_seq_len):
+            reason = "length"
+        new: tuple[tuple[int, ...], tuple[float, ...]] = ((token,), (logprob,)) if live.request.stream else ((), ())
+        if reason is None:
+            if live.request.stream:
+                events.append(RequestEvent(live.request.request_id, *new))
+            return
+        rid = live.request.request_id
+        result = RequestResult(rid, live.request.prompt_ids, tuple(live.tokens), tuple(live.logprobs), reason,
+                               cast(int, live.version), live.migrations)  # set when it sampled a token
+        self._remove(rid, "finished")
+        events.append(RequestEvent(rid, *new, result=result))
+
+    def _remove(self, rid: str, why: str) -> None:
+        live = self._live.pop(rid)
+        if live.slot is not None:
+            self._slots[live.slot] = None
+            self._temp[live.slot] = 0.0
+        else:
+            self._waiting.remove(rid)
+        self._gone[rid] = why
+
+    # ---- abort and migration -----------------------------------------------------------------------------
+    def _check_ids(self, op: str, ids: Sequence[str], frozen: bool | None) -> list[str]:
+        return check_request_ids(op, ids, self._live, self._gone, frozen)
+
+    def abort(self, ids: Sequence[str]) -> None:
+        for rid in self._check_ids("abort", ids, None):
+            self._remove(rid, "aborted")
+
+    def export_state(self, ids: Sequence[str]) -> list[RequestState]:
+        self._need_ready("export_state")
+        out = []
+        for rid in self._check_ids("export_state", ids, False):
+            live = self._live[rid]
+            live.frozen = True
+            if live.slot is not None:
+                kv, kv_len = self.cache.read(live.slot, live.kv_len), live.kv_len
+            elif live.pending_kv is not None:
+                kv, kv_len = live.pending_kv, live.pending_kv[0][0].shape[1]
+            else:
+                kv, kv_len = None, 0
+            out.append(RequestState(live.request, list(live.tokens), list(live.logprobs),
+                                    live.generator.get_state(), live.version, kv, kv_len,
+                                    self.numerics if kv is not None else "", live.migrations))
+        return out
+
+    def commit_export(self, ids: Sequence[str]) -> None:
+        for rid in self._check_ids("commit_export", ids, True):
+            self._remove(rid, "migrated away")
+
+    def cancel_export(self, ids: Sequence[str]) -> None:
+        for rid in self._check_ids("cancel_export", ids, True):
+            self._live[rid].frozen = False
+
+    def activate(self, ids: Sequence[str]) -> None:
+        for rid in self._check_ids("activate", ids, True):
+            self._live[rid].frozen = False
+
+    def import_state(self, states: Sequence[RequestState], staged: bool = False) -> None:
+        """All or nothing: every state is checked before any is installed. `staged`: hold them frozen until
+        `activate(ids)` (the target side of a two-phase migration), or drop them with `abort(ids)`."""
+        self._need_ready("import_state")
+        lives = [self._validate_state(st, [s.request_id for s in states]) for st in states]
+        for live in lives:
+            live.frozen = staged
+            self._live[live.request.request_id] = live
+            self._gone.pop(live.request.request_id, None)
+        self._waiting.extendleft(reversed([lv.request.request_id for lv in lives]))
+
+    def _validate_state(self, st: RequestState, batch_ids: list[str]) -> _Live:
+        where = check_importable(st, batch_ids, self._live, self._version)
+        self._check_prompt(st.request)
+        if len(st.token_ids) != len(st.logprobs) or len(st.token_ids) > st.request.params.max_new_tokens:
+            raise GenerationError(f"{where}: {len(st.token_ids)} tokens, {len(st.logprobs)} log-probs, "
+                                  f"max_new_tokens={st.request.params.max_new_tokens}: the state is corrupt")
+        gen = torch.Generator()
+        gen.set_state(st.generator_state.to("cpu", torch.uint8))
+        live = _Live(st.request, gen, list(st.token_ids), list(st.logprobs), st.policy_version,
+                     migrations=st.num_migrations + 1)
+        if st.kv is not None:
+            if st.numerics != self.numerics:
+                raise GenerationError(f"{where}: its KV was computed with numerics [{st.numerics}], this engine "
+                                      f"has [{self.numerics}]; continuing would not be bit-exact. Give instances "
+                                      "equal max_running_requests/kv budget/dtype/TP, or send state.without_kv()")
+            n_total = len(st.request.prompt_ids) + len(st.token_ids)
+            want = (self.cache.num_kv_heads, st.kv_len, self.args.head_dim)
+            ok = len(st.kv) == self.args.num_layers and st.kv_len <= n_total - 1 and all(
+                tuple(k.shape) == want and tuple(v.shape) == want for k, v in st.kv)
+            if not ok or not st.token_ids:
+                raise GenerationError(f"{where}: KV of {len(st.kv)} layers, kv_len {st.kv_len}, shapes "
+                                      f"{[tuple(k.shape) for k, _ in st.kv[:1]]}; expected {self.args.num_layers} "
+                                      f"layers of {want} with kv_len < prompt + generated ({n_total})")
+            live.pending_kv = st.kv
+        return live
+
+    # ---- weights and memory ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        own = dict(self.model.named_parameters())
+        missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+        if missing or extra:
+            raise TidalError("weights", f"missing {missing[:4]}, unexpected {extra[:4]}",
+                             "names must be exactly the model's parameter names (param_specs)",
+                             "build the shard with tidal.engine.generation.weights.rollout_shard")
+        for name in own:
+            if tuple(weights[name].shape) != self._param_shapes[name]:
+                raise TidalError(f"weights[{name!r}]", tuple(weights[name].shape),
+                                 f"is not this rank's TP shard shape {self._param_shapes[name]} (tp={self.tp})",
+                                 "build the shard for this rollout TP size with rollout_shard")
+        for name, p in own.items():
+            p.copy_(weights[name])
+
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or version <= self._version:
+            raise TidalError("policy_version", version, f"must be an int above the current {self._version}",
+                             "stamp each update with the actor's next version")
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self._need_ready("update_weights")
+        self._need_idle("update_weights")
+        self._check_version(version)
+        self._load(weights)
+        self._version = version
+
+    def _move(self, dst: EngineStatus, op: str) -> None:
+        if (self.status, dst) not in TRANSITIONS:
+            raise IllegalTransition(self.status, dst, op)
+        self.status = dst
+
+    def release_memory(self, offload: bool = False) -> None:
+        """Free KV and weights (parameters become empty). `offload`: keep a host copy for `resume()`."""
+        self._need_idle("release_memory")
+        self._move(EngineStatus.RELEASED, "release_memory")
+        params = dict(self.model.named_parameters())
+        self._offload = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if offload else None
+        for p in params.values():
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.cache.free()
+        self._graph, self._prefill_graphs = None, {}  # they point into the freed slab and parameters
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        if self.status is not EngineStatus.RELEASED:
+            raise IllegalTransition(self.status, EngineStatus.READY, "resume")
+        if weights is not None and version is None:
+            raise GenerationError("resume: new weights need the policy version they belong to (version=...)")
+        if weights is None and self._offload is None:
+            raise GenerationError("resume: no weights given and none were offloaded; pass weights=... "
+                                  "(and version=...), or release with release_memory(offload=True)")
+        if weights is not None and version is not None:
+            self._check_version(version)
+        for name, p in self.model.named_parameters():
+            p.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
+        self._load(weights if weights is not None else cast(Mapping[str, torch.Tensor], self._offload))  # checked
+        self._offload = None
+        if version is not None:
+            self._version = version
+        self.cache.allocate()
+        self._move(EngineStatus.READY, "resume")

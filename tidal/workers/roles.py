@@ -1,0 +1,530 @@
+"""Worker-side role functions of the RL pipeline: what a device does as actor, rollout or inference.
+
+The driver (`tidal.pipeline`) calls these through `WorkerGroup.submit(device, roles.fn, ...)` (the worker
+resolves the function by its module path; no code travels); each runs inside the device's worker process with
+its `WorkerContext`. One call runs at a time per worker, so a role never races with itself. A worker's role
+state is one typed object, `WorkerRoles` (`roles_of(ctx)`), kept between calls:
+
+    run        RunSpec: model args, optimizer config, sampling, task, seeds (set once by `setup`)
+    actor      ActorShard (every worker has one: world-collective group creation and reshard votes; it holds
+               memory only while the device is in the actor's layout)
+    rollout    RolloutSlot (RolloutInstance + NativeEngine) while the device serves rollout
+    inference  InferenceSlot (the model with the current weights) while the device serves inference
+    kept       KeptCopy: the actor's full weights as they were at the last step end, on devices where the actor
+               then held a whole replica (`actor_keep_weights`); the next version's engines on this device load
+               them in place (`weights=KeptWeights(version)`)
+
+Values crossing the driver are records (`tidal.engine.records`, `tidal.workers.messages`) or dicts of tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueue
+from tidal.engine.evaluation import EvalItem, greedy_accuracy
+from tidal.engine.generation.engine import EngineConfig, NativeEngine
+from tidal.engine.generation.requests import RequestState, SamplingParams
+from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
+from tidal.engine.hf_tokenizer import TokenizerSpec
+from tidal.engine.layout import Layout
+from tidal.engine.model import ModelArgs, Transformer
+from tidal.engine.optim import OptimConfig
+from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.engine.verifier import Verifier
+from tidal.workers.gc_pauses import GcPauses
+from tidal.workers.messages import (
+    ExportReceipt,
+    KeptWeights,
+    MigrationPackage,
+    MoveResult,
+    ReshardReport,
+    RolloutReport,
+)
+from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs to play any role in one run (sent once)."""
+
+    args: ModelArgs
+    optim: OptimConfig
+    sampling: SamplingParams
+    max_running_requests: int
+    group_size: int
+    micro_batch_size: int
+    clip_eps: float
+    kl_coef: float
+    tokenizer: TokenizerSpec
+    reward: str | None
+    """`reward.function` (None: the built-in tasks' exact verifier on the label's answer)."""
+    reward_timeout_s: float
+    vocab_limit: int | None
+    """Generation samples ids below this (the tokenizer's size) when the embedding is padded past it."""
+    seed: int
+
+
+@dataclass
+class RolloutSlot:
+    """A rollout instance on this worker: its engine, local queue, finished groups not yet returned, and the
+    groups frozen by exports not yet committed or cancelled."""
+
+    engine: NativeEngine
+    queue: GroupQueue
+    inst: RolloutInstance
+    out: list
+    version: int
+    step: int
+    exporting: set[int] = field(default_factory=set)
+
+
+@dataclass
+class InferenceSlot:
+    model: Transformer
+    version: int
+
+
+@dataclass
+class KeptCopy:
+    version: int
+    weights: dict[str, torch.Tensor]
+
+
+@dataclass
+class WorkerRoles:
+    """Everything a worker holds for the run's roles (one per worker, made by `setup`)."""
+
+    run: RunSpec
+    tok: Any
+    verifier: Verifier
+    actor: ActorShard | None = None
+    rollout: RolloutSlot | None = None
+    inference: InferenceSlot | None = None
+    kept: KeptCopy | None = None
+
+
+def roles_of(ctx) -> WorkerRoles:
+    return ctx.state["roles"]
+
+
+def actor_of(ctx) -> ActorShard:
+    shard = roles_of(ctx).actor
+    assert shard is not None, "actor_init runs before any other actor call"
+    return shard
+
+
+def _rollout(ctx) -> RolloutSlot:
+    slot = roles_of(ctx).rollout
+    if slot is None:
+        raise RuntimeError(f"device {ctx.device_id} is not a rollout instance")
+    return slot
+
+
+def _resolve(value: Any) -> Any:
+    """Ray resolves ObjectRefs passed at top level only; our kwargs travel in a dict, so resolve here."""
+    try:
+        import ray
+        if isinstance(value, ray.ObjectRef):
+            return ray.get(value)
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return value
+
+
+def setup(ctx, spec: RunSpec) -> int:
+    torch.set_num_threads(1)
+    GcPauses.install()
+    # a new driver numbers its slices from 0 again: interrupts left by an earlier one must not end them
+    ctx.interrupt_upto.clear()
+    ctx.state["roles"] = WorkerRoles(spec, spec.tokenizer.build(), Verifier(spec.reward, spec.reward_timeout_s))
+    # Warm-up: the first model built on the meta device imports torch's meta kernels, seconds of CPU that a
+    # capped device would otherwise spend inside the first reshard that brings it into the actor (measured:
+    # 7 s of a 7.3 s reshard at 0.25 core).
+    Transformer(spec.args, device=torch.device("meta"))
+    return ctx.device_id
+
+
+def freeze_gc(ctx) -> None:
+    """After setup (model, actor state, engine built): later collections skip what exists now (`GcPauses`)."""
+    GcPauses.freeze()
+
+
+# ---- actor ------------------------------------------------------------------------------------------------
+def actor_init(ctx, layout: Layout, weights: Any) -> bool:
+    """Every worker: build its ActorShard (holding state only if in `layout`) from global `weights`."""
+    roles = roles_of(ctx)
+    spec = roles.run
+    weights = _resolve(weights)
+    roles.actor = shard = ActorShard(spec.args, spec.optim, layout, ctx.rank, seed=spec.seed, device=ctx.device,
+                                     weights=weights if layout.coord(ctx.rank) is not None else "empty")
+    return shard.state is not None
+
+
+def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
+    """The GRPO loss of one iter, and the list its calls append their micro-batch's metrics to."""
+    collected: list[dict[str, float]] = []
+
+    def loss_fn(model, batch, num_tokens_in_iter):
+        loss, metrics = grpo_loss(model.token_logprobs(batch.input_ids_BT), batch, num_tokens_in_iter,
+                                  clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
+        collected.append(metrics)
+        return loss
+    return loss_fn, collected
+
+
+def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
+    """Ranks of the actor's layout: one optimizer step on the iter's samples (micro-batches from one shared
+    queue; static claim order, so the update is identical whatever the DP size). Others return None."""
+    shard = actor_of(ctx)
+    if shard.state is None:
+        return None
+    spec, tok = roles_of(ctx).run, roles_of(ctx).tok
+    scored: list[ScoredSample] = _resolve(samples)
+    mbs = spec.micro_batch_size
+    # padded to max_seq_len like inference, so the two compute the same log-probs bit for bit (ratio 1 at iter 0)
+    batches = [pack_samples(scored[i:i + mbs], tok.pad_id, spec.args.max_seq_len)
+               for i in range(0, len(scored), mbs)]
+    loss_fn, loss_metrics = _grpo_loss_fn(spec)
+    # None only on ranks outside the layout, returned above (shard.state is None)
+    report = cast(IterReport, shard.train_iter(SharedQueue(batches), loss_fn, num_tokens))
+    out = report.metrics()
+    for m in loss_metrics:  # sum-style metrics: this rank's share of the iter's value
+        for k, v in m.items():
+            if k != "grpo/loss":
+                out[k] = out.get(k, 0.0) + v
+    out["actor/microbatches"] = report.num_microbatches
+    out["actor/gc_s"] = GcPauses.install().take()[0]
+    return out
+
+
+@torch.no_grad()
+def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | None:
+    """The actor's own log-probs of each group's responses (collective over the layout; TP rank 0 of DP rank 0
+    returns them), packed exactly as the training loss packs them. Used to check inference against the actor."""
+    shard = actor_of(ctx)
+    if shard.state is None:
+        return None
+    spec, tok = roles_of(ctx).run, roles_of(ctx).tok
+    model = cast(Transformer, shard.model)   # bound whenever the shard holds state (checked above)
+    out = []
+    for g in groups:
+        ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
+                                         spec.args.max_seq_len)
+        out.append([lp.clone() for lp in unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)])
+    return out if shard.coord == (0, 0) else None
+
+
+def actor_program_inputs(ctx) -> dict:
+    """Specs, parameter bytes and bucket size of this worker's actor: what the driver needs to prepare programs."""
+    return actor_of(ctx).program_inputs()
+
+
+def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: bool = False,
+                  prepared=None) -> ReshardReport:
+    """Move the actor from `current` to `layout`: on every worker (collective over the world), or with `local`
+    only on the workers of either layout (every group it needs exists; see tidal/engine/groups.py)."""
+    shard = actor_of(ctx)
+    t0 = time.perf_counter()
+    shard.sync_layout(current)
+    if not local:   # first use of a layout creates its groups (collective over the world)
+        shard.groups.get(layout)
+        shard.groups.union(shard.layout, layout)
+    groups_s = time.perf_counter() - t0
+    report = shard.reshard(layout, local=local, prepared=prepared)
+    return ReshardReport(report.bytes_moved, report.seconds, shard.held_bytes(), report.prepared,
+                         GcPauses.install().take()[0], groups_s, time.perf_counter() - t0,
+                         dict(getattr(report, "phase_seconds", {})))
+
+
+def actor_make_groups(ctx, rank_sets: list) -> float:
+    """Every worker (collective over the world, same order everywhere): make these rank sets' process groups now
+    (engine.groups.growth_rank_sets), so later reshards among them are member-local. Returns seconds."""
+    t0 = time.perf_counter()
+    actor_of(ctx).groups.ensure(rank_sets)
+    return time.perf_counter() - t0
+
+
+def actor_set_layout(ctx, layout: Layout) -> None:
+    """A worker outside a member-local reshard learns the actor's new layout (queued behind its current call)."""
+    actor_of(ctx).sync_layout(layout)
+
+
+def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
+    """DP rank 0 of each TP rank: its TP-local weights (copies), keyed by parameter name; others None."""
+    shard = actor_of(ctx)
+    exported = shard.export_weights()
+    if exported is None or cast(Coord, shard.coord)[1] != 0:   # exported: the shard is in its layout
+        return None
+    return {"__tp__": torch.tensor([exported.tp, exported.t]),
+            **{k: v.detach().to("cpu", torch.float32).clone() for k, v in exported.tensors.items()}}
+
+
+def actor_keep_weights(ctx, version: int) -> bool:
+    """Step end, before the actor leaves this device: keep a copy of its weights for generation `version` when
+    this rank holds all of them (TP 1: every DP rank is a whole replica). The next step's rollout or inference
+    engine on this device loads them in place instead of through the driver (`Pipeline.sync_weights`).
+    Returns whether a copy was kept (any older copy is dropped either way)."""
+    roles = roles_of(ctx)
+    roles.kept = None
+    exported = actor_of(ctx).export_weights()
+    if exported is None or exported.tp != 1:
+        return False
+    roles.kept = KeptCopy(version, {k: v.detach().clone() for k, v in exported.tensors.items()})
+    return True
+
+
+def kept_weights(ctx, version: int) -> dict[str, torch.Tensor]:
+    """The kept copy of `version` as global fp32 CPU tensors (what `Pipeline.global_weights` returns): for an
+    instance started mid-step on a device that kept none."""
+    return {k: v.to("cpu", torch.float32).clone() for k, v in _weights(ctx, KeptWeights(version)).items()}
+
+
+def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
+    """Global weights from a driver-side value (dict or object ref), or `KeptWeights`: this worker's kept copy."""
+    if isinstance(weights, KeptWeights):
+        kept = roles_of(ctx).kept
+        if kept is None or kept.version != weights.version:
+            # the driver's bookkeeping (`Pipeline.kept`) is wrong: a bug, not an input
+            have = "none" if kept is None else f"version {kept.version}"
+            raise RuntimeError(f"device {ctx.device_id} keeps no weights of version {weights.version} "
+                               f"(it has {have})")
+        return kept.weights
+    return _resolve(weights)
+
+
+# ---- rollout ----------------------------------------------------------------------------------------------
+def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Transformer:
+    model = Transformer(spec.args, device=device)
+    model.load_global({k: v for k, v in weights.items() if not k.startswith("__")})
+    model.eval()
+    return model
+
+
+def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) -> str:
+    """Become (or stay) a rollout instance for `step` with weights `version` (`weights` None: keep the engine of
+    that version this worker already has)."""
+    roles = roles_of(ctx)
+    spec = roles.run
+    loaded = None if weights is None else _weights(ctx, weights)
+    old = roles.rollout
+    if old is not None and old.version == version and loaded is None:
+        engine = old.engine
+    else:
+        # `weights` None without an engine of `version` here: the caller's error (fails in _model_with)
+        engine = NativeEngine(_model_with(spec, cast(dict[str, torch.Tensor], loaded), ctx.device),
+                              EngineConfig(max_running_requests=spec.max_running_requests,
+                                           vocab_limit=spec.vocab_limit), policy_version=version)
+    queue = GroupQueue([])
+    out: list = []
+    inst = RolloutInstance(instance_id, engine, queue, out.append, spec.sampling, spec.group_size, spec.seed, step)
+    roles.rollout = RolloutSlot(engine, queue, inst, out, version, step)
+    return instance_id
+
+
+def _to_record(g, verifier: Verifier, tok, step: int) -> RolloutGroup:
+    rewards = tuple(verifier.score(g.label, tok.response_text(s.token_ids)) for s in g.samples)
+    return RolloutGroup(g.group_id, step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
+                        tuple(torch.tensor(s.logprobs, dtype=torch.float32) for s in g.samples), rewards,
+                        g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples))
+
+
+#: `WorkerGroup.interrupt` name that ends a `rollout_run` time slice after the engine pump in progress
+ROLLOUT_INTERRUPT = "rollout_slice"
+
+
+def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tuple[list[RolloutGroup],
+                                                                                     RolloutReport]:
+    """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
+    done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver naming this call's number `seq` or a later one,
+    so one interrupt ends every slice queued before it), and return the finished groups with rewards plus this
+    instance's report."""
+    r, roles = _rollout(ctx), roles_of(ctx)
+    r.queue.extend(groups)
+    inst = r.inst
+    inst.reopen()  # new work may have arrived in the local queue
+    t0 = time.perf_counter()
+    tokens0 = inst.signals().tokens_generated
+    pumps = 0
+    batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
+    while not inst.done() and time.perf_counter() - t0 < budget_s:
+        if ctx.interrupted(ROLLOUT_INTERRUPT, seq):   # the driver is about to move work off or onto this instance
+            break
+        inst.pump()
+        pumps += 1
+        batch += r.engine.num_running()
+        if r.out and time.perf_counter() - t0 > budget_s / 4:
+            break
+    finished, r.out[:] = list(r.out), []
+    verifier, tok = roles.verifier, roles.tok
+    timeouts0 = verifier.num_timeouts
+    records = [_to_record(g, verifier, tok, r.step) for g in finished]
+    s = inst.signals()
+    eng = r.engine  # tokens generated so far by unfinished requests (what the scheduler's length model needs)
+    progress = sum(len(eng._live[rid].tokens) for rid in eng.request_ids()) if hasattr(eng, "_live") else 0
+    return records, RolloutReport(
+        groups_in_progress=s.groups_in_progress, running=s.running_requests, waiting=s.waiting_requests,
+        progress=progress, tokens=s.tokens_generated, token_rate=s.token_rate, emitted=s.groups_emitted,
+        queued=r.queue.remaining(), busy_s=time.perf_counter() - t0, pumps=pumps, mean_batch=batch / max(1, pumps),
+        gc_s=GcPauses.install().take()[0], call_tokens=s.tokens_generated - tokens0,
+        reward_timeouts=verifier.num_timeouts - timeouts0)
+
+
+def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
+    """Phase 1 of moving work away: freeze the last `count` unfinished groups (None: all) and return the package.
+
+    Order (the scheduler's rule): groups not started go first (from the back of the local queue), then the most
+    recently admitted open groups, whose finished samples travel as results and running requests as engine
+    states with their KV cache."""
+    r = _rollout(ctx)
+    inst = r.inst
+    want = float("inf") if count is None else count
+    queued: list[PromptGroup] = []
+    while len(queued) < want and r.queue.remaining():
+        queued.append(r.queue.pop_back())
+    # groups frozen by an export not yet committed or cancelled are not offered again: several exports from one
+    # source may be in flight at once (the actuator's migration waves), each taking the next groups
+    open_ids = [gid for gid in reversed(inst.group_ids()) if gid not in r.exporting]
+    open_ids = open_ids[:max(0, int(min(want, 1 << 30)) - len(queued))]
+    r.exporting.update(open_ids)
+    open_groups = {gid: inst.group_snapshot(gid) for gid in open_ids}
+    ids = [rid for rid in r.engine.request_ids() if int(rid.split("/")[1][1:]) in open_groups]
+    states = r.engine.export_state(ids) if ids else []
+    return MigrationPackage(tuple(queued), open_groups, tuple(states))
+
+
+def rollout_import(ctx, package: MigrationPackage) -> int:
+    """Phase 2 on the target: take the package over (all or nothing); returns requests imported."""
+    package = _resolve(package)
+    r = _rollout(ctx)
+    states: list[RequestState] = list(package.states)
+    if states:
+        r.engine.import_state(states)
+    for group, results in package.open.values():
+        r.inst.adopt_group(group, results)
+    r.queue.extend(package.queued)
+    r.inst.reopen()
+    return len(states)
+
+
+def rollout_commit_export(ctx, receipt: ExportReceipt) -> None:
+    """Phase 2 on the source, after the target imported: forget the moved work."""
+    r = _rollout(ctx)
+    if receipt.request_ids:
+        r.engine.commit_export(list(receipt.request_ids))
+    for gid in receipt.open:
+        r.inst.drop_group(gid)
+        r.exporting.discard(gid)
+
+
+def rollout_cancel_export(ctx, receipt: ExportReceipt) -> None:
+    """The target failed: unfreeze everything here and put the queued groups back."""
+    r = _rollout(ctx)
+    if receipt.request_ids:
+        r.engine.cancel_export(list(receipt.request_ids))
+    r.exporting.difference_update(receipt.open)
+    r.queue.extend(receipt.queued)
+    r.inst.reopen()
+
+
+# One call per device and phase of a migration wave, not one per move: on a machine where a call costs
+# milliseconds a wave of 10 moves from 4 sources to 2 targets makes 10 calls instead of 30.
+def rollout_export_many(ctx, counts: list) -> list[MigrationPackage]:
+    """`rollout_export` for each count, in order (each takes the next groups: the same as separate calls)."""
+    return [rollout_export(ctx, c) for c in counts]
+
+
+def rollout_import_from(ctx, sources: list) -> list[MoveResult]:
+    """`rollout_import` of each package, in order, the packages still in the object store: `sources` is
+    [(ref, k)], package k of the list a source's `rollout_export_many` returns (the ref of that call). The target
+    fetches them itself, so the driver neither waits for the exports nor carries their KV caches. A failed
+    import is reported (its error, and the receipt its source cancels with), not raised, and leaves the others
+    imported (each import is all or nothing); an export that failed fails its moves here (`exported` False, no
+    receipt: nothing to settle)."""
+    import ray
+    t0 = time.perf_counter()
+    got: dict = {}
+    for ref, _ in sources:
+        if ref not in got:
+            try:
+                got[ref] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - the source's export failed: its moves fail, the others go on
+                got[ref] = err
+    fetch_s = time.perf_counter() - t0   # waiting for the exports and fetching them (the driver sees only the sum)
+    out = []
+    for ref, k in sources:
+        if isinstance(got[ref], Exception):
+            out.append(MoveResult(False, exported=False, error=f"export: {type(got[ref]).__name__}: {got[ref]}"))
+            continue
+        pkg: MigrationPackage = got[ref][k]
+        summary, receipt = pkg.summary(), pkg.receipt()
+        try:
+            rollout_import(ctx, pkg)
+            out.append(MoveResult(True, summary, receipt))
+        except Exception as err:  # noqa: BLE001 - reported per move; the driver cancels that move's export
+            out.append(MoveResult(False, receipt=receipt, error=f"{type(err).__name__}: {err}"))
+    import_s = time.perf_counter() - t0 - fetch_s
+    return [r.timed(fetch_s, import_s) for r in out]
+
+
+def rollout_settle_exports(ctx, receipts: list[ExportReceipt], commit: list[bool]) -> None:
+    """Commit (the target imported) or cancel (it failed) each export, in order."""
+    for rec, ok in zip(receipts, commit, strict=True):
+        (rollout_commit_export if ok else rollout_cancel_export)(ctx, rec)
+
+
+def rollout_release(ctx) -> int:
+    """Stop being a rollout instance; free the engine (weights and KV). Returns bytes freed (approx)."""
+    roles = roles_of(ctx)
+    r, roles.rollout = roles.rollout, None
+    if r is None:
+        return 0
+    if r.engine.request_ids():
+        roles.rollout = r   # refused: it stays an instance
+        raise RuntimeError(f"device {ctx.device_id}: rollout released with requests in flight "
+                           f"{r.engine.request_ids()[:4]} (migrate them first)")
+    r.engine.release_memory()
+    return 0
+
+
+# ---- inference --------------------------------------------------------------------------------------------
+def inference_load(ctx, weights: Any, version: int) -> int:
+    roles = roles_of(ctx)
+    roles.inference = InferenceSlot(_model_with(roles.run, _weights(ctx, weights), ctx.device), version)
+    return version
+
+
+@torch.no_grad()
+def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+    """Old-policy log-probs of each arriving group under the current weights.
+
+    Each group is scored as its own [group_size, max_seq_len] batch: the shapes, and so the fp32 round-off, do
+    not depend on which groups happened to arrive together, which keeps a dynamic run bit-identical to a
+    static one."""
+    roles = roles_of(ctx)
+    inf = roles.inference
+    assert inf is not None, "inference_load runs before inference_score"
+    model = inf.model
+    out = []
+    for g in groups:
+        ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), roles.tok.pad_id,
+                                         model.args.max_seq_len)
+        lps = unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)
+        out.append(g.scored(tuple(lp.clone() for lp in lps), inf.version))
+    return out
+
+
+def inference_release(ctx) -> None:
+    roles_of(ctx).inference = None
+
+
+def evaluate(ctx, items: list[EvalItem]) -> float:
+    """Greedy held-out accuracy with this worker's inference weights."""
+    roles = roles_of(ctx)
+    assert roles.inference is not None, "inference_load runs before evaluate"
+    return greedy_accuracy(roles.inference.model, items, roles.tok, roles.verifier,
+                           roles.run.sampling.max_new_tokens, roles.run.max_running_requests)

@@ -1,0 +1,422 @@
+"""The worker runtime: one long-lived Ray actor per device, all in one torch.distributed world.
+
+::
+
+    driver (flow / CLI / test)                     one Ray actor per device id
+    ───────────────────────────                    ─────────────────────────────────────────
+    WorkerGroup.start(devices=[0,1,2,3])  ──────►  DeviceWorker(device 0, rank 0)  ┐ rank 0 hosts a TCPStore
+      ComputeShare.apply(pid, cores) per worker    DeviceWorker(device 1, rank 1)  │ on 127.0.0.1:PORT; all
+      rank 0 reports PORT; all init_world  ──────► DeviceWorker(device 2, rank 2)  │ init_process_group(store)
+                                                   DeviceWorker(device 3, rank 3)  ┘ gloo (CPU) / NCCL (GPU)
+    submit_all("mod:fn", x=1) ─ Ray task per worker ─► fn(ctx, x=1)  (ctx.state persists between calls)
+    gather(handles, timeout)  ◄── results ──────────   (one call at a time per worker, in order)
+       │ every poll_s: ray.wait + is each pending worker's pid alive? (+ Ray's actor-death errors)
+       └─► WorkerDied(device_id) | WorkerCallError(device_id) | WorkerTimeout(device_ids) | results
+
+Guarantees:
+
+* Workers are addressed by **device id**. Rank = position in the `devices` list given to `start`.
+* A worker whose process dies is reported as `WorkerDied(device_id, reason)` by the next `gather`/`call`/
+  `check` within about `poll_s` (local workers: its pid leaves /proc; any worker: Ray's actor-death error),
+  never a hang. After a death the group is broken (survivors may sit in a collective with the dead rank):
+  `shutdown()` and start a new group.
+* Waits log progress every `log_every_s` seconds naming the devices still running.
+* CPU virtual devices can get a fixed compute share (`compute_share`, fraction of this machine's cores per
+  device, like `cluster.cpu_compute_share`): see `tidal.workers.compute_share`.
+
+Example::
+
+    group = WorkerGroup.start(devices=[0, 1, 2, 3], device_kind="cpu")
+    try:
+        sums = group.call_all("tidal.workers.probes:allreduce_sum", value=1.0, timeout=30)  # {0: 4.0, ...}
+    finally:
+        group.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from tidal.core.errors import TidalError
+from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
+from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
+from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
+from tidal.workers.ray_env import RaySession, connect, disconnect
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+log = logging.getLogger("tidal.workers")
+
+DeviceKind = Literal["cpu", "cuda"]
+_DEATH_GRACE_S = 0.3
+CPU_WORKER_NUM_CPUS = 0.01
+
+
+@dataclass(frozen=True)
+class CallHandle:
+    """A call in flight on one device; pass a list of them to `WorkerGroup.gather`."""
+
+    device_id: int
+    fn: str
+    ref: Any  # ray.ObjectRef
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One line of `WorkerGroup.health()`: `state` is alive, dead or unresponsive."""
+
+    device_id: int
+    state: Literal["alive", "dead", "unresponsive"]
+    reason: str
+    report: HealthReport | None
+
+
+class WorkerGroup:
+    """A started set of device workers sharing one world. Make it with `WorkerGroup.start`."""
+
+    def __init__(self, session: RaySession, device_kind: DeviceKind, actors: dict[int, Any],
+                 infos: dict[int, WorkerInfo], local: bool, poll_s: float, log_every_s: float):
+        self._store: TCPStore | None = None  # rendezvous store, when the driver hosts it
+        self._session, self.device_kind = session, device_kind
+        self._actors, self.infos, self._local = actors, infos, local
+        self._poll_s, self._log_every_s = poll_s, log_every_s
+        self._caps: dict[int, ComputeShare] = {}
+        self._dead: dict[int, str] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ start
+    @classmethod
+    def start(cls, devices: Sequence[int], device_kind: DeviceKind = "cpu", compute_share: float | None = None,
+              ray_address: str | None = None, *, cpu_cores: Sequence[int] | None = None,
+              share_period_s: float = DEFAULT_PERIOD_S, world_timeout_s: float = 120.0, start_timeout_s: float = 120.0,
+              poll_s: float = 0.5, log_every_s: float = 10.0) -> WorkerGroup:
+        """Start one worker per device id and join them in one world. Connects to (or starts) Ray.
+
+        CPU virtual devices: `cpu_cores` pins every worker to those cores, and `compute_share` is then a
+        fraction of them (else of the whole machine), enforced per `share_period_s` (the CFS period: a call
+        that needs a little more CPU than one period's quota waits for the next period).
+        """
+        devices = _check_devices(devices)
+        if device_kind not in ("cpu", "cuda"):
+            raise ValueError(f"device_kind={device_kind!r}: use 'cpu' (virtual devices) or 'cuda'")
+        if cpu_cores is not None:
+            cpu_cores = tuple(sorted(set(cpu_cores)))
+            if device_kind != "cpu":
+                raise ValueError(f"cpu_cores={list(cpu_cores)} applies to CPU virtual devices only; "
+                                 "drop it for device_kind='cuda'")
+            have = os.cpu_count() or 1
+            if not cpu_cores or cpu_cores[0] < 0 or cpu_cores[-1] >= have:
+                raise ValueError(f"cpu_cores={list(cpu_cores)}: this machine has cores 0-{have - 1}; "
+                                 "pick cores among them")
+        if compute_share is not None:
+            if device_kind != "cpu":
+                raise ValueError(f"compute_share={compute_share!r} applies to CPU virtual devices only; "
+                                 "drop it for device_kind='cuda'")
+            cores = cores_for_share(compute_share, len(cpu_cores) if cpu_cores else None)
+        session = connect(ray_address)
+        import ray
+
+        # Ray's typed overloads of remote() omit the actor option concurrency_groups (accepted at runtime)
+        actor_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(DeviceWorker)  # type: ignore[call-overload]
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        if session.embedded:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback, like the rest
+        opts: dict[str, Any] = dict(max_restarts=0, max_task_retries=0, runtime_env={"env_vars": env})
+        if device_kind == "cuda":
+            opts.update(num_gpus=1, num_cpus=0.01)
+        else:
+            # A token CPU reservation so many virtual devices (and several groups) fit on a small machine:
+            # Ray's CPU accounting does not model them; the real cap is compute_share.
+            opts.update(num_gpus=0, num_cpus=CPU_WORKER_NUM_CPUS)
+        tag = uuid.uuid4().hex[:6]
+        actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **opts).remote(d, device_kind, r, devices)
+                  for r, d in enumerate(devices)}
+        group = cls(session, device_kind, actors, {}, local=session.embedded, poll_s=poll_s,
+                    log_every_s=log_every_s)
+        try:
+            handles = [CallHandle(d, "start", a.info.remote()) for d, a in actors.items()]
+            try:
+                group.infos = dict(zip(devices, group.gather(handles, timeout=start_timeout_s)))
+            except WorkerTimeout as e:
+                raise WorkerTimeout(e.device_ids, f"start (Ray could not place or start these workers; free "
+                                    f"resources now: {ray.available_resources()})", start_timeout_s) from None
+            if compute_share is not None:
+                if not group._local:
+                    raise ValueError("compute_share needs workers on this machine (embedded Ray); "
+                                     "drop it when joining a cluster with ray_address")
+                group._caps = {d: ComputeShare.apply(i.pid, cores, period_s=share_period_s)
+                               for d, i in group.infos.items()}
+            if cpu_cores is not None:
+                if not group._local:
+                    raise ValueError("cpu_cores needs workers on this machine (embedded Ray); "
+                                     "drop it when joining a cluster with ray_address")
+                for i in group.infos.values():
+                    pin_process(i.pid, cpu_cores)
+            addr, port = group._rendezvous(devices[0])
+            handles = [CallHandle(d, "init_world", a.init_world.remote(addr, port, world_timeout_s))
+                       for d, a in actors.items()]
+            group.gather(handles, timeout=world_timeout_s + 10)
+        except BaseException:
+            group.shutdown()
+            raise
+        log.info("world of %d %s workers up: devices %s (rendezvous %s:%d)", len(devices), device_kind,
+                 list(devices), addr, port)
+        return group
+
+    def _rendezvous(self, rank0_device: int) -> tuple[str, int]:
+        """Open the rendezvous store; returns (host, port).
+
+        Embedded Ray: the driver hosts it on loopback. Its server thread then never shares a (capped,
+        duty-cycled) worker's CPU: with the store inside worker 0, every `new_group` stalled while that worker
+        was throttled (measured: 5-8 s per new layout at 0.25 core per device). A cluster: rank 0 hosts it on
+        its node's address, reachable by every node.
+        """
+
+        import ray
+
+        if self._local:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))  # bound here: torch's own listener would take every interface
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            self._store = dist.TCPStore("127.0.0.1", port, len(self._actors), is_master=True,
+                                        timeout=timedelta(seconds=300), wait_for_workers=False,
+                                        master_listen_fd=sock.detach())
+            return "127.0.0.1", port
+        host = self.infos[rank0_device].node_ip
+        port = ray.get(self._actors[rank0_device].open_store.remote(host), timeout=60)
+        return host, port
+
+    # ------------------------------------------------------------------------------------------ calls
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(self._actors)
+
+    def submit(self, device_id: int, fn: WorkerFn, /, **kwargs: Any) -> CallHandle:
+        """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once. `fn` is a module-level function
+        (or its "package.module:function" path): the worker imports it by name."""
+        self._usable(device_id)
+        path = fn_path(fn)
+        return CallHandle(device_id, path, self._actors[device_id].call.remote(path, kwargs))
+
+    def submit_all(self, fn: WorkerFn, /, *, device_ids: Iterable[int] | None = None,
+                   **kwargs: Any) -> list[CallHandle]:
+        """`submit` on every device (or on `device_ids`), same kwargs; handles in the given order."""
+        ids = self.device_ids if device_ids is None else tuple(device_ids)
+        for d in ids:
+            self._usable(d)
+        return [self.submit(d, fn, **kwargs) for d in ids]
+
+    def gather(self, handles: Sequence[CallHandle], timeout: float | None = None) -> list[Any]:
+        """Results of `handles`, in order. Raises on the first death, failure, or at the deadline."""
+        import ray
+
+        pending = {h.ref: h for h in handles}
+        results: dict[Any, Any] = {}
+        t0 = time.monotonic()
+        next_log = t0 + self._log_every_s
+        while pending:
+            now = time.monotonic()
+            wait_s = self._poll_s if timeout is None else max(0.0, min(self._poll_s, t0 + timeout - now))
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            for ref in ready:
+                results[ref] = self._result(pending.pop(ref))
+            if not pending:
+                break
+            # Any dead rank breaks the world (peers block in collectives with it), pending or not.
+            self._check_processes(self._actors)
+            now = time.monotonic()
+            waiting = sorted({h.device_id for h in pending.values()})
+            fns = sorted({h.fn for h in pending.values()})
+            if timeout is not None and now - t0 >= timeout:
+                raise WorkerTimeout(tuple(waiting), ",".join(fns), timeout)
+            if now >= next_log:
+                log.info("waiting %.0fs for %s on devices %s", now - t0, ",".join(fns), waiting)
+                next_log = now + self._log_every_s
+        return [results[h.ref] for h in handles]
+
+    def call(self, device_id: int, fn: WorkerFn, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
+        """`fn(ctx, **kwargs)` on one device, waited for."""
+        return self.gather([self.submit(device_id, fn, **kwargs)], timeout)[0]
+
+    def call_all(self, fn: WorkerFn, /, *, timeout: float | None = None, device_ids: Iterable[int] | None = None,
+                 **kwargs: Any) -> dict[int, Any]:
+        """`fn(ctx, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
+        handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
+        return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
+
+    def interrupt(self, upto: dict[int, int], name: str) -> None:
+        """End early, on each device of `upto` {device: seq}, every call numbered up to seq that polls `name`
+        (`ctx.interrupted(name, seq)`): the one running and those queued behind it, none submitted later. Returns
+        at once (the control thread answers while the call runs); a call that does not poll it is not affected."""
+        for d, seq in upto.items():
+            self._usable(d)
+            self._actors[d].interrupt.options(concurrency_group=CONTROL_GROUP).remote(name, seq)
+
+    # ---------------------------------------------------------------------------------------- liveness
+    def health(self, timeout: float = 5.0) -> dict[int, WorkerStatus]:
+        """Ask every worker (on its control thread, so a busy one still answers)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = {}
+        out: dict[int, WorkerStatus] = {}
+        for d, a in self._actors.items():
+            if d in self._dead:
+                out[d] = WorkerStatus(d, "dead", self._dead[d], None)
+            else:
+                refs[d] = a.health.options(concurrency_group=CONTROL_GROUP).remote()
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        ready_set = set(ready)
+        for d, ref in refs.items():
+            reason = self._process_gone(d)
+            if reason:
+                out[d] = WorkerStatus(d, "dead", reason, None)
+            elif ref not in ready_set:
+                out[d] = WorkerStatus(d, "unresponsive", f"no health answer within {timeout:.1f}s", None)
+            else:
+                try:
+                    out[d] = WorkerStatus(d, "alive", "", ray.get(ref))
+                except RayActorError as e:
+                    out[d] = WorkerStatus(d, "dead", self._mark_dead(d, _first_line(e)), None)
+        return dict(sorted(out.items()))
+
+    def check(self) -> None:
+        """Raise `WorkerDied` for the first dead worker; cheap (no round trip for local workers)."""
+        for d in self._actors:
+            self._usable(d)
+        if not self._local:
+            for st in self.health().values():
+                if st.state == "dead":
+                    raise WorkerDied(st.device_id, st.reason)
+
+    def pid(self, device_id: int) -> int:
+        return self.infos[device_id].pid
+
+    # ---------------------------------------------------------------------------------------- shutdown
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Kill every worker, lift compute shares, and stop Ray if this group started it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for cap in self._caps.values():
+            cap.release()  # resumes a SIGSTOPped worker so it can die cleanly
+        import ray
+
+        for a in self._actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except ValueError:  # not an actor handle any more (Ray already shut down)
+                pass
+        if self._local:
+            # ray.kill is asynchronous; wait so the next group's workers do not compete with dying ones.
+            deadline = time.monotonic() + wait_s
+            pids = [i.pid for i in self.infos.values()]
+            while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._store = None  # the driver-hosted rendezvous store (embedded Ray) stops with its last reference
+        disconnect(self._session)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------ private
+    def _usable(self, device_id: int) -> None:
+        if device_id not in self._actors:
+            raise KeyError(f"device {device_id} has no worker in this group (devices {list(self._actors)})")
+        if self._closed:
+            raise RuntimeError("the worker group is shut down; start a new one")
+        if device_id in self._dead:
+            raise WorkerDied(device_id, self._dead[device_id])
+        reason = self._process_gone(device_id)
+        if reason:
+            raise WorkerDied(device_id, reason)
+
+    def _result(self, h: CallHandle) -> Any:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(h.ref, timeout=0)
+        except RayActorError as e:
+            raise WorkerDied(h.device_id, self._mark_dead(h.device_id, _first_line(e))) from None
+        except RayTaskError as e:
+            # A collective fails on the survivors when a peer dies; name the dead peer, not the survivor.
+            # The peer's sockets close a moment before its pid turns zombie, hence the short grace.
+            deadline = time.monotonic() + _DEATH_GRACE_S
+            while True:
+                self._check_processes(self._actors)
+                if time.monotonic() >= deadline or not self._local:
+                    break
+                time.sleep(0.05)
+            if isinstance(e.cause, TidalError):   # bad input found on a worker: the user's error, as itself
+                rank = list(self._actors).index(h.device_id)
+                raise e.cause.on_device(h.device_id, rank) from None
+            raise WorkerCallError(h.device_id, h.fn, str(e)) from None
+
+    def _check_processes(self, device_ids: Iterable[int]) -> None:
+        for d in sorted(device_ids):
+            reason = self._process_gone(d)
+            if reason:
+                raise WorkerDied(d, reason)
+
+    def _process_gone(self, device_id: int) -> str | None:
+        """Local workers only: a pid that left /proc is dead now, before Ray has noticed."""
+        if device_id in self._dead:
+            return self._dead[device_id]
+        info = self.infos.get(device_id)
+        if self._local and info is not None and not process_alive(info.pid):
+            return self._mark_dead(device_id, f"worker process {info.pid} exited")
+        return None
+
+    def _mark_dead(self, device_id: int, reason: str) -> str:
+        self._dead.setdefault(device_id, reason)
+        if device_id in self._caps:
+            self._caps.pop(device_id).release()
+        log.error("worker of device %d died: %s", device_id, self._dead[device_id])
+        return self._dead[device_id]
+
+
+def start_from_config(cluster: Any, devices: Sequence[int] | None = None) -> WorkerGroup:
+    """Start the workers a `tidal.core.config.ClusterConfig` describes (all its devices unless `devices`)."""
+    devices = list(range(cluster.num_devices)) if devices is None else list(devices)
+    kind = cluster.device
+    if kind == "auto":
+
+        kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= len(devices) else "cpu"
+    share = cluster.cpu_compute_share if kind == "cpu" else None
+    cores = cluster.cpu_device_core_ids if kind == "cpu" else None
+    return WorkerGroup.start(devices, kind, compute_share=share, ray_address=cluster.ray_address, cpu_cores=cores)
+
+
+def _check_devices(devices: Sequence[int]) -> tuple[int, ...]:
+    devs = tuple(devices)
+    if not devs:
+        raise ValueError("devices is empty: give the device ids to start workers on, e.g. [0, 1, 2, 3]")
+    bad = [d for d in devs if not isinstance(d, int) or isinstance(d, bool) or d < 0]
+    if bad:
+        raise ValueError(f"devices {list(devs)}: {bad} are not device ids (ints >= 0)")
+    if len(set(devs)) != len(devs):
+        raise ValueError(f"devices {list(devs)} repeat an id; each device gets exactly one worker")
+    return devs
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
