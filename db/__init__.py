@@ -15,8 +15,8 @@ Entry points (re-exported here), one idea per module:
 - `__main__`    `python -m db upgrade|downgrade|current|check|revision`; `migrations/` holds the revisions
                 (package data).
 
-Imports: SQLAlchemy and Alembic; from Tidal only itself, `tidal.core.devices` (owner names), `tidal.core.errors` and, for
-the CLI's default URL, `tidal.core.config`. Never the engine, workers, scheduler, flows, tasks, torch, Prefect,
+Imports: SQLAlchemy and Alembic; from Tidal only itself, `tidal.core.devices` (owner names), `tidal.core.errors`
+and, for the CLI's default URL, `tidal.core.config`. Never the engine, workers, scheduler, flows, tasks, torch, Prefect,
 MLflow, Ray or Optuna (tests/test_db.py).
 
 Invariants (tests/test_db.py):

@@ -5,7 +5,7 @@ rows and flushes, so ids are assigned and constraint errors surface at the call,
 the caller owns the transaction (`session_scope`), and may group several records into one.
 
     with session_scope(engine) as s:
-        run = add_run(s, name="gsm8k-grpo", config=cfg.model_dump(mode="json"), output_dir="runs/7")
+        run = add_run(s, name="gsm8k-grpo", config=public_dump(cfg), output_dir="runs/7")
     with session_scope(engine) as s:
         add_step(s, run.id, step=0, step_seconds=4.2, phase_seconds={"generate": 2.5, "train": 1.7}, reward=0.31)
         record_transitions(s, run.id, ledger.history)     # tidal.core.devices.Transition rows, as they are

@@ -157,7 +157,7 @@ def test_no_private_module_or_name_is_imported_from_outside_its_package():
     """`pkg._mod` is imported only inside `pkg`; `_name` of another package's module only inside that package
     (tests may reach a private function, never a private module)."""
     offenders = []
-    files = {m: p for m, p in _modules().items()}
+    files = dict(_modules())
     for folder in ("tests", "benchmarks"):
         files |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).rglob("*.py")}
     for module, path in files.items():

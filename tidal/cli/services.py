@@ -54,6 +54,7 @@ from pathlib import Path
 
 from tidal.core.config import TrackingConfig
 from tidal.core.errors import TidalError
+from tidal.core.secrets import redact
 
 SERVICES = ("prefect", "mlflow", "optuna")
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "optuna": 8080}
@@ -283,7 +284,11 @@ def _init_optuna_storage(url: str) -> None:
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     import optuna  # creates the tables optuna-dashboard expects (it opens storage with skip_table_creation)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    optuna.storages.RDBStorage(url).remove_session()
+    try:
+        optuna.storages.RDBStorage(url).remove_session()
+    except Exception as err:  # noqa: BLE001 - any driver's connection error is the user's URL or server
+        raise TidalError("--optuna-storage", url, f"cannot be opened ({redact(str(err).splitlines()[0])})",
+                         "start that database server or pass a reachable URL") from None
 
 
 def _spawn(spec: ServiceSpec, state: Path) -> PidRecord:
@@ -291,7 +296,7 @@ def _spawn(spec: ServiceSpec, state: Path) -> PidRecord:
     env = {**os.environ, **dict(spec.env)}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     with open(log_path, "ab") as log:
-        log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(spec.argv)}\n".encode())
+        log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {redact(' '.join(spec.argv))}\n".encode())
         log.flush()
         proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True, close_fds=True)
@@ -360,7 +365,7 @@ def up(opts: UpOptions, log: Log = print) -> tuple[list[PidRecord], dict[str, st
             _init_optuna_storage(spec.argv[1])
         if spec.name == "mlflow" and "://" not in spec.argv[-1]:
             Path(spec.argv[-1]).mkdir(parents=True, exist_ok=True)
-        log(f"  starting {spec.name}: {' '.join(spec.argv[1:])}")
+        log(f"  starting {spec.name}: {redact(' '.join(spec.argv[1:]))}")
         spawned.append(_spawn(spec, state))
     failed = wait_healthy(running + spawned, opts.timeout_s, log)
     for rec in spawned:

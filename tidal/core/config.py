@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from tidal.core.errors import ConfigError
 from tidal.core.placement import COMPONENTS, Placement, parse_device_ids, parse_placement
+from tidal.core.secrets import redacted
 
 
 class Section(BaseModel):
@@ -611,8 +612,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TidalCo
     return build_config(read_yaml(path), overrides)
 
 
+def public_dump(cfg: TidalConfig) -> dict:
+    """The config as JSON values with every credential masked: what may be stored, tracked or printed."""
+    out = redacted(cfg.model_dump(mode="json"))
+    assert isinstance(out, dict)
+    return out
+
+
 def flatten(cfg: TidalConfig) -> dict[str, object]:
-    """Dotted-key view of a config (MLflow params, sweep spaces)."""
+    """Dotted-key view of a config (MLflow params, sweep spaces), credentials masked (`tidal.core.secrets`)."""
     out: dict[str, object] = {}
 
     def walk(prefix: str, node: object) -> None:
@@ -622,5 +630,5 @@ def flatten(cfg: TidalConfig) -> dict[str, object]:
         else:
             out[prefix] = node
 
-    walk("", cfg.model_dump(mode="json"))
+    walk("", public_dump(cfg))
     return out

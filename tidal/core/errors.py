@@ -6,6 +6,16 @@ prints tracebacks for bad input. Asserts stay for our own invariants.
 
 from __future__ import annotations
 
+from tidal.core.secrets import redact
+
+SHOWN_VALUE_CHARS = 200   # an error shows at most this much of the value it refuses
+
+
+def shown(value: object) -> str:
+    """`repr(value)` as an error prints it: credentials masked, cut to SHOWN_VALUE_CHARS."""
+    text = redact(repr(value))
+    return text if len(text) <= SHOWN_VALUE_CHARS else f"{text[:SHOWN_VALUE_CHARS]}... ({len(text):,} chars)"
+
 
 class TidalError(Exception):
     """Bad input from the user: a config key, a CLI flag, a file. Exit code 2."""
@@ -14,7 +24,7 @@ class TidalError(Exception):
 
     def __init__(self, field: str, value: object, problem: str, fix: str):
         self.field, self.value, self.problem, self.fix = field, value, problem, fix
-        super().__init__(f"{field}: {problem} (got {value!r}). Fix: {fix}")
+        super().__init__(f"{field}: {problem} (got {shown(value)}). Fix: {fix}")
 
     def __reduce__(self) -> tuple[type[TidalError], tuple[str, object, str, str]]:
         # Exception's default reduce re-calls cls(*self.args) with the one formatted message: an error raised on

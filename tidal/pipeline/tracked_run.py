@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tidal.core.config import TidalConfig, flatten, load_config
+from tidal.core.config import TidalConfig, flatten, load_config, public_dump
 from tidal.tracking import MlflowSink, NullSink
 
 #: environment variable -> config key it sets (before the caller's overrides)
@@ -73,7 +73,7 @@ class RunTracking:
         policy = policy_name(cfg)
         engine = open_database(cfg.tracking.db_url)
         with session_scope(engine) as s:
-            db_id = repo.add_run(s, name=cfg.run.name, config=cfg.model_dump(mode="json"), output_dir=str(out_dir)).id
+            db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir)).id
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
         mlflow_id = sink.start_run(cfg.run.name, flatten(cfg), {"policy": policy, "tidal.db_run_id": str(db_id),
