@@ -19,7 +19,8 @@ MLFLOW = f"http://alice:{SECRET}@127.0.0.1:5000"
 @pytest.mark.parametrize("text, want", [
     (PG, "postgresql+psycopg://tidal:***@127.0.0.1:5432/tidal"),
     (f"mysql://u:{SECRET}@h/db?x=1", "mysql://u:***@h/db?x=1"),
-    (f"--backend-store-uri postgresql://u:{SECRET}@h/db --port 5000", "--backend-store-uri postgresql://u:***@h/db --port 5000"),
+    (f"--backend-store-uri postgresql://u:{SECRET}@h/db --port 5000",
+     "--backend-store-uri postgresql://u:***@h/db --port 5000"),
     (f"https://h/api?token={SECRET}&page=2", "https://h/api?token=***&page=2"),
     (f"PASSWORD={SECRET} other=1", "PASSWORD=*** other=1"),
     ("postgresql://u%40corp:p%40ss@h/db", "postgresql://u%40corp:***@h/db"),
