@@ -10,7 +10,8 @@ Entry points (re-exported here), one idea per module:
                 `session_scope(engine)` (one transaction: commit on exit, rollback on error);
 - `models`      the tables as typed ORM models: `Run`, `Step`, `DeviceTransition`, `ReshardEvent`,
                 `MigrationEvent`, `SchedulerEvent`;
-- `repository`  verbs that take the caller's session: `add_run`, `add_step`, `finish_run`, `record_*`, `list_*`;
+- `repository`  verbs that take the caller's session: `add_run`, `add_step`, `finish_run`, `heartbeat`,
+                `mark_lost`, `record_*`, `list_*`;
 - `checks`      input checks; `InvalidRecord` names the field, the value and the fix;
 - `__main__`    `python -m db upgrade|downgrade|current|check|revision`; `migrations/` holds the revisions
                 (package data).
@@ -32,29 +33,32 @@ from db.checks import InvalidRecord
 from db.migrate import current_revision, downgrade, head_revision, open_database, schema_diff, upgrade
 from db.models import DeviceTransition, MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step
 from db.repository import (
-                                 add_run,
-                                 add_step,
-                                 attach_mlflow_run,
-                                 finish_run,
-                                 get_run,
-                                 list_migrations,
-                                 list_reshards,
-                                 list_runs,
-                                 list_scheduler_events,
-                                 list_steps,
-                                 list_transitions,
-                                 record_migration,
-                                 record_reshard,
-                                 record_scheduler_event,
-                                 record_transition,
-                                 record_transitions,
+    add_run,
+    add_step,
+    attach_mlflow_run,
+    finish_run,
+    get_run,
+    heartbeat,
+    list_migrations,
+    list_reshards,
+    list_runs,
+    list_scheduler_events,
+    list_steps,
+    list_transitions,
+    mark_lost,
+    record_migration,
+    record_reshard,
+    record_scheduler_event,
+    record_transition,
+    record_transitions,
 )
 from db.session import make_engine, session_scope
 
 __all__ = [
     "InvalidRecord", "current_revision", "downgrade", "head_revision", "open_database", "schema_diff", "upgrade",
     "DeviceTransition", "MigrationEvent", "ReshardEvent", "Run", "SchedulerEvent", "Step",
-    "add_run", "add_step", "attach_mlflow_run", "finish_run", "get_run", "list_migrations", "list_reshards",
+    "add_run", "add_step", "attach_mlflow_run", "finish_run", "get_run", "heartbeat", "list_migrations",
+    "list_reshards", "mark_lost",
     "list_runs", "list_scheduler_events", "list_steps", "list_transitions", "record_migration", "record_reshard",
     "record_scheduler_event", "record_transition", "record_transitions", "make_engine", "session_scope",
 ]

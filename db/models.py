@@ -53,7 +53,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-RUN_STATUSES = ("running", "finished", "failed", "aborted")
+RUN_STATUSES = ("running", "finished", "failed", "aborted", "lost")   # lost: its driver died
 OWNERS = tuple(o.value for o in Owner)
 MIGRATION_MODES = ("kv", "reprefill")
 SCHEDULER_KINDS = ("decision", "action")
@@ -102,6 +102,8 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(16), nullable=False)
     started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     ended_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
+    #: when the driver last said it is alive; a running run whose heartbeat is long past is `lost`
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     output_dir: Mapped[str | None] = mapped_column(Text)
 

@@ -51,7 +51,7 @@ from db.models import (
 )
 from tidal.core.devices import Owner, Transition
 
-FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s != "running")
+FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s not in ("running", "lost"))   # what a driver ends a run as
 
 
 def _now() -> dt.datetime:
@@ -107,13 +107,34 @@ def finish_run(session: Session, run_id: int, *, status: str = "finished", ended
     """End a running run as finished, failed or aborted; a run ends once."""
     run = get_run(session, run_id)
     status = check_one_of("run.status", status, FINAL_STATUSES)
-    if run.status != "running":
+    if run.status not in ("running", "lost"):   # a lost run's driver may still come back and end it
         raise InvalidRecord("run.status", status, f"run {run_id} already ended as {run.status!r}",
                             "finish a run once; start a new run to record another attempt")
     run.status = status
     run.ended_at = _now() if ended_at is None else _aware("run.ended_at", ended_at)
     session.flush()
     return run
+
+
+def heartbeat(session: Session, run_id: int, *, at: dt.datetime | None = None) -> None:
+    """The driver of run `run_id` is alive now (or at `at`)."""
+    get_run(session, run_id).heartbeat_at = _now() if at is None else _aware("run.heartbeat_at", at)
+    session.flush()
+
+
+def mark_lost(session: Session, *, stale_after_s: float, now: dt.datetime | None = None) -> list[Run]:
+    """Mark `lost` every running run whose driver has not said it is alive for `stale_after_s` (its last
+    heartbeat, else its start); returns them. Their ended_at is the last sign of life."""
+    now = _now() if now is None else _aware("now", now)
+    cutoff = now - dt.timedelta(seconds=stale_after_s)
+    lost = []
+    for run in session.scalars(select(Run).where(Run.status == "running")):
+        seen = run.heartbeat_at or run.started_at
+        if seen < cutoff:
+            run.status, run.ended_at = "lost", seen
+            lost.append(run)
+    session.flush()
+    return lost
 
 
 def list_runs(session: Session, *, status: str | None = None) -> list[Run]:

@@ -74,15 +74,17 @@ def _live(key: str) -> _Live:
 @task(name="open-run", cache_policy=NO_CACHE)
 def open_run(request: TrainingRequest) -> OpenedRun:
     """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
+    from tidal.pipeline.preflight import preflight
     from tidal.pipeline.run import TrainingRun
     cfg = load_run_config(request.config, request.overrides)
+    checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
     out = run_dir(cfg)
     tracking = RunTracking.open(cfg, out) if request.track else RunTracking.null(cfg)
     run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
                       log_fn=lambda p: log.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,
                                                 p.heldout_accuracy))
     try:
-        run.open()
+        run.open(checked=checked)
     except BaseException:
         tracking.close("FAILED")
         raise

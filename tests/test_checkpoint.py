@@ -9,7 +9,9 @@ compare inside the ranks and return small values. The pure tests read the files 
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -145,6 +147,17 @@ def faults_body(rank, world, root, bad_root):
         gen = latest(root)
         left = sorted(p.name for p in Path(root).iterdir())
         out["crash"].append((phase, victim, res, gen.name if gen else None, left))
+
+    def full_disk(p):   # rank 1's write fails as a full disk fails it, half the file written
+        if p == "shard" and rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    try:
+        save_actor(s, root, CheckpointMeta(K + 1, 48, K + 1), fault=full_disk)
+        out["full disk"] = None
+    except CheckpointError as e:
+        out["full disk"] = (type(e).__name__, str(e))
+    dist.barrier()
+    out["full disk left"] = sorted(p.name for p in Path(root).iterdir())
     probe = ActorShard(ARGS, HP, a, rank, seed=SEED, groups=groups)
     load_actor(probe, latest(root), a)
     out["after crash"] = diff(saved, probe.local_tensors())
@@ -241,13 +254,22 @@ def test_disjoint_devices(world4):
     assert worst < 2e-5, (key, worst)
 
 
+def test_a_full_disk_names_the_rank_and_leaves_no_partial_generation(faults4):
+    res, _ = faults4
+    kind, msg = res[1]["full disk"]
+    assert kind == "CheckpointError" and "rank 1" in msg and "No space left on device" in msg
+    kind, msg = res[0]["full disk"]
+    assert kind == "PeerCheckpointError" and "rank(s) [1] failed" in msg
+    assert not [n for n in res[0]["full disk left"] if n.startswith("tmp-")]   # no partial generation left
+
+
 def test_crash_mid_write_keeps_previous_generation(faults4):
     res, _ = faults4
     for phase, victim, outcome, gen, left in res[0]["crash"]:
         assert outcome != "saved", phase
         assert gen == f"gen-{K}", (phase, victim, gen, left)
     assert [c[2] for c in res[1]["crash"]][:2] == ["FaultInjected", "FaultInjected"]  # rank 1: its own crash
-    assert res[0]["crash"][1][2] == "CheckpointError"   # rank 0 in the rank-1 crash: "another rank failed"
+    assert res[0]["crash"][1][2] == "PeerCheckpointError"   # rank 0 in the rank-1 crash: "rank(s) [1] failed"
     assert not any(r["after crash"] for r in res)
     assert res[0]["gens"] == [(K + 2, True), (K + 1, True)]        # keep_last=2, gen-K pruned
     assert res[0]["left"] == [f"gen-{K + 1}", f"gen-{K + 2}"]       # stale tmp and marker-less gen removed

@@ -175,7 +175,7 @@ def _console_scripts_of_dependencies(pyproject: dict) -> dict[str, str]:
 
 
 def _cli_subcommands() -> set[str]:
-    tree = ast.parse((REPO / "tidal" / "cli.py").read_text())
+    tree = ast.parse((REPO / "tidal" / "cli" / "main.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("_optional", "register") \

@@ -49,6 +49,7 @@ from rich.table import Table
 
 from scheduler.simulator import simulate
 from scheduler.workload import rlinf_example
+from tidal.core.bounded_yaml import load_yaml, read_text
 from tidal.core.config import TidalConfig, build_config, flatten
 from tidal.core.errors import TidalError
 from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, run_dir
@@ -179,12 +180,12 @@ def _resolve(path: str | None, space_path: Path) -> str | None:
 
 
 def load_space(path: str | Path) -> SweepSpace:
-    """Read and check a sweep space file (`yaml.safe_load`); errors name the key and the fix."""
+    """Read and check a sweep space file (`bounded_yaml.load_yaml`); errors name the key and the fix."""
     p = Path(path)
     if not p.is_file():
         raise TidalError("SPACE", str(path), "file not found", "pass a sweep space like experiments/sweep_policy.yaml")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(read_text(p, "SPACE"), "SPACE")
     except yaml.YAMLError:
         raise TidalError("SPACE", str(path), "is not valid YAML", "fix the file's syntax") from None
     sp = str(path)
@@ -278,14 +279,16 @@ def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], 
                parent_run_id: str, tags: dict[str, str]) -> tuple[dict[str, float], str | None, int | None]:
     """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
     Returns (objective values, MLflow run id, database run id)."""
+    from tidal.pipeline.preflight import preflight
     from tidal.pipeline.run import run_training
     config = cast(str, space.config)  # check_space requires one of real runs
     cfg = load_run_config(config, [*space.overrides, *overrides, *as_overrides(params), f"run.name={name}"])
+    checked = preflight(cfg, tracked=True)   # before the trial's folder and records exist
     out = run_dir(cfg)
     tracking = RunTracking.open(cfg, out, sink=sink, parent_run_id=parent_run_id, tags=tags)
     status = "FAILED"
     try:
-        s = run_training(cfg, out, tracking.sink, tracking.recorder)
+        s = run_training(cfg, out, tracking.sink, tracking.recorder, checked=checked)
         status = "FINISHED"
     finally:
         tracking.close(status, [out / n for n in ("timeline.png", "summary.json", "events.json")])

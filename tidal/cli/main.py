@@ -10,7 +10,9 @@ import argparse
 import difflib
 import importlib
 import importlib.util
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -19,9 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tidal.convert.rlinf import Conversion, to_yaml
-from tidal.core.config import build_config, load_config
+from tidal.core.config import build_config
 from tidal.core.errors import TidalError
 from tidal.core.placement import COMPONENTS, Mode, format_ids
+from tidal.pipeline.tracked_run import load_run_config
 
 if TYPE_CHECKING:
     from tidal.engine.hf_checkpoint import HFModel
@@ -78,8 +81,10 @@ def validate_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="tidal validate", description="Check a config; print its placement.")
     ap.add_argument("config", help="YAML config file")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    ap.add_argument("--no-track", action="store_true", help="as `tidal train --no-track`: no database URL check")
+    ap.add_argument("--resume", metavar="DIR", help="as `tidal train --resume DIR`: check that checkpoint too")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     p = cfg.placement
     console = Console()
     console.print(f"[bold]{args.config}[/]: {p.mode.value} placement on {p.num_devices} devices "
@@ -108,13 +113,19 @@ def validate_main(argv: list[str]) -> int:
                       f"{lo}..{hi} (any size; tp={tp}); RLinf's rule would allow only {rlinf}")
         console.print(f"flags: use_pre_process_policy={cfg.cluster.use_pre_process_policy}, "
                       f"use_wait_before_last_iter_policy={cfg.cluster.use_wait_before_last_iter_policy}")
-    if cfg.model.path:   # the checkpoint, its tokenizer and the prompt files, read as `tidal train` reads them
-        from tidal.pipeline.inputs import read_inputs
-        inputs = read_inputs(cfg)
+    # every check `tidal train` makes before a worker starts: the model, tokenizer, prompts and verifier as it
+    # reads them, the device kind, the cores, the database URL, a resume checkpoint
+    from tidal.pipeline.preflight import preflight
+    inputs, kind = preflight(cfg, tracked=not args.no_track, resume_from=args.resume)
+    if cfg.model.path:
         hf = cast("HFModel", inputs.hf)  # read from model.path
         console.print(f"model: {hf.architecture} from {cfg.model.path}, {inputs.args.num_params():,} "
                       f"parameters; tokenizer {inputs.tok.vocab_size} tokens; reward {inputs.reward}; "
                       f"prompts {inputs.source.summary()}")
+    else:
+        console.print(f"model: Tidal's own, {inputs.args.num_params():,} parameters; task {cfg.data.task}; "
+                      f"reward {inputs.reward}")
+    console.print(f"devices: {kind} ({'GPUs' if kind == 'cuda' else 'CPU virtual devices'})")
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
     return 0
@@ -166,8 +177,9 @@ def convert_main(argv: list[str]) -> int:
         width = min(max(len(d.key) for d in conv.dropped), 48)
         for d in conv.dropped:
             print(f"  {d.key:<{width}}  {d.reason}", file=log)
-    try:
-        build_config(conv.config)
+    from tidal.pipeline.preflight import check_runnable
+    try:   # the config-level checks of `tidal validate` (its files are read where the run will happen)
+        check_runnable(build_config(conv.config))
         verdict = "it validates"
     except TidalError as bad:
         verdict = f"warning: it does not validate yet: {bad}"
@@ -176,8 +188,27 @@ def convert_main(argv: list[str]) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where SIGINT raises KeyboardInterrupt: a run shuts down the same way (its records say
+    `aborted`, its workers stop) and the command exits 143 (128 + SIGTERM)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print_usage("usage: tidal COMMAND [ARGS...]\n\nTidal: RL post-training with dynamic scheduling.", "commands",
                     COMMANDS, "`tidal COMMAND --help` for a command's options.", width=14)
@@ -193,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     except TidalError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from rich.table import Table
 from tasks.requests import TrainingRequest
 from tidal.core.errors import ConfigError
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+from tidal.workers.errors import WorkerError
 
 
 def _spark(values: list[float]) -> str:
@@ -34,6 +36,12 @@ def _source(cfg) -> str:
     model = f"model {cfg.model.path}" if cfg.model.path else "Tidal's own model"
     data = f"prompts {', '.join(cfg.data.train_files)}" if cfg.data.train_files else f"task {cfg.data.task}"
     return f"{model}, {data}"
+
+
+def _write_json(path: str | None, obj: object) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1, default=str))
 
 
 def main(argv: list[str]) -> int:
@@ -55,14 +63,23 @@ def main(argv: list[str]) -> int:
         from flows.rl_training import rl_training
         flow_summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
                                                    track=not args.no_track))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(flow_summary, indent=1, default=str))
+        _write_json(args.json, flow_summary)
         return 0
     for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
         os.environ.setdefault(k, v)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
+    if args.resume:
+        from tidal.pipeline.checkpointing import saved_step
+        gen, step = saved_step(args.resume)
+        if step >= cfg.run.num_steps:   # a finished run: nothing to do, and that is success
+            console.print(f"[bold]tidal train[/]: the checkpoint {gen} is at step {step} of run.num_steps="
+                          f"{cfg.run.num_steps}: the run is finished (raise run.num_steps to train on)")
+            _write_json(args.json, {"status": "finished", "checkpoint": str(gen), "step": step,
+                                    "num_steps": cfg.run.num_steps})
+            return 0
+    from tidal.pipeline.preflight import preflight
+    checked = preflight(cfg, tracked=not args.no_track, resume_from=args.resume)   # before any folder or record
     out_dir = run_dir(cfg)
     policy = policy_name(cfg)
     console.print(f"[bold]tidal train[/] {args.config}: {cfg.placement.mode.value} placement on "
@@ -89,9 +106,17 @@ def main(argv: list[str]) -> int:
     status = "FAILED"
     try:
         summary = run_training(cfg, out_dir, tracking.sink, tracking.recorder, on_step, resume_from=args.resume,
+                               checked=checked,
                                log_fn=lambda p: console.print(f"  warm start iter {p.iter}: loss {p.loss:.3f} "
                                                               f"held-out {p.heldout_accuracy:.3f}"))
         status = "FINISHED"
+    except WorkerError as err:   # the machine failed the run, not its config: say how to continue it
+        from tidal.engine.checkpoint import latest
+        ckpt = out_dir / "checkpoints"
+        hint = (f"continue it with `tidal train {args.config} --resume {ckpt}`" if latest(ckpt)
+                else "no checkpoint was saved yet (run.checkpoint_every sets how often)")
+        print(f"error: {err}; {hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -112,13 +137,11 @@ def main(argv: list[str]) -> int:
                                                       for k, v in summary.data.items() if isinstance(v, dict)))
     t.add_row("timeline", str(out_dir / "timeline.png"))
     console.print(t)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+    _write_json(args.json, {
             "steps": summary.steps, "wall_s": summary.wall_s, "eval_accuracy_start": summary.eval_accuracy_start,
             "eval_accuracy_end": summary.eval_accuracy_end, "reward_per_step": summary.reward_per_step,
             "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
             "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
             "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
-            "data": summary.data}, indent=1))
+            "data": summary.data})
     return 0

@@ -15,11 +15,12 @@ from __future__ import annotations
 import difflib
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tidal.core.bounded_yaml import MAX_VALUE_BYTES, load_yaml, read_text
 from tidal.core.errors import ConfigError
 from tidal.core.placement import COMPONENTS, Placement, parse_device_ids, parse_placement
 from tidal.core.secrets import redacted
@@ -32,14 +33,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
+MAX_CLUSTER_NODES = 1024         # bounds checked before anything is allocated or walked
+MAX_DEVICES_PER_NODE = 1024
+MAX_SEED = 2**63 - 1
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"   # a plain folder name: no separator, no `..`
+
+
 class ClusterConfig(Section):
     num_nodes: int = Field(
-        1, ge=1,
+        1, ge=1, le=MAX_CLUSTER_NODES,
         description="Nodes in the cluster (RLinf key); device ids run from 0 to num_nodes x num_devices_per_node - 1.")
     num_devices_per_node: int = Field(
-        8, ge=1, description="Devices per node: GPUs, or CPU virtual devices (one worker process each).")
+        8, ge=1, le=MAX_DEVICES_PER_NODE,
+        description="Devices per node: GPUs, or CPU virtual devices (one worker process each).")
     num_gpus_per_node: int | None = Field(
-        None, ge=1,
+        None, ge=1, le=MAX_DEVICES_PER_NODE,
         description="RLinf's name for num_devices_per_node, accepted as RLinf configs spell it; set one of the two "
                     "(two different values are an error). null: not given.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -112,19 +120,20 @@ class ModelConfig(Section):
                     "must stay unset (RLinf: rollout.model.model_path). null: Tidal's own model, built from those "
                     "keys and warm-started (warm_start).")
     vocab_size: int | None = Field(
-        None, ge=2, description="Embedding rows of Tidal's own model; null: the task tokenizer's size.")
+        None, ge=2, le=1 << 22, description="Embedding rows of Tidal's own model; null: the task tokenizer's size.")
     hidden_size: int = Field(
-        128, ge=8,
+        128, ge=8, le=1 << 16,
         description="Width of Tidal's own model; a multiple of num_heads with an even head dim (hidden_size / "
                     "num_heads).")
-    num_layers: int = Field(4, ge=1, description="Decoder layers of Tidal's own model.")
+    num_layers: int = Field(4, ge=1, le=1024, description="Decoder layers of Tidal's own model.")
     num_heads: int = Field(
-        4, ge=1, description="Attention query heads of Tidal's own model; a multiple of num_kv_heads.")
+        4, ge=1, le=1024, description="Attention query heads of Tidal's own model; a multiple of num_kv_heads.")
     num_kv_heads: int = Field(
-        2, ge=1, description="Key/value heads of Tidal's own model (grouped-query attention); divides num_heads.")
-    intermediate_size: int = Field(384, ge=8, description="SwiGLU hidden width of Tidal's own model.")
+        2, ge=1, le=1024,
+        description="Key/value heads of Tidal's own model (grouped-query attention); divides num_heads.")
+    intermediate_size: int = Field(384, ge=8, le=1 << 20, description="SwiGLU hidden width of Tidal's own model.")
     max_seq_len: int = Field(
-        64, ge=4,
+        64, ge=4, le=1 << 20,
         description="Longest prompt + response, in tokens; must exceed the response cap. With model.path and "
                     "data.train_files and this key unset: data.max_prompt_length + the response cap (RLinf: "
                     "runner.seq_length).")
@@ -151,7 +160,7 @@ ARCH_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_hea
 
 class ActorConfig(Section):
     tensor_parallel_size: int = Field(
-        1, ge=1,
+        1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Actor TP size; divides num_heads, num_kv_heads and the actor's device count, the rest being data "
                     "parallel (RLinf: actor.model.tensor_model_parallel_size).")
     lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (RLinf: actor.optim.lr).")
@@ -160,16 +169,23 @@ class ActorConfig(Section):
         description="Floor of the cosine LR decay as a fraction of lr, reached at the run's last iter (run.num_steps "
                     "x algorithm.n_minibatches).")
     warmup_iters: int = Field(
-        2, ge=0, description="Linear LR warmup, in optimizer steps (iters) (RLinf: actor.lr_sched.lr_warmup_iters).")
-    betas: tuple[float, float] = Field(
+        2, ge=0, le=1 << 24,
+        description="Linear LR warmup, in optimizer steps (iters) (RLinf: actor.lr_sched.lr_warmup_iters).")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.999), description="AdamW (beta1, beta2) (RLinf: actor.optim.adam_beta1, adam_beta2).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon (RLinf: actor.optim.adam_eps).")
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW decoupled weight decay (RLinf: actor.optim.weight_decay).")
     grad_clip: float = Field(
         1.0, gt=0, description="Clip of the global gradient L2 norm (RLinf: actor.optim.clip_grad).")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="An iter whose global gradient norm or loss is NaN or infinite is never applied: `stop` ends the "
+                    "run with the iter, the rank and the last good checkpoint named; `skip` drops that update (the "
+                    "weights, Adam moments and LR schedule stay as they were; `actor/nonfinite_skipped` counts it) and "
+                    "trains on.")
     micro_batch_size: int = Field(
-        8, ge=1,
+        8, ge=1, le=1 << 16,
         description="Sequences per micro-batch; the actor's DP ranks pull micro-batches from the iter's shared queue "
                     "(RLinf key, or algorithm.training_batch_size_per_gpu).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -186,12 +202,14 @@ class RolloutConfig(Section):
                     "`tidal train`'s rollout runs the native engine either way; `vllm` makes the scheduler plan "
                     "migrations as re-prefills instead of KV-cache moves.")
     tensor_parallel_size: int = Field(
-        1, ge=1,
+        1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Devices per rollout instance (RLinf key); divides num_heads, num_kv_heads and the rollout device "
                     "count. `tidal train` runs 1 only.")
-    max_running_requests: int = Field(64, ge=1, description="Concurrent sequences per rollout instance (RLinf key).")
+    max_running_requests: int = Field(
+        64, ge=1, le=1 << 16,
+        description="Concurrent sequences per rollout instance (RLinf key).")
     max_new_tokens: int = Field(
-        16, ge=1,
+        16, ge=1, le=1 << 20,
         description="Response length cap in tokens, below model.max_seq_len (RLinf: "
                     "algorithm.sampling_params.max_new_tokens); data.max_response_length is verl's name for it (set "
                     "one).")
@@ -199,7 +217,9 @@ class RolloutConfig(Section):
         1.0, ge=0, description="Sampling temperature; 0 is greedy (RLinf: algorithm.sampling_params.temperature).")
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it (RLinf: algorithm.sampling_params.top_p).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it (RLinf: algorithm.sampling_params.top_k).")
+    top_k: int = Field(
+        0, ge=0, le=1 << 22,
+        description="Top-k sampling; 0 disables it (RLinf: algorithm.sampling_params.top_k).")
     slices_ahead: int = Field(
         2, ge=1, le=4,
         description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 the next slice "
@@ -209,12 +229,12 @@ class RolloutConfig(Section):
 
 class InferenceConfig(Section):
     tensor_parallel_size: int = Field(
-        1, ge=1,
+        1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Devices per inference (log-prob scoring) instance; divides num_heads, num_kv_heads and the "
                     "inference device count (RLinf: inference.model.tensor_model_parallel_size). `tidal train` runs 1 "
                     "only.")
     micro_batch_size: int = Field(
-        32, ge=1,
+        32, ge=1, le=1 << 16,
         description="Sequences per log-prob forward (RLinf: algorithm.logprob_forward_micro_batch_size). `tidal "
                     "train` does not read it: it scores each group as one batch of group_size sequences, so the "
                     "result does not depend on which groups arrive together.")
@@ -222,9 +242,9 @@ class InferenceConfig(Section):
 
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm: `grpo`, the only one (RLinf: algorithm.adv_type).")
-    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (GRPO group; RLinf key).")
+    group_size: int = Field(8, ge=1, le=1 << 12, description="Responses sampled per prompt (GRPO group; RLinf key).")
     n_minibatches: int = Field(
-        2, ge=1,
+        2, ge=1, le=1 << 12,
         description="Actor optimizer steps (iters) per RL step (RLinf key); divides rollout_batch_size x group_size, "
                     "so every iter has the same global batch.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range (RLinf: algorithm.ratio_clip_eps).")
@@ -259,11 +279,12 @@ class DataConfig(Section):
         description="Column of the ground truth, e.g. `answer` (GSM8K) or `reward_model.ground_truth` (verl); a "
                     "dotted path like prompt_key (RLinf key).")
     max_prompt_length: int = Field(
-        512, ge=1,
+        512, ge=1, le=1 << 20,
         description="Longest prompt of the data files (train and val) in tokens, after the chat template; longer ones "
                     "are filtered (counted in the summary) or an error (data.truncation). RLinf key.")
     max_response_length: int | None = Field(
-        None, ge=1, description="Response length cap in tokens (verl's name for rollout.max_new_tokens; set one).")
+        None, ge=1, le=1 << 20,
+        description="Response length cap in tokens (verl's name for rollout.max_new_tokens; set one).")
     truncation: Literal["filter", "error"] = Field(
         "filter",
         description="Prompts over max_prompt_length: `filter` drops and counts them, `error` stops the run (RLinf: "
@@ -279,11 +300,11 @@ class DataConfig(Section):
         default_factory=dict,
         description="Extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3 (RLinf: "
                     "data.apply_chat_template_kwargs).")
-    rollout_batch_size: int = Field(16, ge=1, description="Prompts (GRPO groups) per RL step (RLinf key).")
+    rollout_batch_size: int = Field(16, ge=1, le=1 << 20, description="Prompts (GRPO groups) per RL step (RLinf key).")
     eval_size: int = Field(
-        256, ge=1, description="Held-out prompts per evaluation (also the warm start's held-out set).")
+        256, ge=1, le=1 << 20, description="Held-out prompts per evaluation (also the warm start's held-out set).")
     seed: int = Field(
-        0,
+        0, ge=0, le=MAX_SEED,
         description="Seed of the built-in task's train/held-out split, of the files' shuffle and of the warm start's "
                     "examples (RLinf key).")
 
@@ -305,15 +326,23 @@ class RewardConfig(Section):
 
 class WarmStartConfig(Section):
     num_examples: int = Field(
-        2000, ge=1,
+        2000, ge=1, le=1 << 24,
         description="Labelled examples of the supervised warm start (small on purpose). The warm start trains Tidal's "
                     "own model (model.path unset) on data.task before RL and is cached by its settings under "
                     "run.output_dir/.warmstart/; `tidal warm-start` reads the same keys.")
-    iters: int = Field(2400, ge=0, description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
+    iters: int = Field(
+        2400, ge=0, le=1 << 24,
+        description="Warm-start optimizer steps; 0 skips it (RL from the random init).")
     lr: float = Field(1e-3, gt=0, description="Warm-start AdamW learning rate.")
-    batch_size: int = Field(64, ge=1, description="Warm-start sequences per step.")
+    batch_size: int = Field(64, ge=1, le=1 << 16, description="Warm-start sequences per step.")
     label_noise: float = Field(
         0.3, ge=0, lt=1, description="Fraction of labelled examples with one wrong answer digit.")
+    eval_every: int | None = Field(
+        None, ge=1, le=1 << 24, description="Warm-start steps between held-out evaluations. null: iters / 8.")
+    stop_at_accuracy: float | None = Field(
+        None, gt=0, le=1,
+        description="End the warm start at the first evaluation whose held-out accuracy reaches this: a model that "
+                    "solves the task this well on any machine. null: run all iters.")
     checkpoint: str | None = Field(
         None,
         description="Start Tidal's own model from this safetensors file (its tensors must fit the model keys) instead "
@@ -354,21 +383,22 @@ class SchedulerConfig(Section):
 
 class RunConfig(Section):
     name: str = Field(
-        "run",
+        "run", pattern=RUN_NAME_PATTERN, max_length=100,
         description="Run name: the MLflow run's name and the output folder `<output_dir>/<name>-<time>` (RLinf: "
-                    "runner.experiment_name).")
-    num_steps: int = Field(10, ge=1, description="RL steps (RLinf: runner.max_steps).")
-    seed: int = Field(0, description="Seed of the model init and of sampling (RLinf: actor.seed).")
+                    "runner.experiment_name): letters, digits, `.`, `_`, `-`, starting with a letter or digit, so the "
+                    "folder stays inside run.output_dir.")
+    num_steps: int = Field(10, ge=1, le=1 << 24, description="RL steps (RLinf: runner.max_steps).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the model init and of sampling (RLinf: actor.seed).")
     output_dir: str = Field(
         "runs",
         description="Parent of the run's output folder and of the warm-start cache .warmstart/ (RLinf: "
                     "runner.output_dir).")
     eval_every: int = Field(
-        1, ge=1,
+        1, ge=1, le=1 << 24,
         description="Evaluate held-out accuracy every N steps and after the last one, besides once before the first "
                     "(RLinf: runner.val_check_interval).")
     checkpoint_every: int = Field(
-        0, ge=0,
+        0, ge=0, le=1 << 24,
         description="Checkpoint (`<run folder>/checkpoints/gen-N`) every N steps; the end of the run always gets one; "
                     "0: only at the end (RLinf: runner.save_interval).")
     save_hf: bool = Field(
@@ -548,7 +578,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key.strip():
             raise ConfigError("override", ov, "is not key.path=value", "e.g. actor.lr=3e-4")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_yaml(raw, key.strip(), MAX_VALUE_BYTES) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
         node = data
@@ -592,13 +622,14 @@ def build_config(data: object, overrides: list[str] | None = None) -> TidalConfi
 
 def read_yaml(path: str | Path, field: str = "config",
               example: str = "pass a path like experiments/addition_dynamic.yaml") -> object:
-    """The document of a YAML file (`yaml.safe_load`); a missing, unparsable or non-UTF-8 file is a ConfigError
-    naming `field` and, for syntax, the line and column."""
+    """The document of a YAML file (`bounded_yaml.load_yaml`: SafeLoader, size, values and depth bounded); a
+    missing, unparsable, oversized or non-UTF-8 file is a ConfigError naming `field` and, for syntax, the line and
+    column."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(field, str(path), "file not found", example)
     try:
-        return yaml.safe_load(p.read_text(encoding="utf-8"))
+        return load_yaml(read_text(p, field), field)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"

@@ -41,5 +41,14 @@ class ConfigError(TidalError):
     """A config file or override that cannot describe a valid run."""
 
 
+class PeerFailed(TidalError):
+    """Raised by a rank only because another rank of the same collective failed: whoever collects the ranks'
+    results reports that other rank's error, the cause, instead."""
+
+
+class TrainingError(TidalError):
+    """A run that cannot go on as configured (a non-finite gradient norm with actor.on_nonfinite: stop)."""
+
+
 class LayoutError(TidalError):
     """An actor layout that cannot exist (TP that does not divide heads, more ranks than devices...)."""

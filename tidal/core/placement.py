@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from tidal.core.errors import ConfigError
 
+MAX_DEVICES = 1 << 16   # the most device ids a placement may name: checked before a range is expanded
+
 COMPONENTS = ("actor", "rollout", "inference")
 #: components RLinf knows that Tidal's pipeline has no role for in auto mode (refused there, with a reason).
 AUTO_REFUSED = ("critic", "reward")
@@ -62,6 +64,9 @@ def parse_device_ids(spec: object, field: str) -> tuple[int, ...]:
             raise ConfigError(field, spec, "device ids must be non-negative", 'e.g. "0-3"')
         if hi < lo:
             raise ConfigError(field, spec, f"range {part!r} runs backwards", f'write "{hi}-{lo}"')
+        if hi >= MAX_DEVICES:
+            raise ConfigError(field, spec, f"device id {hi} is past the largest cluster ({MAX_DEVICES:,} devices)",
+                              "use ids of this cluster's devices, 0 to num_nodes x num_devices_per_node - 1")
         ids.extend(range(lo, hi + 1))
     if len(set(ids)) != len(ids):
         raise ConfigError(field, spec, "lists a device twice", "list each device id once")

@@ -29,6 +29,7 @@ only rebinds a model built on the meta device to new storage.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.core.errors import LayoutError
+from tidal.core.errors import LayoutError, TrainingError
 from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, Transformer, check_tp, init_global_weights, param_specs, rope_tables
@@ -109,10 +110,11 @@ class IterReport:
     # where the seconds went on this rank: forward/backward of its micro-batches, the gradient sum over DP
     # (waits for the slowest rank included), clip + AdamW on its shard, and the all-gather of the new weights
     phases: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False      # the gradient norm or loss was not finite and actor.on_nonfinite is skip
 
     def metrics(self) -> dict[str, float]:
         out = {"actor/loss": self.loss, "actor/grad_norm": self.grad_norm, "actor/lr": self.lr,
-               "actor/iter_s": self.seconds}
+               "actor/iter_s": self.seconds, "actor/nonfinite_skipped": float(self.skipped)}
         out.update({f"actor/iter_{k}_s": v for k, v in self.phases.items()})
         return out
 
@@ -322,11 +324,25 @@ class ActorShard:
             owned = self._pack(full.float(), st.shape)
         t_sync = time.perf_counter()
         sumsq = self._sumsq(owned)
-        coef = clip_coefficient(sumsq, self.hp)
+        loss_t = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, dtype=torch.float64)
+        loss_t = loss_t.to(self.device)
+        if g.dp is not None:
+            dist.all_reduce(loss_t, group=g.dp)
+        loss_sum = float(loss_t.item())
+        # sumsq is global and the loss summed over DP (TP ranks compute the same one): every rank of the layout
+        # takes the same branch, so none waits in a collective the others left
+        finite = math.isfinite(sumsq) and math.isfinite(loss_sum)
+        if not finite and self.hp.on_nonfinite == "stop":
+            raise TrainingError("actor.on_nonfinite", "stop", f"optimizer step {st.step} has gradient norm "
+                                f"{sumsq ** 0.5} and loss {loss_sum}: it was not applied (weights and Adam moments are "
+                                "as before it)", "resume from the last good checkpoint with a lower actor.lr or "
+                                "actor.grad_clip, or set actor.on_nonfinite: skip to drop such updates")
+        lr = lr_at(self.hp, st.step)
+        coef = clip_coefficient(sumsq, self.hp) if finite else None
         if coef is not None:
             owned.mul_(coef)
-        lr = lr_at(self.hp, st.step)
-        adamw_update(st, owned, lr, self.hp)
+        if finite:
+            adamw_update(st, owned, lr, self.hp)
         t_update = time.perf_counter()
         self._publish(g)
         t_publish = time.perf_counter()
@@ -334,16 +350,13 @@ class ActorShard:
         # the same coordinates and seeds it from the same rule otherwise) never changes the random stream
         st.rng.manual_seed(rng_seed(self.seed, st.step, *cast(Coord, self.coord)))
         st.data_cursor += len(cast(Sized, source)) if hasattr(source, "__len__") else 0
-        loss_t = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, dtype=torch.float64)
-        loss_t = loss_t.to(self.device)
-        if g.dp is not None:
-            dist.all_reduce(loss_t, group=g.dp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
         marks = (start, t_compute, t_sync, t_update, t_publish)
         phases = {p: b - a for p, a, b in zip(ITER_PHASES, marks, marks[1:])}
-        return IterReport(float(loss_t.item()), sumsq ** 0.5, lr, coef is not None, len(losses), end - start, phases)
+        return IterReport(loss_sum, sumsq ** 0.5, lr, coef is not None, len(losses), end - start, phases,
+                          skipped=not finite)
 
     def _pack(self, flat: torch.Tensor, shape: ZeroShape) -> torch.Tensor:
         """The owned ranges of `shape` out of a TP-local flat tensor, in optimizer order."""

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from tidal.core.errors import TidalError
+from tidal.core.errors import PeerFailed, TidalError
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import check_tp
 from tidal.engine.optim import OPT_KINDS, ShardState, ZeroShape, rng_seed
@@ -220,6 +220,10 @@ def _pack(flat: torch.Tensor, shape: ZeroShape) -> torch.Tensor:
     return torch.cat([flat[p:p + n] for p, _, n in segs])
 
 
+class PeerCheckpointError(CheckpointError, PeerFailed):
+    """This rank's shard was fine; another rank of the layout failed to write its own."""
+
+
 def write_shard(shard, tmp: str | Path, fault: Fault = None) -> ShardRecord | None:
     """This rank's file (None outside the layout): its owned ranges of every buffer, RNG and scalars."""
     st: ShardState | None = shard.state
@@ -234,7 +238,13 @@ def write_shard(shard, tmp: str | Path, fault: Fault = None) -> ShardRecord | No
     meta = {"format": FORMAT, "t": str(t), "d": str(d), "layout": str(shard.layout)}
     data = st_save(tensors, metadata=meta)
     name = shard_name(t, d)
-    _write_durable(Path(tmp) / name, data, fault, "shard")
+    try:
+        _write_durable(Path(tmp) / name, data, fault, "shard")
+    except OSError as err:   # a full disk, a read-only or vanished folder: the rank and the OS say which
+        raise CheckpointError("checkpoint", str(Path(tmp) / name), f"cannot be written by rank {shard.rank} "
+                              f"({err.strerror or err}; {len(data):,} bytes)",
+                              "free space or fix the folder's permissions; the previous generation is "
+                              "untouched") from None
     return ShardRecord(name, hashlib.sha256(data).hexdigest(), len(data), t, d)
 
 
@@ -255,9 +265,10 @@ def gather_records(shard, mine: ShardRecord | None, error: BaseException | None)
     if error is not None:
         raise error
     rows = [r.cpu() for r in rows]
-    if not all(int(r[0]) for r in rows):
-        raise CheckpointError("checkpoint", str(lay), "another actor rank failed to write its shard",
-                              "see that rank's error; the previous generation is untouched")
+    failed = [rank for rank, r in zip(sorted(lay.devices), rows) if not int(r[0])]
+    if failed:
+        raise PeerCheckpointError("checkpoint", str(lay), f"actor rank(s) {failed} failed to write their shards",
+                                  "see that rank's error; the previous generation is untouched")
     out = []
     for r in rows:
         k = int(r[34])
@@ -350,7 +361,12 @@ def save_actor(shard, root: str | Path, meta: CheckpointMeta, keep_last: int = 2
             mine = write_shard(shard, tmp, fault)
         except Exception as e:
             error = e
-    records = gather_records(shard, mine, error)
+    try:
+        records = gather_records(shard, mine, error)
+    except BaseException:   # every rank raises here together; a partial generation must not fill the disk
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if not lead:
         return None
     write_manifest(tmp, make_manifest(shard, meta, records), fault)
@@ -376,12 +392,18 @@ def read_manifest(gen: str | Path) -> Manifest:
         if obj.get("format") != FORMAT:
             raise CheckpointError("checkpoint", str(mpath), f"has format {obj.get('format')!r}, expected "
                                   f"{FORMAT!r}", "load it with the Tidal version that wrote it")
-        return Manifest.from_json(obj)
+        manifest = Manifest.from_json(obj)
     except CheckpointError:
         raise
     except Exception as e:
         raise CheckpointError("checkpoint", str(mpath), f"cannot be read ({type(e).__name__}: {e})",
                               "resume from another generation") from None
+    for rec in manifest.shards:   # a shard is a plain file name inside its generation, never a path elsewhere
+        if rec.file != shard_name(rec.t, rec.d):
+            raise CheckpointError("checkpoint", rec.file, f"is not the shard file name of rank (t={rec.t}, d={rec.d}) "
+                                  f"in {mpath} (shards are {shard_name(0, 0)!r}-style names inside the generation)",
+                                  "resume from another generation; this manifest was not written by Tidal")
+    return manifest
 
 
 def verify_file(gen: Path, rec: ShardRecord) -> None:
@@ -540,8 +562,8 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
             raise error if isinstance(error, TidalError) else CheckpointError(
                 "checkpoint", str(gen), f"cannot be loaded ({type(error).__name__}: {error})",
                 "resume from another generation") from error
-        raise CheckpointError("checkpoint", str(gen), "another rank failed to load it (this rank's state is "
-                              "unchanged)", "see that rank's error")
+        raise PeerCheckpointError("checkpoint", str(gen), "another rank failed to load it (this rank's state is "
+                                  "unchanged)", "see that rank's error")
     shard.adopt(layout, new_state)
     return cast(Manifest, m)  # every rank read it
 

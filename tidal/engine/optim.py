@@ -49,12 +49,14 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0             # decoupled (AdamW)
     grad_clip: float = 1.0                # global L2 norm clip
+    on_nonfinite: str = "stop"            # a NaN/inf gradient norm or loss: "stop" (TrainingError) or "skip"
 
     def __post_init__(self) -> None:
         checks = [("lr", self.lr > 0, "must be > 0"), ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
                   ("warmup_iters", self.warmup_iters >= 0, ">= 0"), ("total_iters", self.total_iters >= 1, ">= 1"),
                   ("betas", all(0 <= b < 1 for b in self.betas), "each in [0, 1)"), ("eps", self.eps > 0, "> 0"),
-                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("grad_clip", self.grad_clip > 0, "> 0")]
+                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("grad_clip", self.grad_clip > 0, "> 0"),
+                  ("on_nonfinite", self.on_nonfinite in ("stop", "skip"), "stop or skip")]
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"actor.{name}", getattr(self, name), f"must be {rule}", f"set actor.{name} {rule}")
@@ -64,7 +66,8 @@ class OptimConfig:
         """From `tidal.core.config.ActorConfig` (duck-typed) and the run's number of optimizer steps."""
         return OptimConfig(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_iters=cfg.warmup_iters,
                            total_iters=max(1, total_iters), betas=tuple(cfg.betas), eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           on_nonfinite=getattr(cfg, "on_nonfinite", "stop"))
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:

@@ -21,6 +21,7 @@ state is replaced.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from tidal.engine.checkpoint import (
@@ -32,6 +33,7 @@ from tidal.engine.checkpoint import (
     check_model,
     commit,
     latest,
+    read_manifest,
     verify,
 )
 from tidal.engine.datasets import DataPosition
@@ -55,11 +57,15 @@ def save(pipe, dir: str | Path, step: int, keep_last: int = 2) -> Path:
     meta = CheckpointMeta(step=step, data_pos=pipe.data_pos.offset, policy_version=pipe.version,
                           data_epoch=pipe.data_pos.epoch)
     t0 = pipe.clock()
-    begin(dir, step)
+    tmp = begin(dir, step)
     g = pipe.group
-    g.gather(g.submit_all(roles_ckpt.actor_save, device_ids=layout.devices, dir=str(dir), gen=step,
-                          meta=meta))
-    final = commit(dir, step, keep_last)
+    try:
+        g.gather(g.submit_all(roles_ckpt.actor_save, device_ids=layout.devices, dir=str(dir), gen=step,
+                              meta=meta))
+        final = commit(dir, step, keep_last)
+    except BaseException:   # a partial generation is never loadable: do not leave it filling the disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     pipe.timeline.add_busy(list(layout.devices), "actor", "checkpoint", t0, pipe.clock())
     pipe.cluster.record("checkpoint", step=step, path=str(final), layout=str(layout),
                         seconds=pipe.clock() - t0)
@@ -77,6 +83,12 @@ def find_generation(dir: str | Path) -> Path:
                               "(gen-<step>/ with a COMPLETE marker)",
                               "give a checkpoint directory written by `checkpoint`, or one of its gen-* folders")
     return gen
+
+
+def saved_step(dir: str | Path) -> tuple[Path, int]:
+    """The generation a resume from `dir` would load and the step it was saved at (marker-checked manifest)."""
+    gen = find_generation(dir)
+    return gen, read_manifest(gen).meta.step
 
 
 def check_resumable(dir: str | Path, args) -> tuple[Path, Manifest]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +27,8 @@ from scheduler.costs_cpu import cpu_e2e
 from scheduler.policies import get_policy
 from scheduler.state import PolicyParams, SchedState
 from tidal.core.config import TidalConfig, flatten
-from tidal.core.errors import ConfigError, TidalError
+from tidal.core.errors import ConfigError, TidalError, TrainingError
+from tidal.engine.checkpoint import latest
 from tidal.engine.evaluation import greedy_accuracy
 from tidal.engine.generation.requests import SamplingParams
 from tidal.engine.hf_checkpoint import save_hf
@@ -37,9 +37,9 @@ from tidal.engine.optim import OptimConfig
 from tidal.engine.prompt_source import TaskSource
 from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
-from tidal.pipeline.checkpointing import check_resumable, resume, save
+from tidal.pipeline.checkpointing import resume, save
 from tidal.pipeline.driver import Pipeline
-from tidal.pipeline.inputs import read_inputs
+from tidal.pipeline.preflight import Preflight, preflight
 from tidal.tracking import NullSink
 from tidal.workers.roles import RunSpec
 from tidal.workers.runtime import WorkerGroup
@@ -79,18 +79,6 @@ class RunSummary:
         return asdict(self)
 
 
-def device_kind(cfg: TidalConfig) -> Literal["cpu", "cuda"]:
-    want = cfg.cluster.device
-    n = cfg.cluster.num_devices
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if want == "cuda" and have < n:
-        raise ConfigError("cluster.device", want, f"the placement needs {n} GPUs, this machine has {have}",
-                          "use cluster.device: auto (CPU virtual devices) or a smaller placement")
-    if want == "auto":
-        return "cuda" if have >= n else "cpu"
-    return want
-
-
 def weights_sha(weights: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(weights):
@@ -119,9 +107,7 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
         return weights, {"source": str(path)}
     if ws.iters == 0:
         return init_global_weights(args, cfg.run.seed), {"source": "random init"}
-    spec = WarmStartSpec(num_examples=ws.num_examples, iters=ws.iters, batch_size=ws.batch_size, lr=ws.lr,
-                         eval_every=max(1, ws.iters // 8), eval_size=cfg.data.eval_size, seed=cfg.data.seed,
-                         label_noise=ws.label_noise)
+    spec = WarmStartSpec.from_config(ws, cfg.data.eval_size, cfg.data.seed)
     key = hashlib.sha256(json.dumps([asdict(spec), asdict(args), cfg.data.task, cfg.run.seed],
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / f"warmstart-{key}.safetensors"
@@ -179,13 +165,14 @@ class TrainingRun:
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
 
-    def open(self, resume_from: str | Path | None = None) -> TrainingRun:
+    def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None) -> TrainingRun:
+        """Inputs, warm start, workers, the pipeline (and the resumed state). `checked`: this config's `preflight`,
+        when the caller ran it before creating the run's folder and records."""
         cfg = self.cfg
-        check_runnable(cfg)
-        self.inputs = inputs = read_inputs(cfg)
+        # every check `tidal validate` runs too, before any worker starts (tidal/pipeline/preflight.py)
+        inputs, self.kind = checked or preflight(cfg, tracked=False, resume_from=resume_from)
+        self.inputs = inputs
         args = inputs.args
-        if resume_from is not None:  # fail before any worker starts: marker, checksums, model fields
-            check_resumable(resume_from, args)
         # Tidal's own model: the built-in task's (its source is a TaskSource)
         task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,12 +184,6 @@ class TrainingRun:
             weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok,
                                                     Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
-        self.kind = device_kind(cfg)
-        cores = cfg.cluster.cpu_device_core_ids
-        if self.kind == "cpu" and cores and cores[-1] >= (os.cpu_count() or 1):
-            raise ConfigError("cluster.cpu_device_cores", cfg.cluster.cpu_device_cores,
-                              f"names cores this machine lacks (it has 0-{(os.cpu_count() or 1) - 1})",
-                              "pick cores among them, or drop the key")
         self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
         self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
                                        compute_share=cfg.cluster.cpu_compute_share,
@@ -241,7 +222,13 @@ class TrainingRun:
     def run_step(self, sync: bool = True) -> dict:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
         new weights also reach rollout and inference. Its metrics are written by `record`."""
-        self._res = self._pipe.run_step(self.next_step, sync=sync)
+        try:
+            self._res = self._pipe.run_step(self.next_step, sync=sync)
+        except TrainingError as err:   # a non-finite update (actor.on_nonfinite: stop): say where to resume
+            good = latest(self.out_dir / "checkpoints")
+            where = f"the last good checkpoint is {good}" if good else "no checkpoint was saved yet"
+            raise TrainingError(err.field, err.value, f"RL step {self.next_step}: {err.problem}; {where}",
+                                err.fix) from None
         self._extra: dict[str, float] = {}
         return dict(self._res.metrics)
 
@@ -332,26 +319,15 @@ class TrainingRun:
             self.group = None
 
 
-def check_runnable(cfg: TidalConfig) -> None:
-    if cfg.rollout.tensor_parallel_size != 1 or cfg.inference.tensor_parallel_size != 1:
-        raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
-                          "the pipeline runs rollout and inference instances on one device each for now",
-                          "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
-    if cfg.placement.mode.value in ("collocated", "hybrid"):
-        raise ConfigError("cluster.component_placement", cfg.placement.mode.value,
-                          "the streaming pipeline needs disjoint devices per component",
-                          "place actor, rollout and inference on separate devices")
-
-
 def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                  on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None,
-                 resume_from: str | Path | None = None) -> RunSummary:
+                 resume_from: str | Path | None = None, checked: Preflight | None = None) -> RunSummary:
     """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
     Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
     try:
-        run.open(resume_from=resume_from)
+        run.open(resume_from=resume_from, checked=checked)
         every = cfg.run.checkpoint_every
         while run.next_step < cfg.run.num_steps:
             m = run.step()

@@ -77,10 +77,7 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
     _write_jsonl(tmp / "data" / "train.jsonl", [{"question": p, "answer": _answer(task, p)} for p in train])
     _write_jsonl(tmp / "data" / "val.jsonl", [{"question": p, "answer": _answer(task, p)} for p in val])
 
-    spec = WarmStartSpec(num_examples=cfg.warm_start.num_examples, iters=cfg.warm_start.iters,
-                         batch_size=cfg.warm_start.batch_size, lr=cfg.warm_start.lr,
-                         eval_every=max(1, cfg.warm_start.iters // 8), eval_size=cfg.data.eval_size, seed=seed,
-                         label_noise=cfg.warm_start.label_noise)
+    spec = WarmStartSpec.from_config(cfg.warm_start, cfg.data.eval_size, seed)
     examples = task_examples(task, spec)
     chat = [f"<|im_start|>user\n{e.prompt}<|im_end|>\n<|im_start|>assistant\n{e.response}<|im_end|>\n"
             for e in examples] + [f"#### {e.response}" for e in examples]

@@ -8,6 +8,9 @@ The same wiring as `tidal train`, as a value the flow's tasks (and the sweep's r
     ...
     t.close("FINISHED", artifacts=[out_dir / "timeline.png"])             # MLflow status + db status
 
+While a run is open, a heartbeat thread stamps its `runs.heartbeat_at` every HEARTBEAT_S; `open` first marks
+`lost` every running run silent for LOST_AFTER_S (a driver that was killed, or whose machine went away).
+
 Environment (a served worker points the platform at its services, see docker-compose.yml):
 `TIDAL_DB_URL` -> `tracking.db_url`, `MLFLOW_TRACKING_URI` -> `tracking.mlflow_uri`. They apply before the
 request's overrides, so an explicit override still wins.
@@ -15,7 +18,9 @@ request's overrides, so an explicit override still wins.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +28,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from tidal.core.config import TidalConfig, flatten, load_config, public_dump
+from tidal.core.errors import ConfigError
 from tidal.tracking import MlflowSink, NullSink
 
 #: environment variable -> config key it sets (before the caller's overrides)
 ENV_KEYS = {"TIDAL_DB_URL": "tracking.db_url", "MLFLOW_TRACKING_URI": "tracking.mlflow_uri"}
+HEARTBEAT_S = 10.0      # how often a driver stamps runs.heartbeat_at
+LOST_AFTER_S = 120.0    # a running run silent this long has lost its driver (12 missed beats)
+log = logging.getLogger("tidal.run")
 _STATUS_DB = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "aborted"}
 
 
@@ -39,16 +48,58 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
 
 
 def run_dir(cfg: TidalConfig) -> Path:
-    """`<run.output_dir>/<run.name>-<time>` (a suffix if two runs start within the same second)."""
-    base = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, n = base, 1
-    while out.exists():
-        out, n = base.with_name(f"{base.name}-{n}"), n + 1
-    return out
+    """Make and return this run's own folder `<run.output_dir>/<run.name>-<time>` (`-1`, `-2`... when runs start
+    in the same second: `mkdir` claims a name atomically, so two runs never share one). Called before any record
+    exists: a folder that cannot be made or written is a ConfigError naming run.output_dir."""
+    root = Path(cfg.run.output_dir)
+    base = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(1000):
+            out = root / (base if n == 0 else f"{base}-{n}")
+            try:
+                out.mkdir()
+            except FileExistsError:
+                continue
+            (out / ".writable").touch()
+            (out / ".writable").unlink()
+            return out
+    except OSError as err:
+        raise ConfigError("run.output_dir", cfg.run.output_dir, f"cannot hold a run folder ({err.strerror})",
+                          "point it at a writable folder with free space") from None
+    raise ConfigError("run.output_dir", cfg.run.output_dir, f"already holds 1,000 runs named {base}",
+                      "use another run.name or output_dir")
 
 
 def policy_name(cfg: TidalConfig) -> str:
     return cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+
+
+class Heartbeat:
+    """A daemon thread that stamps the run's `heartbeat_at` every HEARTBEAT_S while the driver lives. A
+    database hiccup is logged and retried on the next beat: the run itself never waits on it."""
+
+    def __init__(self, engine: Any, run_id: int, every_s: float = HEARTBEAT_S):
+        self._engine, self._run_id, self._every_s = engine, run_id, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"tidal-heartbeat-{run_id}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from db import repository as repo
+        from db.session import session_scope
+        while True:
+            try:
+                with session_scope(self._engine) as s:
+                    repo.heartbeat(s, self._run_id)
+            except Exception as err:  # noqa: BLE001 - a missed beat is not the run's failure
+                log.warning("heartbeat of run %d not recorded: %s", self._run_id, err)
+            if self._stop.wait(self._every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 @dataclass
@@ -61,6 +112,7 @@ class RunTracking:
     db_run_id: int | None
     mlflow_run_id: str | None
     owns_sink: bool = True
+    _beat: Heartbeat | None = None
 
     @classmethod
     def open(cls, cfg: TidalConfig, out_dir: Path, *, sink: Any = None, parent_run_id: str | None = None,
@@ -73,6 +125,8 @@ class RunTracking:
         policy = policy_name(cfg)
         engine = open_database(cfg.tracking.db_url)
         with session_scope(engine) as s:
+            for run in repo.mark_lost(s, stale_after_s=LOST_AFTER_S):   # drivers that died without a word
+                log.warning("run %d (%s) marked lost: no heartbeat since %s", run.id, run.name, run.ended_at)
             db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir)).id
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
@@ -80,7 +134,9 @@ class RunTracking:
                                                                **(tags or {})}, parent_run_id=parent_run_id)
         with session_scope(engine) as s:
             repo.attach_mlflow_run(s, db_id, mlflow_id)
-        return cls(sink, DbRecorder(engine, db_id, policy), engine, db_id, mlflow_id, owns)
+        tracking = cls(sink, DbRecorder(engine, db_id, policy), engine, db_id, mlflow_id, owns)
+        tracking._beat = Heartbeat(engine, db_id)
+        return tracking
 
     @classmethod
     def null(cls, cfg: TidalConfig) -> RunTracking:
@@ -95,6 +151,9 @@ class RunTracking:
                 if Path(path).is_file():
                     self.sink.log_artifact(path)
         self.sink.end_run(status)
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat = None
         if self.engine is not None:
             from db import repository as repo
             from db.session import session_scope

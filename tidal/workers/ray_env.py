@@ -28,8 +28,10 @@ import logging
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,9 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> RaySe
         ctx = ray.get_runtime_context()
         return RaySession(ctx.gcs_address, address is None, owned=False, token_path=None)
     token_path = None
+    # ray.init replaces the SIGTERM handler with sys.exit; a handler the program installed (the CLI's, which
+    # shuts a run down as SIGINT does and exits 143) is put back
+    ours = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if address is None:
         if os.environ.get("RAY_AUTH_MODE") == "token" and not os.environ.get("RAY_AUTH_TOKEN"):
             token_path = ensure_token()
@@ -113,6 +118,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> RaySe
                  log_to_driver=True)
     else:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    if callable(ours):
+        signal.signal(signal.SIGTERM, ours)
     gcs = ray.get_runtime_context().gcs_address
     log.info("Ray %s at %s", "started" if address is None else "joined", gcs)
     return RaySession(gcs, address is None, owned=True, token_path=token_path)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from tidal.core.errors import TidalError
+from tidal.core.errors import PeerFailed, TidalError
 from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
 from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
@@ -233,7 +233,10 @@ class WorkerGroup:
             wait_s = self._poll_s if timeout is None else max(0.0, min(self._poll_s, t0 + timeout - now))
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             for ref in ready:
-                results[ref] = self._result(pending.pop(ref))
+                try:
+                    results[ref] = self._result(pending.pop(ref))
+                except PeerFailed as follower:   # report the rank that caused it, if it says so soon
+                    raise self._cause(follower, pending) from None
             if not pending:
                 break
             # Any dead rank breaks the world (peers block in collectives with it), pending or not.
@@ -247,6 +250,23 @@ class WorkerGroup:
                 log.info("waiting %.0fs for %s on devices %s", now - t0, ",".join(fns), waiting)
                 next_log = now + self._log_every_s
         return [results[h.ref] for h in handles]
+
+    def _cause(self, follower: PeerFailed, pending: dict[Any, CallHandle], grace_s: float = 10.0) -> BaseException:
+        """The first error among `pending` that is not itself a PeerFailed, waited for up to `grace_s` (the
+        failing rank raises right after the collective its peers left); else `follower`."""
+        import ray
+
+        deadline = time.monotonic() + grace_s
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    self._result(pending.pop(ref))
+                except PeerFailed:
+                    continue
+                except BaseException as cause:  # noqa: BLE001 - the cause is reported, whatever it is
+                    return cause
+        return follower
 
     def call(self, device_id: int, fn: WorkerFn, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
         """`fn(ctx, **kwargs)` on one device, waited for."""

@@ -1,0 +1,74 @@
+"""A device worker killed in the middle of a real `tidal train` run: the driver notices, ends the run on record
+(exit 1, database `failed`, one line naming the device and how to resume), and the run resumed from its last
+checkpoint ends with the same weights, bit for bit, as a run that was never interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIDAL = str(Path(sys.executable).parent / "tidal")
+STEPS = 4
+COMMON = ["experiments/addition_dynamic.yaml", "warm_start.iters=0", "data.eval_size=8", "run.eval_every=1000",
+          "run.checkpoint_every=1", f"run.num_steps={STEPS}"]
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+
+
+def _train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([TIDAL, "train", *COMMON, *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _device_workers(pid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "DeviceWorker" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_worker_fails_the_run_on_record_and_resume_is_bit_exact(tmp_path):
+    clean = _train(f"run.output_dir={tmp_path}/clean", "--no-track", "--json", f"{tmp_path}/clean.json")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    want = json.loads((tmp_path / "clean.json").read_text())["final_weights_sha"]
+
+    log = tmp_path / "killed.log"
+    track = [f"tracking.db_url=sqlite:///{tmp_path}/tidal.db", f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db",
+             f"tracking.mlflow_artifacts={tmp_path}/artifacts"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([TIDAL, "train", *COMMON, f"run.output_dir={tmp_path}/killed", *track], cwd=REPO,
+                                env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while f"step   2/{STEPS}" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        victims = _device_workers(proc.pid)
+        assert proc.poll() is None and victims, log.read_text()[-3000:]
+        victims[len(victims) // 2].send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = log.read_text()
+    assert rc == 1, said[-3000:]
+    assert "died" in said and "--resume" in said and "Traceback" not in said, said[-3000:]
+    from sqlalchemy import create_engine, text
+    with create_engine(f"sqlite:///{tmp_path}/tidal.db").connect() as conn:
+        assert conn.execute(text("SELECT status FROM runs")).scalar_one() == "failed"
+
+    (ckpt,) = (tmp_path / "killed").glob("addition-dynamic-*/checkpoints")
+    resumed = _train(f"run.output_dir={tmp_path}/resumed", "--no-track", "--resume", str(ckpt), "--json",
+                     f"{tmp_path}/resumed.json")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "resumed.json").read_text())["final_weights_sha"] == want

@@ -1,0 +1,77 @@
+"""Every check `tidal train` makes before a worker starts, in one place: `tidal validate` runs exactly these, so
+a config that validates is one that starts (and one that does not start fails validation with the same error).
+
+    inputs, kind = preflight(cfg, tracked=True, resume_from=None)
+
+Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1,
+disjoint placements), the model, tokenizer, prompts and verifier (`read_inputs`), the device kind (`cuda` needs
+a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is tracked, and a
+resume checkpoint (marker, checksums, model, and that it leaves steps to train). Reads; writes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from db.session import parse_url
+from tidal.core.config import TidalConfig
+from tidal.core.errors import ConfigError
+from tidal.pipeline.checkpointing import check_resumable
+from tidal.pipeline.inputs import RunInputs, read_inputs
+
+
+def check_runnable(cfg: TidalConfig) -> None:
+    """What the streaming pipeline can run today."""
+    if cfg.rollout.tensor_parallel_size != 1 or cfg.inference.tensor_parallel_size != 1:
+        raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
+                          "the pipeline runs rollout and inference instances on one device each for now",
+                          "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
+    if cfg.placement.mode.value in ("collocated", "hybrid"):
+        raise ConfigError("cluster.component_placement", cfg.placement.mode.value,
+                          "the streaming pipeline needs disjoint devices per component",
+                          "place actor, rollout and inference on separate devices")
+
+
+def device_kind(cfg: TidalConfig) -> Literal["cpu", "cuda"]:
+    """`cluster.device` resolved on this machine: `auto` is CUDA when there is a GPU for every device."""
+    want = cfg.cluster.device
+    n = cfg.cluster.num_devices
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and have < n:
+        raise ConfigError("cluster.device", want, f"the placement needs {n} GPUs, this machine has {have}",
+                          "use cluster.device: auto (CPU virtual devices) or a smaller placement")
+    if want == "auto":
+        return "cuda" if have >= n else "cpu"
+    return want
+
+
+def check_cores(cfg: TidalConfig, kind: str) -> None:
+    cores = cfg.cluster.cpu_device_core_ids
+    if kind == "cpu" and cores and cores[-1] >= (os.cpu_count() or 1):
+        raise ConfigError("cluster.cpu_device_cores", cfg.cluster.cpu_device_cores,
+                          f"names cores this machine lacks (it has 0-{(os.cpu_count() or 1) - 1})",
+                          "pick cores among them, or drop the key")
+
+
+Preflight = tuple[RunInputs, Literal["cpu", "cuda"]]   # what `preflight` found: the inputs, the device kind
+
+
+def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None = None) -> Preflight:
+    """The run's inputs and device kind, after every check above (see the module doc)."""
+    check_runnable(cfg)
+    inputs = read_inputs(cfg)
+    kind = device_kind(cfg)
+    check_cores(cfg, kind)
+    if tracked:
+        parse_url(cfg.tracking.db_url)
+    if resume_from is not None:
+        gen, manifest = check_resumable(resume_from, inputs.args)
+        if manifest.meta.step >= cfg.run.num_steps:
+            raise ConfigError("run.num_steps", cfg.run.num_steps, f"leaves nothing to train after the checkpoint "
+                              f"{gen}, saved at step {manifest.meta.step}",
+                              f"raise run.num_steps past {manifest.meta.step} to train on")
+    return inputs, kind
