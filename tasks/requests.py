@@ -13,11 +13,29 @@ Deeper checks (does the file exist, is every key known) happen when the flow loa
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tidal.core.errors import ConfigError
+from tidal.core.secrets import redact
+
+CREDENTIALS_FIX = ("set it in the flow worker's environment instead (TIDAL_DB_URL, MLFLOW_TRACKING_URI, "
+                   "TIDAL_OPTUNA_STORAGE), which the run reads and Prefect does not store")
 
 
 class Request(BaseModel):
+    """Parameters of a flow run. Prefect stores them in its database and shows them in its UI, so none may hold
+    a credential: a password in a URL is refused here, naming the parameter (its value masked)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*")
+    @classmethod
+    def _no_credentials(cls, value, info):
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and redact(item) != item:
+                raise ConfigError(info.field_name, redact(item), "holds a credential, and Prefect stores flow "
+                                  "parameters in its database", CREDENTIALS_FIX)
+        return value
 
 
 class TrainingRequest(Request):

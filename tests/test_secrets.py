@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from tasks.requests import BenchmarkRequest, SweepRequest, TrainingRequest
 from tidal.cli import main as cli
 from tidal.core.config import build_config, flatten, public_dump
 from tidal.core.errors import SHOWN_VALUE_CHARS, ConfigError, TidalError
@@ -115,3 +116,16 @@ def test_a_tracked_run_stores_no_credential(tmp_path, caplog):
     assert params["tracking.db_url"] == redact(url)
     for where, value in {"mlflow params": repr(params), "runs.config": row, "logs": caplog.text}.items():
         assert password not in value, where
+
+
+@pytest.mark.parametrize("make", [
+    lambda: TrainingRequest(overrides=[f"tracking.db_url={PG}"]),
+    lambda: SweepRequest(storage=PG),
+    lambda: BenchmarkRequest(overrides=[f"tracking.mlflow_uri={MLFLOW}"]),
+], ids=["training overrides", "sweep storage", "benchmark overrides"])
+def test_flow_parameters_refuse_credentials(make):
+    """Prefect stores a flow run's parameters in its database and shows them in its UI: a credential there is
+    refused, its value masked, pointing at the worker's environment instead."""
+    with pytest.raises(ConfigError, match="Prefect stores flow parameters") as err:
+        make()
+    assert SECRET not in str(err.value) and "TIDAL_DB_URL" in str(err.value)
