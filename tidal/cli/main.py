@@ -193,7 +193,12 @@ class Terminated(KeyboardInterrupt):
     `aborted`, its workers stop) and the command exits 143 (128 + SIGTERM)."""
 
 
+_sigterm_seen = False   # a cleanup path may re-raise a plain KeyboardInterrupt: the exit code still says SIGTERM
+
+
 def _on_sigterm(signum, frame) -> None:
+    global _sigterm_seen
+    _sigterm_seen = True
     raise Terminated()
 
 
@@ -225,7 +230,7 @@ def _main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt as stop:
-        terminated = isinstance(stop, Terminated)
+        terminated = isinstance(stop, Terminated) or _sigterm_seen
         print("terminated" if terminated else "interrupted", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
