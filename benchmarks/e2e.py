@@ -1,5 +1,5 @@
-"""End-to-end scheduling benchmark: the same RL workload and seeds under `static`, `rlinf` and `tidal` on 8 CPU
-virtual devices with fixed compute shares, plus the simulator's figures for RLinf's example.
+"""End-to-end scheduling benchmark: the same RL workload and seeds under `static`, `collocated`, `rlinf` and `tidal`
+on 8 CPU virtual devices with fixed compute shares, plus the simulator's figures for RLinf's example.
 
     python benchmarks/e2e.py --quick --json benchmarks/results/e2e/<date>_<commit7>_<machine>.json
 
@@ -7,7 +7,9 @@ Real part (one `tidal.pipeline.run.TrainingRun` per policy, same config and seed
 of each runs back to back, rotating who goes first every round, so the machine's drift over minutes lands on
 every policy alike. `paired_speedup_vs_static` is the median of the per-step ratios, with their range):
 
-    placement   RLinf's: actor 0-1 (TP 1, DP 2), rollout 2-5 (4 instances), inference 6-7
+    placement   RLinf's: actor 0-1 (TP 1, DP 2), rollout 2-5 (4 instances), inference 6-7; `collocated`:
+                every component on 0-7 (verl's default mode), each step generating on 8 instances, then scoring
+                on 8, then training at DP 8, in turn (no offload: CPU memory is not what it saves)
     compute     cluster.cpu_device_cores "1" (every core but core 0) and cpu_compute_share 0.125 of it: the 8
                 devices share one core's time by quota (0.125 core each), the driver and Ray run on core 0.
                 An idle device's capacity is lost, as on a GPU, and a busy device's speed does not depend on
@@ -47,6 +49,8 @@ from pathlib import Path
 from tidal.core.placement import parse_device_ids
 
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+#: the labels that run the static policy: disaggregated, and every component on all 8 devices
+STATIC = ("static", "collocated")
 MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 8 of them
 FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 
@@ -69,6 +73,9 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
 def build(label: str, a: argparse.Namespace, out: Path):
     from tidal.core.config import build_config
     policy, over = parse_variant(label)
+    static = policy in STATIC
+    placement = {"actor,rollout,inference": "0-7"} if policy == "collocated" else \
+        {"actor": "0-1", "rollout": "2-5", "inference": "6-7"}
     sections = {k: v for k, v in over.items() if "." in k}
     over = {k: v for k, v in over.items() if "." not in k}
     seq = 16 + a.max_new_tokens  # 9-token prompts + the response cap, rounded up
@@ -79,9 +86,8 @@ def build(label: str, a: argparse.Namespace, out: Path):
         "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
                     "cpu_share_period_ms": a.share_period_ms,
                     "cpu_device_cores": a.device_cores,
-                    "component_placement": {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
-                    "auto_scheduler": policy != "static"},
-        "scheduler": {"policy": policy if policy != "static" else "tidal", **over},
+                    "component_placement": placement, "auto_scheduler": not static},
+        "scheduler": {"policy": policy if not static else "tidal", **over},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": a.intermediate, "max_seq_len": seq},
         "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4, "warmup_iters": 0},
@@ -313,6 +319,8 @@ def predicted(costs, labels: list[str], a: argparse.Namespace, out: Path, measur
     res = {}
     for label in labels:
         policy, _ = parse_variant(label)
+        if policy == "collocated":   # the simulator models disaggregated placements only
+            continue
         spec = replace(SimSpec.from_config(build(label, a, out)), costs=costs, prompt_tokens=9,
                        lengths=LengthDist(median=13.0, sigma=0.9, group_sigma=0.0), poll_s=MIN_INTERVAL_S)
         sim = [simulate(spec, policy, None, steps, seed=sd, keep_events=False).mean_step_s for sd in seeds]
@@ -414,16 +422,17 @@ def table(res: dict) -> None:
     from rich.table import Table
     t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
                     f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
-    for col in ("policy", "step s (steps>=1)", "vs static", "paired vs static (median, range)",
+    for col in ("policy", "step s (steps>=1)", "vs static", "vs collocated", "paired vs static (median, range)",
                 "in pumps (median, range)", "idle", "reshards", "migrations", "failed actions",
                 "actions s/step"):
         t.add_column(col)
     runs = res["runs"]
-    st = runs.get("static")
+    st, co = runs.get("static"), runs.get("collocated")
     for k, v in runs.items():
         pr = paired(st["steps"], v["steps"]) if st else {}
         pp = paired(st["steps"], v["steps"], "pumps") if st else {}
         t.add_row(k, f"{v['step_s']:.2f}", f"{st['step_s'] / v['step_s']:.2f}x" if st else "-",
+                  f"{co['step_s'] / v['step_s']:.2f}x" if co else "-",
                   f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f})" if pr else "-",
                   f"{pp['median']:.2f}x ({pp['min']:.2f}-{pp['max']:.2f})" if pp else "-",
                   f"{v['idle_fraction']:.2f}", str(v["reshards"]), str(v["migrations"]), str(v["failed_actions"]),
@@ -460,8 +469,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="3 steps per policy (< 10 min on 2 cores)")
-    ap.add_argument("--policies", default="static,rlinf,tidal",
-                    help="comma-separated; a variant overrides scheduler.* keys: tidal+grow_on_return=true")
+    ap.add_argument("--policies", default="static,collocated,rlinf,tidal",
+                    help="comma-separated: static, collocated (static, every component on 0-7), rlinf, tidal; a "
+                         "variant overrides scheduler.* keys: tidal+grow_on_return=true")
     ap.add_argument("--out", default="runs/e2e", help="run folders (events.json, timeline.png) go here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--share", type=float, default=0.125,
@@ -505,7 +515,8 @@ def main(argv=None) -> int:
                       "cpu_device_cores": a.device_cores or "all",
                       "note": f"devices on cores {a.device_cores or 'all'} of {n_cpu}, each capped at {cores:.3f} "
                               "core (cgroup CPU quota); driver and Ray on the other cores",
-                      "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7", "steps": a.steps,
+                      "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7; collocated: all on 0-7 "
+                                   "(tp1 dp8, 8 rollout instances, 8 scorers, in turn)", "steps": a.steps,
                       "step_time": "mean over steps >= 1 (step 0: warm-up)", "prompts": a.prompts,
                       "group_size": a.group_size, "n_minibatches": 4, "max_new_tokens": a.max_new_tokens,
                       "max_running_requests": a.max_running,
@@ -519,7 +530,7 @@ def main(argv=None) -> int:
         r["group_creation_s"] = sum(group_creation_s(ev, s["step"]) for s in r["steps"][1:])
         r["event_summary"] = event_summary(ev, len(r["steps"]))
     res["runs"] = {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in runs.items()}
-    for pol in ("static", "rlinf", "tidal"):
+    for pol in ("static", "collocated", "rlinf", "tidal"):
         if pol in runs:
             res[f"{pol}_step_s"] = runs[pol]["step_s"]
     if "tidal" in runs and "static" in runs:
@@ -532,10 +543,11 @@ def main(argv=None) -> int:
                 "step_s": v["step_s"], "speedup_vs_static": runs["static"]["step_s"] / v["step_s"],
                 "paired_speedup_vs_static": paired(runs["static"]["steps"], v["steps"]),
                 "paired_pump_speedup_vs_static": paired(runs["static"]["steps"], v["steps"], "pumps")}
-    if "tidal" in runs and "rlinf" in runs:
-        res["speedup_vs_rlinf"] = runs["rlinf"]["step_s"] / runs["tidal"]["step_s"]
-        res["steady_speedup_vs_rlinf"] = runs["rlinf"]["steady_step_s"] / runs["tidal"]["steady_step_s"]
-    for base in ("static", "rlinf"):
+    for base in ("rlinf", "collocated"):
+        if "tidal" in runs and base in runs:
+            res[f"speedup_vs_{base}"] = runs[base]["step_s"] / runs["tidal"]["step_s"]
+            res[f"steady_speedup_vs_{base}"] = runs[base]["steady_step_s"] / runs["tidal"]["steady_step_s"]
+    for base in ("static", "rlinf", "collocated"):
         if "tidal" in runs and base in runs:
             res[f"paired_speedup_vs_{base}"] = paired(runs[base]["steps"], runs["tidal"]["steps"])
             res[f"paired_pump_speedup_vs_{base}"] = paired(runs[base]["steps"], runs["tidal"]["steps"], "pumps")

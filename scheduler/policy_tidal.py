@@ -41,7 +41,7 @@ work between survivors).
 
 Cost: everything is numpy over the instances' columns (`Signals.cols`) plus O(log instances) candidates of
 O(n_minibatches) scalar work; Python loops run only over emitted actions. Well under 1 ms at 1,024 devices
-(benchmarks/scheduler.py reports p50/p99).
+(benchmarks/scheduling.py reports p50/p99).
 """
 
 from __future__ import annotations

@@ -123,6 +123,14 @@ def test_import_names_are_folder_paths():
     assert {n.rstrip("*") for n in setuptools["packages"]["find"]["include"]} == set(TOP_LEVEL)
 
 
+def test_no_script_folder_shadows_a_package():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path: a script there named like a top-level package
+    (benchmarks/scheduler.py) would be imported in its place."""
+    for folder in ("benchmarks", "benchmarks/host", "scripts", "docker"):
+        clash = sorted(p.name for p in (ROOT / folder).glob("*.py") if p.stem in TOP_LEVEL)
+        assert not clash, f"{folder}/{clash} shadow the packages of the same name"
+
+
 def test_each_package_imports_only_the_packages_below_it():
     offenders = []
     for module in _modules():

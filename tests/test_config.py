@@ -64,7 +64,7 @@ def test_placement_modes(placement, extra, mode):
     (_cluster({"actro": "0-1", "rollout": "2-5", "inference": "6-7"}), "cluster.component_placement.actro",
      "did you mean 'actor'"),
     (_cluster({"actor": "0-1", "rollout": "2-5"}), "cluster.component_placement", "no placement for inference"),
-    (_cluster({"actor,rollout,inference": "0-7"}, auto_scheduler=True), "cluster.component_placement", "disjoint"),
+    (_cluster({"actor,rollout,inference": "0-7"}, auto_scheduler=True), "cluster.component_placement", "exactly one"),
     ({"cluster": {"auto_schedulr": True}}, "cluster.auto_schedulr", "did you mean 'cluster.auto_scheduler'"),
     ({"actor": {"tensor_parallel_size": 4}}, "actor.tensor_parallel_size", "does not divide"),
     ({"actor": {"tensor_parallel_size": 0}}, "actor.tensor_parallel_size", "greater than or equal"),

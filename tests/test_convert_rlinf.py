@@ -205,7 +205,8 @@ def test_collocated_fsdp_mapping(rlinf_env):
     assert c["actor"] == {"lr": 1e-6, "min_lr_ratio": 1.0, "warmup_iters": 4, "betas": [0.9, 0.98], "eps": 1e-8,
                           "weight_decay": 0.01, "grad_clip": 1.0, "micro_batch_size": 2, "dtype": "bfloat16"}
     assert c["rollout"] == {"backend": "vllm", "tensor_parallel_size": 2, "max_running_requests": 96,
-                            "max_new_tokens": 1536, "temperature": 0.9, "top_p": 0.95, "top_k": 50}
+                            "max_new_tokens": 1536, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
+                            "gpu_memory_utilization": 0.6}
     assert c["inference"] == {"micro_batch_size": 4}
     assert c["algorithm"] == {"name": "grpo", "group_size": 8, "n_minibatches": 4, "clip_eps": 0.2, "kl_coef": 0.001}
     assert c["data"] == {"train_files": [f"{data}/train.jsonl"], "val_files": [f"{data}/test.jsonl"],
@@ -241,6 +242,10 @@ def test_disaggregated_megatron_mapping(rlinf_env):
     assert c["inference"] == {"tensor_parallel_size": 2, "micro_batch_size": 1}
     assert c["rollout"]["top_k"] == 0 and c["rollout"]["max_new_tokens"] == 3072
     assert "backend" not in c["rollout"]
+    # RLinf's offload keys and KV budget are carried (used where the actor shares devices with rollout)
+    assert {k: c["actor"][f"offload_{k}"] for k in ("optimizer", "grad", "weight")} == \
+        {"optimizer": True, "grad": True, "weight": True}
+    assert c["rollout"]["gpu_memory_utilization"] == 0.55
     dropped = {d.key: d.reason for d in conv.dropped}
     assert "value not supported" in dropped["actor.model.precision"]
     assert "Megatron" in dropped["actor.megatron.ckpt_format"]

@@ -22,7 +22,10 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
            "data.eval_size=8", "run.eval_every=1000"]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
     with open(log, "w") as out:   # the child holds its own copy of the descriptor
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # SIGINT back to its default first: a test run started in the background (`cmd &`) ignores SIGINT, the
+        # child would inherit that, and Python installs its KeyboardInterrupt handler only over the default
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, log
 
 

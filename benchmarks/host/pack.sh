@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds .hostpack/: what the e2e benchmark needs on a GPU machine that its image lacks (it has torch,
-# numpy, yaml, matplotlib, safetensors, aiohttp, grpcio; no Ray, no pydantic), for Python 3.12, x86-64.
+# numpy, yaml, matplotlib, safetensors, aiohttp, grpcio, transformers; no Ray, pydantic or SQLAlchemy), for
+# Python 3.12, x86-64.
 #
 #   benchmarks/host/pack.sh            # then, on the GPU machine, with .hostpack/ copied beside the checkout:
 #                                      # benchmarks/host/run.sh ...
@@ -23,7 +24,7 @@ dl() {
 # pydantic's and jsonschema's (Ray's) trees, versions as installed here so both machines run the same code
 pin() { .venv/bin/python -c "import importlib.metadata as m; print('$1==' + m.version('$1'))"; }
 dl "$PACK" $(for p in pydantic pydantic_core annotated-types typing-inspection jsonschema \
-                       jsonschema-specifications referencing rpds-py; do pin "$p"; done)
+                       jsonschema-specifications referencing rpds-py sqlalchemy alembic mako; do pin "$p"; done)
 tmp=$(mktemp -d)
 dl "$tmp" "ray==$RAY_VERSION"
 (cd "$tmp" && unzip -q ray-*.whl && rm ray-*.whl \

@@ -24,6 +24,7 @@ from tidal.convert.rlinf import Conversion, to_yaml
 from tidal.core.config import build_config
 from tidal.core.errors import TidalError
 from tidal.core.placement import COMPONENTS, Mode, format_ids
+from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.tracked_run import load_run_config
 
 if TYPE_CHECKING:
@@ -113,6 +114,10 @@ def validate_main(argv: list[str]) -> int:
                       f"{lo}..{hi} (any size; tp={tp}); RLinf's rule would allow only {rlinf}")
         console.print(f"flags: use_pre_process_policy={cfg.cluster.use_pre_process_policy}, "
                       f"use_wait_before_last_iter_policy={cfg.cluster.use_wait_before_last_iter_policy}")
+    elif p.mode in (Mode.COLLOCATED, Mode.HYBRID):   # who takes turns on the shared devices, phase by phase
+        console.print(f"static {p.mode.value} placement; each step:")
+        for line in Sharing.of(p, cfg.actor).plan(p):
+            console.print(f"  {line}")
     # every check `tidal train` makes before a worker starts: the model, tokenizer, prompts and verifier as it
     # reads them, the device kind, the cores, the database URL, a resume checkpoint
     from tidal.pipeline.preflight import preflight

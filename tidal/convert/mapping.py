@@ -252,6 +252,8 @@ def _actor(b: Builder) -> None:
         else:
             b.drop("actor.lr_sched.max_lr", "differs from actor.optim.lr; Tidal has one peak LR (actor.lr, "
                                             "from actor.optim.lr)")
+    for kind in ("optimizer", "grad", "weight"):   # used where the actor shares devices with rollout
+        b.simple(f"actor.offload_{kind}", f"actor.offload_{kind}", b.as_bool)
     micro = b.simple("algorithm.training_batch_size_per_gpu", "actor.micro_batch_size", b.as_int, positive)
     other = b.take("actor.micro_batch_size")
     if other not in (ABSENT, None):
@@ -288,6 +290,8 @@ def _rollout(b: Builder) -> None:
     b.simple(f"{sp}.max_new_tokens", "rollout.max_new_tokens", b.as_int, positive)
     b.simple("rollout.tensor_parallel_size", "rollout.tensor_parallel_size", b.as_int, positive)
     b.simple("rollout.max_running_requests", "rollout.max_running_requests", b.as_int, positive)
+    b.simple("rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", b.as_float,
+             lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
     backend = b.take("rollout.rollout_backend")
     if backend not in (ABSENT, None):
         if str(backend).lower() == "vllm":

@@ -73,9 +73,11 @@ class ClusterConfig(Section):
     component_placement: dict[str, Any] = Field(
         default_factory=lambda: {"actor": "0-1", "rollout": "2-5", "inference": "6-7"},
         description='RLinf placement (RLinf key): component -> device ids, e.g. `"0-3"`, `"0-1,4-5"`, `5` or `all`; '
-                    'one key naming several components (`"actor,rollout": 0-7`) shares those devices. Components: '
-                    "actor, rollout, inference, each placed once, on ids below the cluster's device count. `tidal "
-                    "train` needs the three on disjoint devices.")
+                    'one key naming several components (`"actor,rollout": 0-7`) shares those devices: collocated '
+                    "(all three on one set) or hybrid (two share, one apart), static placements whose shared devices "
+                    "generate, "
+                    "score and train in turn (`tidal validate` prints the plan). Components: actor, rollout, "
+                    "inference, each placed once, on ids below the cluster's device count.")
     auto_scheduler: bool = Field(
         False,
         description="Dynamic scheduling (RLinf key): devices move between components at run time under "
@@ -193,6 +195,20 @@ class ActorConfig(Section):
         description="Actor compute dtype (RLinf: actor.model.precision): float32, bfloat16; `auto`: fp32 on CPU, bf16 "
                     "with fp32 master weights on GPU. `tidal train` always computes in auto's dtype: the value is not "
                     "passed to the actor.")
+    offload_optimizer: bool = Field(
+        False,
+        description="On devices the actor shares with rollout (collocated, or an `actor,rollout` placement key): "
+                    "while they generate, the fp32 master weights and Adam moments wait in pinned host memory and come "
+                    "back before the actor trains (RLinf key). Disjoint placements: unused.")
+    offload_grad: bool = Field(
+        False,
+        description="On devices the actor shares with rollout: the gradient buffer (and pooled buffers) are freed "
+                    "while they generate; it holds nothing between iters (RLinf key). Disjoint placements: unused.")
+    offload_weight: bool = Field(
+        False,
+        description="On devices the actor shares with rollout: the actor's parameters wait in pinned host memory "
+                    "while they generate; the engines there got their copy at the weight sync (RLinf key). Disjoint "
+                    "placements: unused.")
 
 
 class RolloutConfig(Section):
@@ -220,6 +236,12 @@ class RolloutConfig(Section):
     top_k: int = Field(
         0, ge=0, le=1 << 22,
         description="Top-k sampling; 0 disables it (RLinf: algorithm.sampling_params.top_k).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1,
+        description="Fraction of a GPU's memory a native rollout engine may fill with its weights and KV cache (RLinf "
+                    "key): it holds min(`max_running_requests`, what fits) KV slots. On a device shared with the "
+                    "actor, count what the actor keeps resident there while it generates (see `actor.offload_*`). CPU "
+                    "devices: unused.")
     slices_ahead: int = Field(
         2, ge=1, le=4,
         description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 the next slice "

@@ -7,6 +7,8 @@ States and the allowed edges (anything else is refused, naming both states)::
     MOVING ──► ACTOR | ROLLOUT | INFERENCE      the old role has freed it; the new role takes it
     MOVING ──► FREE                              released with no taker yet
     ACTOR | ROLLOUT | INFERENCE ──► FREE         shutdown / end of run
+    FREE ──► SHARED ──► FREE                     a static placement time-shares the device between components
+                                                 (collocated, hybrid); it never moves while shared
 
 A device is never in two roles: while its old role still holds memory on it, it is MOVING and no one can
 take it ("never double-book"). Each transition records a reason and a timestamp from an injected clock.
@@ -33,6 +35,7 @@ class Owner(str, enum.Enum):
     ROLLOUT = "rollout"
     INFERENCE = "inference"
     MOVING = "moving"
+    SHARED = "shared"
 
 
 ROLES = (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE)
@@ -44,6 +47,8 @@ TRANSITIONS: dict[tuple[Owner, Owner], str] = {
     **{(Owner.MOVING, r): "the old role freed the device; the new role takes it" for r in ROLES},
     (Owner.MOVING, Owner.FREE): "released with no taker",
     **{(r, Owner.FREE): "the role shuts down" for r in ROLES},
+    (Owner.FREE, Owner.SHARED): "a static placement shares the device between components",
+    (Owner.SHARED, Owner.FREE): "the shared components shut down",
 }
 
 
@@ -100,7 +105,7 @@ class DeviceLedger:
             self._owner[d] = dst
 
     def assign(self, devices: Iterable[int], role: Owner, reason: str) -> None:
-        """FREE -> role."""
+        """FREE -> role (or SHARED)."""
         self._move(devices, role, reason, (Owner.FREE,))
 
     def release(self, devices: Iterable[int], reason: str) -> None:
@@ -112,5 +117,5 @@ class DeviceLedger:
         self._move(devices, role, reason, (Owner.MOVING,))
 
     def free(self, devices: Iterable[int], reason: str) -> None:
-        """MOVING or role -> FREE."""
-        self._move(devices, Owner.FREE, reason, (Owner.MOVING, *ROLES))
+        """MOVING, role or SHARED -> FREE."""
+        self._move(devices, Owner.FREE, reason, (Owner.MOVING, Owner.SHARED, *ROLES))

@@ -14,7 +14,8 @@ Modes, derived (never configured):
 - auto: disaggregated with `auto_scheduler: True`; then the devices must run contiguously in the order
   actor -> rollout -> inference with the actor starting at device 0, because the actor grows into the
   devices that rollout releases next to it, and rollout into those inference releases.
-Partially shared placements (some components share, others not) are "hybrid": valid for static runs.
+Partially shared placements (two components share, the third apart) are "hybrid". Collocated and hybrid
+placements run static: the components sharing a device take turns on it (tidal/pipeline/sharing.py).
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
     if auto_scheduler:
         if mode is not Mode.AUTO:
             shared = sorted((a & r) | (a & i) | (r & i))
-            raise ConfigError(field, shared, "auto_scheduler needs disjoint placements (these devices are shared)",
-                              "give actor, rollout and inference separate ranges, or set auto_scheduler: false")
+            raise ConfigError(field, shared, "auto_scheduler moves devices between components at run time, so "
+                              "each device must start in exactly one (these are shared)",
+                              "give actor, rollout and inference separate ranges, or set auto_scheduler: false "
+                              "(the shared placement then runs static, its components taking turns)")
         order = list(sets["actor"]) + list(sets["rollout"]) + list(sets["inference"])
         if order != list(range(len(order))):
             raise ConfigError(field, {c: sets[c] for c in COMPONENTS},

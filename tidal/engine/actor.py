@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.core.errors import LayoutError, TrainingError
+from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, Transformer, check_tp, init_global_weights, param_specs, rope_tables
@@ -217,6 +218,7 @@ class ActorShard:
         self.state: ShardState | None = None
         self.model: Transformer | None = None
         self._grad: torch.Tensor | None = None
+        self.offloaded: set[str] = set()   # state buffers in host memory, "grad" freed (`offload`) until `onload`
         coord = layout.coord(rank)
         if coord is None:
             return
@@ -288,6 +290,7 @@ class ActorShard:
         """One optimizer step over the iter's queue (collective over the layout). None on ranks outside it."""
         if self.state is None:
             return None
+        self._require_resident("train_iter")
         start = time.perf_counter()
         st, g, lay = self.state, self.groups.get(self.layout), self.layout
         grad = self._grad_buffer()
@@ -449,6 +452,7 @@ class ActorShard:
         state) catches up with it first. `prepared`: this rank's program made by the caller
         (`engine.reshard.commit.prepare_programs`), used when its inputs match this rank's, else planned here."""
         check_tp(self.args, new_layout.tp)
+        self._require_resident("reshard")
         self.sync_layout(old_layout)
         if local:
             missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
@@ -500,10 +504,111 @@ class ActorShard:
         if self.state is not None:
             self.state.release(self.pool)
         self.state, self.layout, self.model, self._grad = state, layout, None, None
+        self.offloaded.clear()   # the new state was built on the device
         if state is None and not self.keep_pool_on_leave:
             self.free()
         elif state is not None:
             self._bind()
+
+    # ---- memory hand-over (devices the actor shares with generation) -------------------------------
+    def offload(self, *, optimizer: bool, grad: bool, weight: bool) -> int:
+        """Give the device to a generation engine while the actor idles on it: the fp32 master weights and Adam
+        moments (`optimizer`) and the parameters (`weight`) move to host memory (pinned on CUDA, so `onload` is
+        one async copy each); the grad buffer and the pooled buffers are freed (`grad`: between iters they hold
+        nothing, `_grad_buffer` zeroes them before use). Returns the bytes that left the device. A no-op outside
+        the layout or for what is off already. `onload` restores the state bit for bit; until then this rank
+        neither trains nor reshards."""
+        if self.state is None:
+            return 0
+        st, moved = self.state, 0
+        for kind in (OPT_KINDS if optimizer else ()) + (("param",) if weight else ()):
+            if kind in self.offloaded:
+                continue
+            dev = st.buffer(kind)
+            host = torch.empty(dev.shape, dtype=dev.dtype, device="cpu", pin_memory=dev.is_cuda)
+            host.copy_(dev)
+            moved += dev.numel() * dev.element_size()
+            self._set_buffer(kind, host)
+            self.offloaded.add(kind)
+        if (grad or weight) and self._grad is not None:   # the parameters' .grad are views of it
+            moved += self._grad.numel() * self._grad.element_size()
+            for p in cast(Transformer, self.model).parameters():
+                p.grad = None
+            self._grad = None
+        if grad or weight:
+            moved += self.pool.bytes()
+            self.pool.clear()
+            self.offloaded.add("grad")   # nothing to copy back; the rank still trains only after `onload`
+        if weight:   # the bound model's parameters are views of the device buffer: unbind them too
+            self._skeletons.pop(self.layout, None)
+            self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return moved
+
+    def onload(self) -> int:
+        """Back on the device what `offload` moved (bit for bit); returns the bytes copied."""
+        if self.state is None or not self.offloaded:
+            return 0
+        moved = 0
+        for kind in sorted(self.offloaded - {"grad"}):
+            host = self.state.buffer(kind)
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            dev.copy_(host, non_blocking=True)
+            moved += host.numel() * host.element_size()
+            self._set_buffer(kind, dev)
+        rebind = "param" in self.offloaded
+        self.offloaded.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if rebind or self.model is None:
+            self._bind()
+        return moved
+
+    def resident_bytes(self) -> int:
+        """Bytes of this rank's state, grad buffer and pooled buffers on the device (what `offload` leaves)."""
+        if self.state is None:
+            return 0
+        n = sum(self.state.buffer(k).numel() * self.state.buffer(k).element_size()
+                for k in ("param",) + OPT_KINDS if k not in self.offloaded)
+        if self._grad is not None:
+            n += self._grad.numel() * self._grad.element_size()
+        return n + self.pool.bytes(self.device)
+
+    def _set_buffer(self, kind: str, t: torch.Tensor) -> None:
+        st = cast(ShardState, self.state)
+        if kind == "param":
+            st.flat_param = t
+        else:
+            setattr(st, kind, t)
+
+    def _require_resident(self, op: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"actor rank {self.rank}: {op} while {sorted(self.offloaded)} are offloaded "
+                               "(onload first)")
+
+    def gather_replica(self) -> dict[str, torch.Tensor] | None:
+        """The full weights (global shapes, compute dtype, on this device), on every rank of the layout: the TP
+        shards of this rank's DP replica all-gathered over its TP group (collective over the layout; device to
+        device). What an engine sharing this device loads, with no trip through the driver. None outside."""
+        if self.state is None:
+            return None
+        self._require_resident("gather_replica")
+        lay = self.layout
+        d = cast(Coord, self.coord)[1]
+        if lay.tp == 1:
+            return {s.name: self.state.param(i).detach().clone() for i, s in enumerate(self.specs)}
+        shapes = [ZeroShape.of(self.specs, lay.tp, lay.dp, r, d) for r in range(lay.tp)]
+        width = max(s.param_total for s in shapes)   # uneven vocab splits: TP shards differ in size
+        mine = torch.zeros(width, dtype=self.dtype, device=self.device)
+        mine[:self.state.shape.param_total].copy_(self.state.flat_param)
+        parts = [torch.empty_like(mine) for _ in range(lay.tp)]
+        dist.all_gather(parts, mine, group=self.groups.get(lay).tp)
+        shards = [{spec.name: part[s.param_offsets[i]:s.param_offsets[i] + s.param_numel[i]]
+                   .view(spec.tp_shape(lay.tp, r)) for i, spec in enumerate(self.specs)}
+                  for r, (s, part) in enumerate(zip(shapes, parts))]
+        return rollout_shard(self.args, shards, 1, 0)
 
     # ---- views for checks and rollout ----------------------------------------------------------------
     def state_dict_global(self) -> dict[str, torch.Tensor]:

@@ -145,8 +145,10 @@ class BufferPool:
         base = t if t._base is None else t._base
         self._free.setdefault((base.dtype, base.device), []).append(base)
 
-    def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bs in self._free.values() for b in bs)
+    def bytes(self, device: torch.device | None = None) -> int:
+        """Bytes pooled (on `device` only, if given)."""
+        return sum(b.numel() * b.element_size() for (_, dev), bs in self._free.items() for b in bs
+                   if device is None or dev == device)
 
     def clear(self) -> None:
         self._free.clear()

@@ -86,6 +86,9 @@ class StepState:
     rollout_gap_s: float = 0.0
     rollout_gc_s: float = 0.0    # the instances' garbage-collector pauses, summed
     reward_timeouts: int = 0     # reward calls cut by reward.timeout_s (scored 0)
+    # shared placements (tidal.pipeline.sharing): the step's hand-over to training and its KV release are done
+    handed_over: bool = False
+    kv_freed: bool = False
     waiting_since: dict[int, float] = field(default_factory=dict)   # instance -> since when it holds work, no call
     last_result: dict[int, float] = field(default_factory=dict)     # instance -> when its last call came back
 

@@ -41,10 +41,11 @@ from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.pipeline.control import ControlLoop
+from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles
 from tidal.workers.gc_pauses import GcPauses
-from tidal.workers.messages import KeptWeights, RolloutReport
+from tidal.workers.messages import KeptWeights, RolloutModel, RolloutReport
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import WorkerGroup
 
@@ -106,6 +107,8 @@ class Pipeline:
         self.timeline = Timeline()
         self.cluster = Cluster(group, self.ledger, self.timeline, self.clock, self.initial_layout, p.rollout,
                                p.inference)
+        #: static placements whose components share devices: who waits for whom there (tidal.pipeline.sharing)
+        self.sharing = Sharing.of(p, cfg.actor)
         self.version = 0
         self.data_pos = DataPosition()
         self._weights: dict | None = weights   # the initial weights, until start() has sent them
@@ -133,9 +136,7 @@ class Pipeline:
         g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
         # what the actuator needs to plan reshards here rather than on (capped) workers
         self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
-        self.ledger.assign(self.initial_layout.devices, Owner.ACTOR, "placement")
-        self.ledger.assign(c.rollout, Owner.ROLLOUT, "placement")
-        self.ledger.assign(c.inference, Owner.INFERENCE, "placement")
+        self._assign_placement()
         self._load_generation(ref, step=0)
         actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
                                lambda d: {"weights": self.weights_for(d), "version": self.version},
@@ -155,20 +156,96 @@ class Pipeline:
         g.gather(g.submit_all(roles.freeze_gc))
         self.gc.take()
 
+    def _assign_placement(self) -> None:
+        """The ledger at start: each device to its component, or SHARED where a static placement puts several."""
+        c, owners = self.cluster, {}
+        for role, devices in ((Owner.ACTOR, self.initial_layout.devices), (Owner.ROLLOUT, c.rollout),
+                              (Owner.INFERENCE, c.inference)):
+            for d in devices:
+                owners[d] = Owner.SHARED if d in owners else role
+        for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE, Owner.SHARED):
+            mine = [d for d, o in owners.items() if o is role]
+            if mine:
+                self.ledger.assign(mine, role, "placement")
+
     def _load_generation(self, weights_ref, step: int) -> None:
         """Rollout and inference engines of `self.version`: from the worker's kept copy where it has one, else
-        from `weights_ref` (None only when every engine's device kept a copy)."""
-        c, g = self.cluster, self.group
+        from `weights_ref` (None only when every engine's device kept a copy). On devices the actor shares with
+        rollout the actor first hands the device over (`actor.offload_*`), so the engines find the memory free;
+        where rollout and inference share a device inference scores with the rollout engine's model."""
+        c, g, share = self.cluster, self.group, self.sharing
         self.weights_ref = weights_ref  # kept: instances started mid-step (lend, StartRollout) load these weights
 
         def w(d):
             return KeptWeights(self.version) if d in self.kept else weights_ref
 
+        hand = self._to_generation()
         hs = [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
                        version=self.version, step=step) for d in c.rollout]
-        hs += [g.submit(d, roles.inference_load, weights=w(d), version=self.version)
-               for d in c.inference]
+        hs += [g.submit(d, roles.inference_load, version=self.version,
+                        weights=RolloutModel(self.version) if share.inference_uses_rollout_model() and d in c.rollout
+                        else w(d)) for d in c.inference]
+        if share.any and not self.cfg.cluster.auto_scheduler and self.kept:   # no engine starts mid-step
+            hs += g.submit_all(roles.drop_kept, device_ids=sorted(self.kept))
         g.gather(hs)
+        self._record_handover("to_generation", hand, step)
+
+    # ---- shared devices: hand-overs between generation and training -------------------------------------------
+    def _shared_actor_devices(self) -> list[int]:
+        """Actor devices that also generate (their hand-overs run each step)."""
+        return sorted(set(self.initial_layout.devices) & set(self.cluster.rollout)) \
+            if self.sharing.actor_rollout else []
+
+    def _to_generation(self) -> list:
+        """The actor's devices that generate next: its state to host memory as `actor.offload_*` say (calls
+        queued before the engines' loads, not waited for here)."""
+        devices = self._shared_actor_devices()
+        if not devices:
+            return []
+        off = self.sharing.offloads
+        return [(d, self.group.submit(d, roles.actor_offload, **off)) for d in devices]
+
+    def _to_training(self, st: StepState) -> None:
+        """Once per step, before the first iter on devices the actor shares with rollout: the engines there are
+        released (weights and KV; inference too where it shares them and has scored everything) and the actor's
+        state comes back."""
+        devices = self._shared_actor_devices()
+        if st.handed_over or not devices:
+            return
+        st.handed_over = True
+        c, g = self.cluster, self.group
+        c.drain(self._on_result, set(devices))   # the instances' last (empty) slices
+        t0 = self.clock()
+        hs = []
+        for d in devices:
+            if d in c.inference and self.sharing.train_waits_for_scoring():
+                hs.append(g.submit(d, roles.inference_release))
+            hs.append(g.submit(d, roles.rollout_release))
+        hand = [(d, g.submit(d, roles.actor_onload)) for d in devices]
+        g.gather(hs)
+        self._record_handover("to_training", hand, st.step)
+        c.timeline.add_busy(devices, "moving", "hand-over", t0, self.clock())
+
+    def _free_kv(self, st: StepState) -> None:
+        """Generation is done: devices that score next free their rollout engines' KV caches (once per step)."""
+        if st.kv_freed or not self.sharing.score_waits_for_rollout() or st.generated < st.num_groups:
+            return
+        st.kv_freed = True
+        c, g = self.cluster, self.group
+        devices = sorted(set(c.rollout) & set(c.inference))
+        c.drain(self._on_result, set(devices))
+        g.gather(g.submit_all(roles.rollout_free_kv, device_ids=devices))
+
+    def _record_handover(self, direction: str, calls: list, step: int) -> None:
+        """One `handover` event per hand-over: bytes and seconds (slowest device), the actor's bytes left on its
+        devices, and on CUDA the phase's peak device memory that it ends."""
+        if not calls:
+            return
+        reports = self.group.gather([h for _, h in calls])
+        keys = sorted({k for r in reports for k in r})
+        agg = {k: max(r.get(k, 0.0) for r in reports) for k in keys}
+        self.cluster.record("handover", step=step, direction=direction, devices=[d for d, _ in calls],
+                            offload=self.sharing.offloads, **agg)
 
     def weights_for(self, device: int):
         """What an engine started on `device` mid-step (a lend, `StartRollout`) loads: the copy its worker kept,
@@ -308,6 +385,10 @@ class Pipeline:
 
     def _feed_inference(self) -> None:
         st, c = self.step_state, self.cluster
+        if self.sharing.score_waits_for_rollout():   # the devices generate first (scoring is on all of them)
+            if st.generated < st.num_groups:
+                return
+            self._free_kv(st)
         idle = [d for d in c.inference if not c.busy(d)]
         if not st.to_score or not idle:
             return
@@ -343,6 +424,11 @@ class Pipeline:
         st.held = False
         if not ready:
             return
+        share = self.sharing
+        if share.train_waits_for_rollout() and (st.generated < st.num_groups or (
+                share.train_waits_for_scoring() and len(st.scored) < st.num_groups)):
+            return   # its devices generate (and score) first: the step's phases run in turn there
+        self._to_training(st)
         if self.cluster.lent & set(self.cluster.actor_layout.devices):
             if st.generated < st.num_groups:
                 return   # its devices host rollout instances: the actor trains once the policy takes them back
@@ -434,11 +520,14 @@ class Pipeline:
     # ---- end of step ----------------------------------------------------------------------------------------
     def _keep_weights(self) -> None:
         """Step end, before the placement is restored (the actor shrinks back to its initial devices then): where
-        the actor's ranks hold whole replicas (TP 1) each keeps a copy for the next version, so the engines that
-        run there next load it in place (`sync_weights`). Asked of every device, so the others drop an older copy
-        (it could never be loaded again: its version is past). Not waited for: each worker runs it before the
-        reshard queued behind it. Only with the scheduler on: a static actor never shares a device with an engine."""
-        if not self.cfg.cluster.auto_scheduler or self.cluster.actor_layout.tp != 1:
+        each of the actor's ranks keeps a whole replica for the next version, so the engines that run there next
+        load it in place (`sync_weights`). Asked of every device, so the others drop an older copy (it could never
+        be loaded again: its version is past). Not waited for: each worker runs it before the reshard queued behind
+        it. With the scheduler on at TP 1 (TP > 1 would gather every step for the few lends that use it), and on
+        static placements where the actor shares devices with an engine (any TP: the TP shards are all-gathered
+        on the actor's devices)."""
+        shares = self.sharing.actor_rollout or self.sharing.actor_inference
+        if not shares and (not self.cfg.cluster.auto_scheduler or self.cluster.actor_layout.tp != 1):
             self._keeping = []
             return
         self._keeping = [(d, self.group.submit(d, roles.actor_keep_weights, version=self.version + 1))

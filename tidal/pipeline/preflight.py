@@ -3,8 +3,8 @@ a config that validates is one that starts (and one that does not start fails va
 
     inputs, kind = preflight(cfg, tracked=True, resume_from=None)
 
-Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1,
-disjoint placements), the model, tokenizer, prompts and verifier (`read_inputs`), the device kind (`cuda` needs
+Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1),
+the model, tokenizer, prompts and verifier (`read_inputs`), the device kind (`cuda` needs
 a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is tracked, and a
 resume checkpoint (marker, checksums, model, and that it leaves steps to train). Reads; writes nothing.
 """
@@ -30,10 +30,6 @@ def check_runnable(cfg: TidalConfig) -> None:
         raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
                           "the pipeline runs rollout and inference instances on one device each for now",
                           "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
-    if cfg.placement.mode.value in ("collocated", "hybrid"):
-        raise ConfigError("cluster.component_placement", cfg.placement.mode.value,
-                          "the streaming pipeline needs disjoint devices per component",
-                          "place actor, rollout and inference on separate devices")
 
 
 def device_kind(cfg: TidalConfig) -> Literal["cpu", "cuda"]:

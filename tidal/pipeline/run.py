@@ -145,7 +145,8 @@ def run_spec(cfg: TidalConfig, inputs):
                    max_running_requests=r.max_running_requests, group_size=cfg.algorithm.group_size,
                    micro_batch_size=cfg.actor.micro_batch_size, clip_eps=cfg.algorithm.clip_eps,
                    kl_coef=cfg.algorithm.kl_coef, tokenizer=inputs.tokenizer_spec, reward=inputs.reward,
-                   reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed)
+                   reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed,
+                   gpu_memory_utilization=r.gpu_memory_utilization)
 
 
 class TrainingRun:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f"}
+ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f",
+               "shared": "#9467bd"}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,14 @@ class KeptWeights:
 
 
 @dataclass(frozen=True)
+class RolloutModel:
+    """Score with the model of this worker's rollout engine, which holds `version` (one copy of the weights on a
+    device rollout and inference share)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
 class RolloutReport:
     """One rollout instance after a time slice. Counters of the whole step: `tokens`, `emitted`; of this slice:
     `busy_s`, `pumps`, `mean_batch`, `call_tokens`, `gc_s`, `reward_timeouts`."""

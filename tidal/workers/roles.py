@@ -25,9 +25,11 @@ from typing import Any, cast
 
 import torch
 
+from tidal.core.errors import TidalError
 from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueue
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
+from tidal.engine.generation.protocol import EngineStatus
 from tidal.engine.generation.requests import RequestState, SamplingParams
 from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
 from tidal.engine.hf_tokenizer import TokenizerSpec
@@ -43,6 +45,7 @@ from tidal.workers.messages import (
     MigrationPackage,
     MoveResult,
     ReshardReport,
+    RolloutModel,
     RolloutReport,
 )
 from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
@@ -67,6 +70,8 @@ class RunSpec:
     vocab_limit: int | None
     """Generation samples ids below this (the tokenizer's size) when the embedding is padded past it."""
     seed: int
+    gpu_memory_utilization: float = 0.5
+    """Fraction of a GPU's memory a rollout engine fills with weights and KV slots (CPU: unused)."""
 
 
 @dataclass
@@ -265,23 +270,80 @@ def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
 
 
 def actor_keep_weights(ctx, version: int) -> bool:
-    """Step end, before the actor leaves this device: keep a copy of its weights for generation `version` when
-    this rank holds all of them (TP 1: every DP rank is a whole replica). The next step's rollout or inference
-    engine on this device loads them in place instead of through the driver (`Pipeline.sync_weights`).
-    Returns whether a copy was kept (any older copy is dropped either way)."""
+    """Step end, before the actor leaves this device: keep a whole replica of its weights for generation
+    `version` on every rank of the layout (TP 1: a copy; TP > 1: the TP group's shards all-gathered, collective
+    over the layout). The next step's rollout or inference engine on this device loads them in place instead of
+    through the driver (`Pipeline.sync_weights`). Returns whether a copy was kept (any older copy is dropped
+    either way)."""
     roles = roles_of(ctx)
     roles.kept = None
-    exported = actor_of(ctx).export_weights()
-    if exported is None or exported.tp != 1:
+    replica = actor_of(ctx).gather_replica()
+    if replica is None:
         return False
-    roles.kept = KeptCopy(version, {k: v.detach().clone() for k, v in exported.tensors.items()})
+    roles.kept = KeptCopy(version, replica)
     return True
+
+
+def drop_kept(ctx) -> None:
+    """The engines on this device have loaded the kept copy: free it (static shared placements start no engine
+    mid-step that would need it)."""
+    roles_of(ctx).kept = None
+
+
+def actor_offload(ctx, optimizer: bool, grad: bool, weight: bool) -> dict[str, float]:
+    """Hand this device to generation: the actor's state as `ActorShard.offload` says. Returns the bytes moved,
+    the seconds, the actor's bytes still on the device, and (CUDA) the device's peak since the last hand-over:
+    the training phase's."""
+    shard = actor_of(ctx)
+    before = _device_memory(ctx)
+    t0 = time.perf_counter()
+    moved = shard.offload(optimizer=optimizer, grad=grad, weight=weight)
+    return {"bytes": float(moved), "seconds": time.perf_counter() - t0,
+            "actor_resident": float(shard.resident_bytes()), **{f"phase_{k}": v for k, v in before.items()}}
+
+
+def actor_onload(ctx) -> dict[str, float]:
+    """Hand this device back to training: what `actor_offload` moved comes back (bit for bit). Returns as
+    `actor_offload` does; the peak is the generation (and scoring) phase's."""
+    shard = actor_of(ctx)
+    before = _device_memory(ctx)
+    t0 = time.perf_counter()
+    moved = shard.onload()
+    return {"bytes": float(moved), "seconds": time.perf_counter() - t0,
+            "actor_resident": float(shard.resident_bytes()), **{f"phase_{k}": v for k, v in before.items()}}
+
+
+def _device_memory(ctx) -> dict[str, float]:
+    """This device's allocated bytes now and its peak since the last call, which starts a new peak (CUDA; empty
+    on CPU)."""
+    if ctx.device.type != "cuda":
+        return {}
+    out = {"allocated": float(torch.cuda.memory_allocated(ctx.device)),
+           "peak": float(torch.cuda.max_memory_allocated(ctx.device))}
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return out
 
 
 def kept_weights(ctx, version: int) -> dict[str, torch.Tensor]:
     """The kept copy of `version` as global fp32 CPU tensors (what `Pipeline.global_weights` returns): for an
     instance started mid-step on a device that kept none."""
     return {k: v.to("cpu", torch.float32).clone() for k, v in _weights(ctx, KeptWeights(version)).items()}
+
+
+def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
+    """KV bytes a rollout engine on `device` may hold: `rollout.gpu_memory_utilization` of the GPU less the
+    engine's weights, and no more than is free now. None on CPU (one slot per running request)."""
+    if torch.device(device).type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = min(int(spec.gpu_memory_utilization * total) - weights, int(free * 0.95))
+    if budget <= 0:
+        raise TidalError("rollout.gpu_memory_utilization", spec.gpu_memory_utilization,
+                         f"leaves no KV memory on {device}: the engine's weights take {weights / 2**30:.2f} GiB of "
+                         f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)",
+                         "raise it, or offload the actor's state on shared devices (actor.offload_*)")
+    return budget
 
 
 def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
@@ -316,9 +378,11 @@ def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) 
         engine = old.engine
     else:
         # `weights` None without an engine of `version` here: the caller's error (fails in _model_with)
-        engine = NativeEngine(_model_with(spec, cast(dict[str, torch.Tensor], loaded), ctx.device),
-                              EngineConfig(max_running_requests=spec.max_running_requests,
-                                           vocab_limit=spec.vocab_limit), policy_version=version)
+        roles.rollout = old = None   # the old engine's memory goes before the new one takes any
+        model = _model_with(spec, cast(dict[str, torch.Tensor], loaded), ctx.device)
+        engine = NativeEngine(model, EngineConfig(max_running_requests=spec.max_running_requests,
+                                                  kv_budget_bytes=_kv_budget(spec, model, ctx.device),
+                                                  vocab_limit=spec.vocab_limit), policy_version=version)
     queue = GroupQueue([])
     out: list = []
     inst = RolloutInstance(instance_id, engine, queue, out.append, spec.sampling, spec.group_size, spec.seed, step)
@@ -487,13 +551,35 @@ def rollout_release(ctx) -> int:
         roles.rollout = r   # refused: it stays an instance
         raise RuntimeError(f"device {ctx.device_id}: rollout released with requests in flight "
                            f"{r.engine.request_ids()[:4]} (migrate them first)")
-    r.engine.release_memory()
+    if r.engine.status is not EngineStatus.RELEASED:
+        r.engine.release_memory()
     return 0
+
+
+def rollout_free_kv(ctx) -> None:
+    """Generation is done here and this device scores next: free the engine's KV cache, keep its weights (the
+    scorer reads the same model). The instance stays, idle, until `rollout_release` or the next weight sync."""
+    r = _rollout(ctx)
+    if r.engine.request_ids():   # the driver's invariant: every group of the step came back generated
+        raise RuntimeError(f"device {ctx.device_id}: KV freed with requests in flight {r.engine.request_ids()[:4]}")
+    if r.engine.status is not EngineStatus.RELEASED:
+        r.engine.release_memory(keep_weights=True)
 
 
 # ---- inference --------------------------------------------------------------------------------------------
 def inference_load(ctx, weights: Any, version: int) -> int:
+    """Score with the weights of `version`: `weights` global weights (or an object ref), `KeptWeights` (this
+    worker's kept copy), or `RolloutModel`: the model of this worker's rollout engine (a device rollout and
+    inference share holds one copy of the weights)."""
     roles = roles_of(ctx)
+    roles.inference = None
+    if isinstance(weights, RolloutModel):
+        r = roles.rollout
+        if r is None or r.version != weights.version:
+            have = "no rollout engine" if r is None else f"a rollout engine of version {r.version}"
+            raise RuntimeError(f"device {ctx.device_id} has {have}, not one of version {weights.version}")
+        roles.inference = InferenceSlot(r.engine.model, version)
+        return version
     roles.inference = InferenceSlot(_model_with(roles.run, _weights(ctx, weights), ctx.device), version)
     return version
 
@@ -520,6 +606,8 @@ def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
 
 def inference_release(ctx) -> None:
     roles_of(ctx).inference = None
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def evaluate(ctx, items: list[EvalItem]) -> float:

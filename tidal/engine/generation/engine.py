@@ -161,6 +161,7 @@ class NativeEngine(GenerationEngine):
         self.status = EngineStatus.READY
         self._param_shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
         self._offload: dict[str, torch.Tensor] | None = None
+        self._weights_kept = False   # released with keep_weights: only the KV cache was freed
         self._live: dict[str, _Live] = {}
         self._waiting: deque[str] = deque()
         self._slots: list[str | None] = [None] * width
@@ -509,11 +510,13 @@ class NativeEngine(GenerationEngine):
             raise IllegalTransition(self.status, dst, op)
         self.status = dst
 
-    def release_memory(self, offload: bool = False) -> None:
-        """Free KV and weights (parameters become empty). `offload`: keep a host copy for `resume()`."""
+    def release_memory(self, offload: bool = False, keep_weights: bool = False) -> None:
+        """Free KV and weights (parameters become empty). `offload`: keep a host copy for `resume()`.
+        `keep_weights`: free the KV cache only (a scorer on this device reads the same model next)."""
         self._need_idle("release_memory")
         self._move(EngineStatus.RELEASED, "release_memory")
-        params = dict(self.model.named_parameters())
+        self._weights_kept = keep_weights
+        params = {} if keep_weights else dict(self.model.named_parameters())
         self._offload = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if offload else None
         for p in params.values():
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -527,15 +530,16 @@ class NativeEngine(GenerationEngine):
             raise IllegalTransition(self.status, EngineStatus.READY, "resume")
         if weights is not None and version is None:
             raise GenerationError("resume: new weights need the policy version they belong to (version=...)")
-        if weights is None and self._offload is None:
+        if weights is None and self._offload is None and not self._weights_kept:
             raise GenerationError("resume: no weights given and none were offloaded; pass weights=... "
                                   "(and version=...), or release with release_memory(offload=True)")
         if weights is not None and version is not None:
             self._check_version(version)
-        for name, p in self.model.named_parameters():
-            p.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
-        self._load(weights if weights is not None else cast(Mapping[str, torch.Tensor], self._offload))  # checked
-        self._offload = None
+        if weights is not None or not self._weights_kept:
+            for name, p in self.model.named_parameters():
+                p.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
+            self._load(weights if weights is not None else cast(Mapping[str, torch.Tensor], self._offload))  # checked
+        self._offload, self._weights_kept = None, False
         if version is not None:
             self._version = version
         self.cache.allocate()

@@ -1,6 +1,6 @@
 """Scheduler benchmark: policy decision latency, simulator speed, simulated step times.
 
-    python benchmarks/scheduler.py --json benchmarks/results/scheduler/<date>_<commit7>_<machine>.json \
+    python benchmarks/scheduling.py --json benchmarks/results/scheduler/<date>_<commit7>_<machine>.json \
         [--steps 10] [--big-steps 100]
 
 1. Decision latency of `rlinf` and `tidal` at 8, 64 and 1,024 devices, `time.perf_counter_ns` around each

@@ -1,0 +1,220 @@
+"""Collocated GRPO on one device: per-phase seconds and peak device memory with and without each actor offload key.
+
+    python benchmarks/collocated.py --json benchmarks/results/collocated/<date>_<commit7>_<machine>.json
+    python benchmarks/collocated.py --quick --json /tmp/collocated.json          # CPU smoke run, tiny model
+
+Every variant is a real `tidal train` run (`tidal.pipeline.run.TrainingRun`: Ray worker, the native engine, the
+actor) with `"actor,rollout,inference": 0` on one device, the same seeds and data, differing only in the
+`actor.offload_*` keys: `none`, `optimizer`, `grad`, `weight`, `all`. Each step on the device, in turn:
+
+    to_generation   actor state -> pinned host memory (the keys set), engines built from a local copy
+    generate        rollout, every group of the step
+    score           inference with the rollout engine's model (its KV cache freed first)
+    to_training     engines released, actor state back on the device
+    train           n_minibatches iters
+
+Figures per variant (steps >= 1; step 0 warms up): step seconds, the driver's phase seconds, the hand-over
+seconds (offload, onload: the workers' copies; and the driver's span of the hand-over to training), and from
+the hand-over events: the actor's bytes left on the device while it generates (`actor_resident`) and the
+device's peak during training (`train_peak`, CUDA). Goals: actor_resident / train_peak < 0.1 with the offloads
+on, and (offload + onload) / step < 0.1. Every variant must end with the same weights (the offloads are exact).
+
+Model: a Qwen2.5-1.5B-shaped Hugging Face checkpoint (random weights, written by `transformers`) with a small
+BPE tokenizer, on GSM8K-format addition problems (`--quick`: a tiny Qwen2 on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {"none": {}, "optimizer": {"offload_optimizer": True}, "grad": {"offload_grad": True},
+            "weight": {"offload_weight": True},
+            "all": {"offload_optimizer": True, "offload_grad": True, "offload_weight": True}}
+QWEN25_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                   max_position_embeddings=4096)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=384, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def commit() -> str:
+    """The measured code's commit: TIDAL_COMMIT where the checkout carries no history, else git's."""
+    if os.environ.get("TIDAL_COMMIT"):
+        return os.environ["TIDAL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    import torch
+    info = f"{os.cpu_count()} {platform.machine()} CPU cores, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        info = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, " + info
+    return info
+
+
+def make_inputs(root: Path, shape: dict, n_train: int = 256) -> tuple[Path, Path, Path]:
+    """A random Qwen2 checkpoint of `shape` (bf16 safetensors, as released checkpoints are) with a BPE tokenizer of
+    the problems' text, and GSM8K-format train / val files of addition problems."""
+    import torch
+    import transformers
+
+    from tidal.engine.hf_tokenizer import train_bpe_tokenizer
+    ckpt = root / "ckpt"
+    rows = [{"question": f"{100 + i}+{500 + 3 * i}=", "answer": f"The sum is #### {600 + 4 * i}"}
+            for i in range(n_train + 32)]
+    texts = [f"<|im_start|>user\n{r['question']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>\n"
+             for r in rows]
+    if not (ckpt / "config.json").is_file():
+        train_bpe_tokenizer(texts, ckpt, vocab_size=300)
+        tok = transformers.AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
+        cfg = transformers.Qwen2Config(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape)
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):   # init where it is fast
+            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        model.save_pretrained(str(ckpt))
+        (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
+                                                                 "pad_token_id": tok.pad_token_id}))
+        del model
+    train, val = root / "train.jsonl", root / "val.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:n_train]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[n_train:]))
+    return ckpt, train, val
+
+
+def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], out: Path):
+    from tidal.core.config import build_config
+    ckpt, train, val = inputs
+    return build_config({
+        "run": {"name": f"collocated-{variant}", "num_steps": a.steps, "seed": 0, "output_dir": str(out),
+                "eval_every": 10_000},
+        "cluster": {"num_devices_per_node": 1, "device": a.device,
+                    "component_placement": {"actor,rollout,inference": "0"}},
+        "model": {"path": str(ckpt)},
+        "data": {"train_files": [str(train)], "val_files": [str(val)], "prompt_key": "question",
+                 "max_prompt_length": 32, "rollout_batch_size": a.prompts, "eval_size": 8, "seed": 0},
+        "actor": {"micro_batch_size": a.micro_batch, "lr": 1e-6, "warmup_iters": 0, **VARIANTS[variant]},
+        "rollout": {"max_new_tokens": a.new_tokens, "max_running_requests": a.prompts * a.group_size,
+                    "gpu_memory_utilization": a.gpu_memory_utilization},
+        "algorithm": {"group_size": a.group_size, "n_minibatches": 2},
+        "warm_start": {"iters": 0},
+    }, [])
+
+
+def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
+    from tidal.pipeline.run import TrainingRun
+    cfg = build(variant, a, inputs, out)
+    run = TrainingRun(cfg, out / cfg.run.name)
+    steps = []
+    try:
+        t0 = time.monotonic()
+        run.open()
+        open_s = time.monotonic() - t0
+        for _ in range(a.steps):
+            run.step()
+            res = run._res
+            events = run.pipe.cluster.events
+            to_train = next(e for e in events if e["kind"] == "handover" and e["direction"] == "to_training"
+                            and e["step"] == res.step)
+            to_gen = next(e for e in events if e["kind"] == "handover" and e["direction"] == "to_generation"
+                          and e["step"] == res.step + 1)   # the weight sync at this step's end
+            # the driver's span of the hand-over to training (it ends as its event is recorded)
+            span = min((sp for sp in run.pipe.timeline.busy if sp.what == "hand-over"),
+                       key=lambda sp: abs(sp.t1 - to_train["time"]))
+            span = span.t1 - span.t0
+            steps.append({"step": res.step, "seconds": res.seconds, "phase_seconds": res.phase_seconds,
+                          "offload_s": to_gen["seconds"], "onload_s": to_train["seconds"],
+                          "offload_bytes": to_gen["bytes"], "onload_bytes": to_train["bytes"],
+                          "to_training_span_s": span,
+                          "actor_resident_bytes": to_gen["actor_resident"],
+                          "train_peak_bytes": to_gen.get("phase_peak", 0.0),
+                          "generate_score_peak_bytes": to_train.get("phase_peak", 0.0),
+                          "reward_mean": run.rewards[-1] if run.rewards else 0.0})
+            print(f"  [{variant}] step {res.step}: {res.seconds:.2f}s, offload {to_gen['seconds']:.3f}s, onload "
+                  f"{to_train['seconds']:.3f}s, actor resident {to_gen['actor_resident'] / 2**30:.2f} GiB, train "
+                  f"peak {to_gen.get('phase_peak', 0.0) / 2**30:.2f} GiB", flush=True)
+        summary = run.finish()
+    finally:
+        run.close()
+    measured = steps[1:] or steps
+    mean = statistics.mean
+    step_s = mean(s["seconds"] for s in measured)
+    train_peak = max(s["train_peak_bytes"] for s in measured)
+    resident = max(s["actor_resident_bytes"] for s in measured)
+    return {"variant": variant, "offload": VARIANTS[variant], "open_s": open_s, "step_s": step_s,
+            "phase_seconds": {k: mean(s["phase_seconds"].get(k, 0.0) for s in measured)
+                              for k in sorted({k for s in measured for k in s["phase_seconds"]})},
+            "offload_s": mean(s["offload_s"] for s in measured), "onload_s": mean(s["onload_s"] for s in measured),
+            "handover_fraction": mean((s["offload_s"] + s["onload_s"]) / s["seconds"] for s in measured),
+            "actor_resident_bytes": resident, "train_peak_bytes": train_peak,
+            "generate_score_peak_bytes": max(s["generate_score_peak_bytes"] for s in measured),
+            "resident_over_train_peak": resident / train_peak if train_peak else None,
+            "final_weights_sha": summary.final_weights_sha, "steps": steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="write results here")
+    ap.add_argument("--quick", action="store_true", help="tiny model on CPU (a smoke run, about 2 min)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--device", default="auto", help="cluster.device: auto (the GPU if there is one), cuda, cpu")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=None, help="data.rollout_batch_size")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=None, help="rollout.max_new_tokens")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--work", default="runs/collocated", help="checkpoint, data and run folders")
+    a = ap.parse_args(argv)
+    a.prompts = a.prompts or (4 if a.quick else 16)
+    a.new_tokens = a.new_tokens or (16 if a.quick else 256)
+    shape = TINY if a.quick else QWEN25_1_5B
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    inputs = make_inputs(work / ("tiny" if a.quick else "qwen2.5-1.5b"), shape)
+    make_s = time.monotonic() - t0
+    res = {"name": "collocated", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "commit": commit(), "machine": machine(),
+           "config": {"model": shape, "weights": "random (transformers init), bf16 checkpoint",
+                      "placement": '"actor,rollout,inference": 0 (one device)', "prompts": a.prompts,
+                      "group_size": a.group_size, "max_new_tokens": a.new_tokens, "n_minibatches": 2,
+                      "micro_batch_size": a.micro_batch, "gpu_memory_utilization": a.gpu_memory_utilization,
+                      "steps": a.steps, "step_figures": "means over steps >= 1 (step 0: warm-up)",
+                      "checkpoint_made_s": make_s},
+           "variants": {}}
+    for v in a.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+        res["variants"][v] = run_variant(v, a, inputs, work)
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))   # what is done so far survives a cut-off run
+    shas = {r["final_weights_sha"] for r in res["variants"].values()}
+    res["same_final_weights"] = len(shas) == 1
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    gib = 2 ** 30
+    print(f"{'variant':<10} {'step s':>7} {'offload s':>9} {'onload s':>8} {'hand-over/step':>14} "
+          f"{'actor resident GiB':>18} {'train peak GiB':>14} {'resident/peak':>13}")
+    for v, r in res["variants"].items():
+        ratio = r["resident_over_train_peak"]
+        print(f"{v:<10} {r['step_s']:7.2f} {r['offload_s']:9.3f} {r['onload_s']:8.3f} {r['handover_fraction']:14.3f} "
+              f"{r['actor_resident_bytes'] / gib:18.2f} {r['train_peak_bytes'] / gib:14.2f} "
+              f"{'-' if ratio is None else f'{ratio:.3f}':>13}")
+    print(f"same final weights across variants: {res['same_final_weights']}")
+    return 0 if res["same_final_weights"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
