@@ -202,6 +202,14 @@ class GRPOBatch:
         """Response tokens in this micro-batch."""
         return int(self.response_mask_BT.sum())
 
+    def to(self, device: torch.device | str) -> GRPOBatch:
+        """This batch on `device` (the actor's), copied once per iter rather than per use."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+        ref = self.ref_logprobs_BT
+        return GRPOBatch(move(self.input_ids_BT), move(self.response_mask_BT), move(self.advantages_BT),
+                         move(self.old_logprobs_BT), None if ref is None else move(ref))
+
 
 def _scatter(mask_BT: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros(mask_BT.shape, dtype=torch.float32)

@@ -192,7 +192,7 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     scored: list[ScoredSample] = _resolve(samples)
     mbs = spec.micro_batch_size
     # padded to max_seq_len like inference, so the two compute the same log-probs bit for bit (ratio 1 at iter 0)
-    batches = [pack_samples(scored[i:i + mbs], tok.pad_id, spec.args.max_seq_len)
+    batches = [pack_samples(scored[i:i + mbs], tok.pad_id, spec.args.max_seq_len).to(ctx.device)
                for i in range(0, len(scored), mbs)]
     loss_fn, loss_metrics = _grpo_loss_fn(spec)
     # None only on ranks outside the layout, returned above (shard.state is None)
@@ -220,7 +220,8 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
                                          spec.args.max_seq_len)
-        out.append([lp.clone() for lp in unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)])
+        out.append([lp.clone() for lp in unpack_response_logprobs(model.token_logprobs(ids_BT.to(ctx.device)),
+                                                                  mask_BT)])
     return out if shard.coord == (0, 0) else None
 
 
@@ -599,7 +600,7 @@ def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), roles.tok.pad_id,
                                          model.args.max_seq_len)
-        lps = unpack_response_logprobs(model.token_logprobs(ids_BT), mask_BT)
+        lps = unpack_response_logprobs(model.token_logprobs(ids_BT.to(ctx.device)), mask_BT)
         out.append(g.scored(tuple(lp.clone() for lp in lps), inf.version))
     return out
 
