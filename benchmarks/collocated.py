@@ -31,10 +31,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tidal.core.provenance import commit
 
 VARIANTS = {"none": {}, "optimizer": {"offload_optimizer": True}, "grad": {"offload_grad": True},
             "weight": {"offload_weight": True},
@@ -44,16 +45,6 @@ QWEN25_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=1
                    max_position_embeddings=4096)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=384, tie_word_embeddings=True, max_position_embeddings=512)
-
-
-def commit() -> str:
-    """The measured code's commit: TIDAL_COMMIT where the checkout carries no history, else git's."""
-    if os.environ.get("TIDAL_COMMIT"):
-        return os.environ["TIDAL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def machine() -> str:

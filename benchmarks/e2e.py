@@ -42,11 +42,13 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tidal.core.placement import parse_device_ids
+from tidal.core.provenance import commit
 
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 #: the labels that run the static policy: disaggregated, and every component on all 8 devices
@@ -401,7 +403,6 @@ def core_speed(cores: set[int] | None, seconds: float = 2.0) -> float:
     the host; measured 17-84 forwards/s around one run on a 2-core machine), which is why the policies' steps
     interleave. Recorded at
     the start of every round."""
-    import subprocess
     cores = cores or set(range(os.cpu_count() or 1))
     out = subprocess.run([sys.executable, "-c", SPEED_PROBE.format(cores=sorted(cores), seconds=seconds)],
                          capture_output=True, text=True, timeout=120, check=True)
@@ -509,7 +510,7 @@ def main(argv=None) -> int:
         os.sched_setaffinity(0, set(range(n_cpu)) - pinned)
     cores = a.share * (len(pinned) or n_cpu)
     res = {"name": "e2e", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "machine": machine(),
+           "commit": commit(), "machine": machine(),
            "config": {"cpu_compute_share": a.share, "cores_per_device": cores,
                       "cpu_share_period_ms": a.share_period_ms,
                       "cpu_device_cores": a.device_cores or "all",

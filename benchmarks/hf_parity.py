@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from tidal.core.provenance import commit
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
 from tidal.engine.hf_checkpoint import load_hf_weights, read_hf_config, weight_files
 from tidal.engine.model import Transformer
@@ -53,16 +52,6 @@ QUICK = dict(QWEN25_1_5B, vocab_size=2048, hidden_size=128, num_hidden_layers=2,
 
 FAMILIES = {"qwen2.5-1.5b": ("Qwen2Config", "Qwen2ForCausalLM", QWEN25_1_5B),
             "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_0_6B)}
-
-
-def _commit() -> str:
-    """The measured code's commit: TIDAL_COMMIT where the checkout carries no history of its own, else git's."""
-    if os.environ.get("TIDAL_COMMIT"):
-        return os.environ["TIDAL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_checkpoint(path: Path, family: str, config: dict, device: str, shard: str) -> float:
@@ -128,7 +117,7 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     config = QUICK if args.quick else FAMILIES[args.family][2]
     out = {"name": "hf_parity", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "commit": _commit(), "machine": f"{platform.machine()} torch {torch.__version__} "
+           "commit": commit(), "machine": f"{platform.machine()} torch {torch.__version__} "
            f"threads {torch.get_num_threads()} " + (torch.cuda.get_device_name() if device == "cuda" else "cpu"),
            "transformers": transformers.__version__, "device": device, "family": args.family, "config": config,
            "seq": args.seq, "batch": args.batch}

@@ -158,6 +158,7 @@ def test_round_trip_of_every_repository_function(engine):
         ledger.assign([0, 1], Owner.ACTOR, "placement")
         ledger.release([1], "actor shrinks")
         ledger.land([1], Owner.ROLLOUT, "rollout grows")
+        ledger.assign([2, 3], Owner.SHARED, "placement")   # a collocated placement's devices
         record_transitions(s, run.id, ledger.history)
         record_transition(s, run.id, device_id=0, from_owner="actor", to_owner="free", reason="shutdown", time=9.0)
         record_reshard(s, run.id, step=0, iter=2, from_layout=Layout(2, 1, (0, 1)),

@@ -174,7 +174,18 @@ def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     assert s_sum.final_weights_sha == d_sum.final_weights_sha
 
 
-def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
+#: 4 slots per instance (its groups run in waves, so moves find requests in flight): the policy tests' placement
+SMALL_WAVES = ["rollout.max_running_requests=4"]
+
+
+@pytest.fixture(scope="module")
+def small_static(tmp_path_factory):
+    """The static run on SMALL_WAVES both failure tests must end like: (summary, groups scored per step)."""
+    _, summary, scored, _ = _run(tmp_path_factory.mktemp("static"), "static", SMALL_WAVES)
+    return summary, scored
+
+
+def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path, small_static):
     """Every consult asks for a move the cluster cannot make (device 9 does not exist): each attempt fails and is
     rolled back, and after `MAX_FAILURES_PER_STEP` in a step the policy is not asked again until the step ends.
     The run completes on its placement and learns exactly what the static run learns."""
@@ -184,8 +195,8 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
         lay = sig.actor.layout
         return [ReshardActor("impossible", lay, ActorLayout(1, 3, (0, 1, 9)))] if sig.trigger != "start" else []
 
-    _static, s_sum, _, _ = _run(tmp_path, "static", [])
-    run, summary, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true"], stubborn)
+    s_sum, _ = small_static
+    run, summary, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true", *SMALL_WAVES], stubborn)
     events = run.pipe.cluster.events
     for step in range(2):
         failed = [e for e in events if e["kind"] == "action" and e.get("step") == step]
@@ -196,7 +207,7 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path):
     assert summary.final_weights_sha == s_sum.final_weights_sha
 
 
-def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_path):
+def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_path, small_static):
     """A wave whose second move targets a device that is not a rollout instance (6 scores): that import fails on
     the target, its export is cancelled on the source (the groups stay and finish there), the first move of the
     same wave lands, the action is recorded as failed with the reason, and the run learns exactly what the
@@ -212,9 +223,9 @@ def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_pat
             return [MigrateBatch("script", moves=((5, 4, 1), (5, 6, 1)), kv=True)]
         return []
 
-    waves = ["rollout.max_running_requests=4"]
-    _static, s_sum, s_scored, _ = _run(tmp_path, "static", waves)
-    run, summary, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *waves], misdirected)
+    s_sum, s_scored = small_static
+    run, summary, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *SMALL_WAVES],
+                                   misdirected)
     events = run.pipe.cluster.events
     failed = [e for e in events if e["kind"] == "action" and not e["ok"]]
     assert failed and all("1 of 2 moves failed" in e["error"] and "5 -> 6" in e["error"] for e in failed), failed
