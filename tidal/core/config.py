@@ -192,9 +192,13 @@ class ActorConfig(Section):
                     "(RLinf key, or algorithm.training_batch_size_per_gpu).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="Actor compute dtype (RLinf: actor.model.precision): float32, bfloat16; `auto`: fp32 on CPU, bf16 "
-                    "with fp32 master weights on GPU. `tidal train` always computes in auto's dtype: the value is not "
-                    "passed to the actor.")
+        description="Compute dtype of the actor and of the rollout and inference engines (RLinf: "
+                    "actor.model.precision): float32, bfloat16; `auto`: fp32 on CPU, bf16 on GPU. The optimizer keeps "
+                    "fp32 master weights either way; the engines load the actor's weights in this dtype.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them: the actor's "
+                    "peak memory for about a third more compute. The update is the same bit for bit on CPU.")
     offload_optimizer: bool = Field(
         False,
         description="On devices the actor shares with rollout (collocated, or an `actor,rollout` placement key): "

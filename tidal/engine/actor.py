@@ -197,7 +197,8 @@ class ActorShard:
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
                  groups: GroupCache | None = None, grad_sum: Literal["ordered", "allreduce"] = "ordered",
                  bucket_bytes: int = 16 << 20, weights: dict[str, torch.Tensor] | Literal["empty"] | None = None,
-                 keep_pool_on_leave: bool = False, overlap_grad_sum: bool = True):
+                 keep_pool_on_leave: bool = False, overlap_grad_sum: bool = True,
+                 activation_checkpointing: bool = False):
         check_tp(args, layout.tp)
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.device = torch.device(device)
@@ -209,6 +210,8 @@ class ActorShard:
         # a rank that leaves the actor frees its memory (the device goes to rollout); benchmarks of repeated
         # reshards on dedicated devices keep the buffers pooled instead
         self.keep_pool_on_leave = keep_pool_on_leave
+        # each layer's activations recomputed in the backward: memory for compute (`actor.activation_checkpointing`)
+        self.activation_checkpointing = activation_checkpointing
         self.specs = tuple(param_specs(args))
         self.groups = groups or GroupCache()
         self.pool = BufferPool()
@@ -249,6 +252,7 @@ class ActorShard:
         if self.layout not in self._skeletons:
             g = self.groups.get(self.layout)
             model = Transformer(self.args, g.tp, self.dtype, device=torch.device("meta"))
+            model.activation_checkpointing = self.activation_checkpointing
             cos, sin = rope_tables(self.args, self.device)
             model.register_buffer("rope_cos", cos, persistent=False)
             model.register_buffer("rope_sin", sin, persistent=False)

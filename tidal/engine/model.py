@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tidal.core.errors import LayoutError
 from tidal.engine.layout import ParamSpec
@@ -44,6 +45,9 @@ from tidal.engine.tp import (
 )
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+#: logits elements [rows x V_local] of one chunk of `Transformer.token_logprobs` (2^26: 256 MB in fp32)
+LOGPROB_CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`actor.dtype` on `device`: `auto` is bf16 on CUDA (fp32 master weights stay in the optimizer) and fp32
+    elsewhere; `float32` and `bfloat16` are what they say. The actor and the engines compute in it."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
 def check_tp(args: ModelArgs, tp: int) -> None:
     """TP must split heads and kv heads evenly (vocab and SwiGLU width may split unevenly)."""
     if args.num_heads % tp or args.num_kv_heads % tp:
@@ -251,6 +263,8 @@ class Transformer(nn.Module):
         super().__init__()
         check_tp(args, group_size(tp_group))
         self.args, self.tp_group = args, tp_group
+        #: recompute each layer's activations in the backward (`actor.activation_checkpointing`)
+        self.activation_checkpointing = False
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp_group, dtype, device)
         self.layers = nn.ModuleList(Block(args, tp_group, dtype, device) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.norm_eps, dtype, device)
@@ -269,8 +283,12 @@ class Transformer(nn.Module):
             positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         cos, sin = self.rope_cos[positions_BT], self.rope_sin[positions_BT]
         x = self.embed_tokens(ids_BT)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_mask_BTS, kv_cache, i)
+            if recompute:   # keep each layer's input only; its activations are recomputed in the backward
+                x = checkpoint(layer, x, cos, sin, attn_mask_BTS, None, i, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn_mask_BTS, kv_cache, i)
         return self.norm(x)
 
     def logits_local(self, h_BTH: torch.Tensor) -> torch.Tensor:
@@ -286,9 +304,26 @@ class Transformer(nn.Module):
         return gather_vocab(logits_local, self.tp_group, self.args.vocab_size)
 
     def token_logprobs(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: shape [B, T-1], fp32, TP-exact."""
-        logits = self.forward(ids_BT, positions_BT, attn_mask_BTS)[:, :-1]
-        return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo)
+        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: shape [B, T-1], fp32, TP-exact.
+
+        The [B, T-1, V] logits are never whole when they exceed `LOGPROB_CHUNK_ELEMENTS`: rows of positions go
+        through the head and the log-softmax a chunk at a time, each chunk recomputed in the backward (so a
+        chunk's fp32 logits are the largest activation; 8 x 2,048 tokens at vocab 151,936 would otherwise hold
+        about 10 GB). Chunks are a function of the shape alone, so two calls on equal shapes compute alike."""
+        h = self.hidden(ids_BT, positions_BT, attn_mask_BTS)
+        targets = ids_BT[:, 1:]
+        b, t, dim = h.shape[0], h.shape[1] - 1, h.shape[2]
+        rows = max(64, LOGPROB_CHUNK_ELEMENTS // max(1, self.embed_tokens.weight.shape[0]))
+        if b * t <= rows:
+            return vocab_parallel_logprobs(self.logits_local(h)[:, :-1], targets, self.tp_group, self.vocab_lo)
+        h_N, t_N = h[:, :-1].reshape(b * t, dim), targets.reshape(b * t)
+        grad = torch.is_grad_enabled() and h_N.requires_grad
+        out = [checkpoint(self._logprobs, h_N[lo:lo + rows], t_N[lo:lo + rows], use_reentrant=False) if grad
+               else self._logprobs(h_N[lo:lo + rows], t_N[lo:lo + rows]) for lo in range(0, b * t, rows)]
+        return torch.cat(out).view(b, t)
+
+    def _logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo)
 
     # ---- weights ------------------------------------------------------------------------------------
     def specs(self) -> dict[str, ParamSpec]:

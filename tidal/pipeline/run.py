@@ -146,7 +146,8 @@ def run_spec(cfg: TidalConfig, inputs):
                    micro_batch_size=cfg.actor.micro_batch_size, clip_eps=cfg.algorithm.clip_eps,
                    kl_coef=cfg.algorithm.kl_coef, tokenizer=inputs.tokenizer_spec, reward=inputs.reward,
                    reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed,
-                   gpu_memory_utilization=r.gpu_memory_utilization)
+                   gpu_memory_utilization=r.gpu_memory_utilization, dtype=cfg.actor.dtype,
+                   activation_checkpointing=cfg.actor.activation_checkpointing)
 
 
 class TrainingRun:

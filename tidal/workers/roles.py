@@ -34,7 +34,7 @@ from tidal.engine.generation.requests import RequestState, SamplingParams
 from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
 from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.layout import Layout
-from tidal.engine.model import ModelArgs, Transformer
+from tidal.engine.model import ModelArgs, Transformer, compute_dtype
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.verifier import Verifier
@@ -72,6 +72,9 @@ class RunSpec:
     seed: int
     gpu_memory_utilization: float = 0.5
     """Fraction of a GPU's memory a rollout engine fills with weights and KV slots (CPU: unused)."""
+    dtype: str = "auto"
+    """`actor.dtype`: the compute dtype of the actor and of the engines (`model.compute_dtype`)."""
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -166,6 +169,8 @@ def actor_init(ctx, layout: Layout, weights: Any) -> bool:
     spec = roles.run
     weights = _resolve(weights)
     roles.actor = shard = ActorShard(spec.args, spec.optim, layout, ctx.rank, seed=spec.seed, device=ctx.device,
+                                     dtype=compute_dtype(spec.dtype, ctx.device),
+                                     activation_checkpointing=spec.activation_checkpointing,
                                      weights=weights if layout.coord(ctx.rank) is not None else "empty")
     return shard.state is not None
 
@@ -261,13 +266,14 @@ def actor_set_layout(ctx, layout: Layout) -> None:
 
 
 def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
-    """DP rank 0 of each TP rank: its TP-local weights (copies), keyed by parameter name; others None."""
+    """DP rank 0 of each TP rank: its TP-local weights (CPU copies in the compute dtype), keyed by parameter name;
+    others None."""
     shard = actor_of(ctx)
     exported = shard.export_weights()
     if exported is None or cast(Coord, shard.coord)[1] != 0:   # exported: the shard is in its layout
         return None
     return {"__tp__": torch.tensor([exported.tp, exported.t]),
-            **{k: v.detach().to("cpu", torch.float32).clone() for k, v in exported.tensors.items()}}
+            **{k: v.detach().to("cpu", copy=True) for k, v in exported.tensors.items()}}
 
 
 def actor_keep_weights(ctx, version: int) -> bool:
@@ -326,9 +332,9 @@ def _device_memory(ctx) -> dict[str, float]:
 
 
 def kept_weights(ctx, version: int) -> dict[str, torch.Tensor]:
-    """The kept copy of `version` as global fp32 CPU tensors (what `Pipeline.global_weights` returns): for an
-    instance started mid-step on a device that kept none."""
-    return {k: v.to("cpu", torch.float32).clone() for k, v in _weights(ctx, KeptWeights(version)).items()}
+    """The kept copy of `version` as global CPU tensors in the compute dtype (what `Pipeline.global_weights`
+    returns): for an instance started mid-step on a device that kept none."""
+    return {k: v.to("cpu", copy=True) for k, v in _weights(ctx, KeptWeights(version)).items()}
 
 
 def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
@@ -362,7 +368,8 @@ def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
 
 # ---- rollout ----------------------------------------------------------------------------------------------
 def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Transformer:
-    model = Transformer(spec.args, device=device)
+    """An engine's model in the actor's compute dtype (its log-probs then match the actor's at ratio 1)."""
+    model = Transformer(spec.args, dtype=compute_dtype(spec.dtype, device), device=device)
     model.load_global({k: v for k, v in weights.items() if not k.startswith("__")})
     model.eval()
     return model
