@@ -33,12 +33,16 @@ import time
 
 import torch
 
+from tidal.core.provenance import commit
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
 from tidal.engine.generation.migration import states_from_bytes, states_to_bytes
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 
 GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
                  intermediate_size=2816)
+#: the Qwen2.5-1.5B shape (tied embeddings, vocab 151,936): `--model qwen2.5-1.5b`
+QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                   intermediate_size=8960, tie_embeddings=True, rope_theta=1e6)
 CPU_MODEL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 
@@ -91,7 +95,10 @@ def hf_model(args, weights, device, dtype):
     hf = LlamaForCausalLM(cfg)
     state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in weights.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "rotary" not in k]
+    # a tied head has no tensor of its own (it is the embedding): transformers lists it as missing
+    missing = [k for k in missing if "rotary" not in k and not (args.tie_embeddings and k == "lm_head.weight")]
+    if args.tie_embeddings:
+        hf.tie_weights()
     if missing or unexpected:
         raise RuntimeError(f"HF weight mapping: missing {missing[:4]}, unexpected {unexpected[:4]}")
     return hf.to(device=device, dtype=dtype).eval(), transformers.__version__
@@ -241,11 +248,13 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--model", choices=("default", "qwen2.5-1.5b"), default="default",
+                   help="default: a 16-layer 1024-wide model on GPU (the tiny one with --quick or on CPU)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    a.model = GPU_MODEL if gpu and not a.quick else CPU_MODEL
+    a.model = QWEN25_1_5B if a.model == "qwen2.5-1.5b" else GPU_MODEL if gpu and not a.quick else CPU_MODEL
     a.batch = a.batch or (8 if a.quick or not gpu else 64)
     a.prompt_len = a.prompt_len or (16 if a.quick else 128)
     a.new_tokens = a.new_tokens or (32 if a.quick else 256)
@@ -253,7 +262,8 @@ def main(argv=None):
     a.contexts = [512, 2048, 4096]
     torch.set_num_threads(torch.get_num_threads() if gpu else 1)  # CPU: one thread, like our workers
     report = {"name": "rollout", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-              "machine": machine(device), "device": str(device), "dtype": str(dtype), "model": a.model,
+              "commit": commit(), "machine": machine(device), "device": str(device), "dtype": str(dtype),
+              "model": a.model,
               "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
     if gpu:
         try:
