@@ -228,3 +228,18 @@ def test_gather_replica_assembles_the_global_weights_on_every_tp_rank():
         assert set(out) == set(want)
         for k, v in want.items():
             assert torch.equal(out[k], v), k
+
+
+def test_validate_prints_the_mode_and_the_phase_plan_of_shared_devices(tmp_path, capsys):
+    import yaml
+
+    from tidal.cli import main as cli
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "cluster": {"num_devices_per_node": 8, "component_placement": {
+        "actor,inference": "0-3", "rollout": "4-7"}}, "actor": {**BASE["actor"], "offload_optimizer": True}}))
+    assert cli.main(["validate", str(path), "--no-track"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "hybrid placement on 8 devices" in out and "static hybrid placement; each step:" in out
+    assert "1. generate: rollout on 4-7, streaming groups to the others" in out
+    assert "2. score: inference on 0-3 as groups arrive, in turn with training" in out
+    assert "4. weight sync: a local copy on 0-3" in out and "through the object store to 4-7" in out
