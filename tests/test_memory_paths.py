@@ -1,8 +1,6 @@
 """The actor's memory paths: log-probs without the whole [B, T, V] logits, activation checkpointing, and the
 compute dtype the actor and the engines share."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -81,6 +79,24 @@ def test_an_engine_in_bf16_generates_from_weights_in_bf16():
     assert len(results) == 1 and len(results[0].token_ids) == 5 and engine.num_running() == 0
 
 
+def test_an_engine_freed_of_its_kv_cache_keeps_the_model_for_scoring_then_frees_it_too():
+    """`rollout_free_kv`, then `rollout_release`, on one engine: the scorer reads the kept weights between."""
+    from tidal.engine.generation import EngineConfig, NativeEngine
+    m = _model().eval()
+    engine = NativeEngine(m, EngineConfig(max_running_requests=4))
+    ids = torch.randint(0, ARGS.vocab_size, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m.token_logprobs(ids)
+        engine.release_memory(keep_weights=True)
+        assert engine.cache.nbytes == 0
+        assert torch.equal(m.token_logprobs(ids), want)
+        engine.release_memory()
+    assert all(p.numel() == 0 for p in m.parameters())
+    engine.resume(weights=init_global_weights(ARGS, 0), version=1)
+    with torch.no_grad():
+        assert torch.equal(m.token_logprobs(ids), want) and engine.cache.nbytes > 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_run_spec_carries_actor_dtype_to_the_workers(dtype):
     from tidal.core.config import build_config
@@ -90,4 +106,3 @@ def test_the_run_spec_carries_actor_dtype_to_the_workers(dtype):
     spec = run_spec(cfg, read_inputs(cfg))
     assert spec.dtype == dtype and spec.activation_checkpointing
     assert compute_dtype(spec.dtype, "cpu") is getattr(torch, dtype)
-    assert replace(spec, dtype="auto").dtype == "auto"

@@ -183,7 +183,7 @@ class Pipeline:
         hs = [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
                        version=self.version, step=step) for d in c.rollout]
         hs += [g.submit(d, roles.inference_load, version=self.version,
-                        weights=RolloutModel(self.version) if share.inference_uses_rollout_model() and d in c.rollout
+                        weights=RolloutModel(self.version) if share.rollout_inference and d in c.rollout
                         else w(d)) for d in c.inference]
         if share.any and not self.cfg.cluster.auto_scheduler and self.kept:   # no engine starts mid-step
             hs += g.submit_all(roles.drop_kept, device_ids=sorted(self.kept))
@@ -209,10 +209,12 @@ class Pipeline:
         """Once per step, before the first iter on devices the actor shares with rollout: the engines there are
         released (weights and KV; inference too where it shares them and has scored everything) and the actor's
         state comes back."""
-        devices = self._shared_actor_devices()
-        if st.handed_over or not devices:
+        if st.handed_over:
             return
         st.handed_over = True
+        devices = self._shared_actor_devices()
+        if not devices:
+            return
         c, g = self.cluster, self.group
         c.drain(self._on_result, set(devices))   # the instances' last (empty) slices
         t0 = self.clock()

@@ -31,7 +31,9 @@ class Sharing:
 
     mode: Mode
     actor_rollout: bool        #: the actor trains only once its devices have generated every group
-    rollout_inference: bool    #: scoring there waits until generation is done (the KV caches are freed first)
+    #: scoring there waits until generation is done (the KV caches are freed first) and reads the rollout
+    #: engine's model (one copy of the weights per device)
+    rollout_inference: bool
     actor_inference: bool      #: scoring and training interleave on those devices
     offload_optimizer: bool = False
     offload_grad: bool = False
@@ -63,11 +65,6 @@ class Sharing:
         return self.actor_rollout and self.actor_inference
 
     def score_waits_for_rollout(self) -> bool:
-        return self.rollout_inference
-
-    def inference_uses_rollout_model(self) -> bool:
-        """Inference on a device with a rollout engine of the same version scores with that engine's model (one
-        copy of the weights per device)."""
         return self.rollout_inference
 
     def plan(self, placement: Placement) -> list[str]:

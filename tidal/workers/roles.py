@@ -29,7 +29,6 @@ from tidal.core.errors import TidalError
 from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueue
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
-from tidal.engine.generation.protocol import EngineStatus
 from tidal.engine.generation.requests import RequestState, SamplingParams
 from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
 from tidal.engine.hf_tokenizer import TokenizerSpec
@@ -301,21 +300,21 @@ def actor_offload(ctx, optimizer: bool, grad: bool, weight: bool) -> dict[str, f
     """Hand this device to generation: the actor's state as `ActorShard.offload` says. Returns the bytes moved,
     the seconds, the actor's bytes still on the device, and (CUDA) the device's peak since the last hand-over:
     the training phase's."""
-    shard = actor_of(ctx)
-    before = _device_memory(ctx)
-    t0 = time.perf_counter()
-    moved = shard.offload(optimizer=optimizer, grad=grad, weight=weight)
-    return {"bytes": float(moved), "seconds": time.perf_counter() - t0,
-            "actor_resident": float(shard.resident_bytes()), **{f"phase_{k}": v for k, v in before.items()}}
+    return _hand_over(ctx, lambda shard: shard.offload(optimizer=optimizer, grad=grad, weight=weight))
 
 
 def actor_onload(ctx) -> dict[str, float]:
     """Hand this device back to training: what `actor_offload` moved comes back (bit for bit). Returns as
     `actor_offload` does; the peak is the generation (and scoring) phase's."""
+    return _hand_over(ctx, ActorShard.onload)
+
+
+def _hand_over(ctx, move) -> dict[str, float]:
+    """`move(shard) -> bytes`, timed, with the phase it ends measured first (`_device_memory`)."""
     shard = actor_of(ctx)
     before = _device_memory(ctx)
     t0 = time.perf_counter()
-    moved = shard.onload()
+    moved = move(shard)
     return {"bytes": float(moved), "seconds": time.perf_counter() - t0,
             "actor_resident": float(shard.resident_bytes()), **{f"phase_{k}": v for k, v in before.items()}}
 
@@ -559,8 +558,7 @@ def rollout_release(ctx) -> int:
         roles.rollout = r   # refused: it stays an instance
         raise RuntimeError(f"device {ctx.device_id}: rollout released with requests in flight "
                            f"{r.engine.request_ids()[:4]} (migrate them first)")
-    if r.engine.status is not EngineStatus.RELEASED:
-        r.engine.release_memory()
+    r.engine.release_memory()   # after `rollout_free_kv` too: the weights it kept go now
     return 0
 
 
@@ -570,8 +568,7 @@ def rollout_free_kv(ctx) -> None:
     r = _rollout(ctx)
     if r.engine.request_ids():   # the driver's invariant: every group of the step came back generated
         raise RuntimeError(f"device {ctx.device_id}: KV freed with requests in flight {r.engine.request_ids()[:4]}")
-    if r.engine.status is not EngineStatus.RELEASED:
-        r.engine.release_memory(keep_weights=True)
+    r.engine.release_memory(keep_weights=True)
 
 
 # ---- inference --------------------------------------------------------------------------------------------

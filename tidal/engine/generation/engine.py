@@ -512,9 +512,11 @@ class NativeEngine(GenerationEngine):
 
     def release_memory(self, offload: bool = False, keep_weights: bool = False) -> None:
         """Free KV and weights (parameters become empty). `offload`: keep a host copy for `resume()`.
-        `keep_weights`: free the KV cache only (a scorer on this device reads the same model next)."""
+        `keep_weights`: free the KV cache only (a scorer on this device reads the same model next); a later
+        `release_memory()` then frees the weights it kept."""
         self._need_idle("release_memory")
-        self._move(EngineStatus.RELEASED, "release_memory")
+        if not (self.status is EngineStatus.RELEASED and self._weights_kept and not keep_weights):
+            self._move(EngineStatus.RELEASED, "release_memory")
         self._weights_kept = keep_weights
         params = {} if keep_weights else dict(self.model.named_parameters())
         self._offload = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if offload else None
