@@ -95,7 +95,9 @@ def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], 
         "model": {"path": str(ckpt)},
         "data": {"train_files": [str(train)], "val_files": [str(val)], "prompt_key": "question",
                  "max_prompt_length": 32, "rollout_batch_size": a.prompts, "eval_size": 8, "seed": 0},
-        "actor": {"micro_batch_size": a.micro_batch, "lr": 1e-6, "warmup_iters": 0, **VARIANTS[variant]},
+        "actor": {"micro_batch_size": a.micro_batch, "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+                  "activation_checkpointing": a.activation_checkpointing, "lr": 1e-6, "warmup_iters": 0,
+                  **VARIANTS[variant]},
         "rollout": {"max_new_tokens": a.new_tokens, "max_running_requests": a.prompts * a.group_size,
                     "gpu_memory_utilization": a.gpu_memory_utilization},
         "algorithm": {"group_size": a.group_size, "n_minibatches": 2},
@@ -124,7 +126,17 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
             span = min((sp for sp in run.pipe.timeline.busy if sp.what == "hand-over"),
                        key=lambda sp: abs(sp.t1 - to_train["time"]))
             span = span.t1 - span.t0
+            sync = [e["seconds"] for e in events if e["kind"] == "weight_sync" and e["step"] == res.step]
+            work = {k: v for k, v in res.metrics.items() if k.startswith("work/")}
+            response_tokens = res.metrics["step/tokens_per_s"] * res.seconds
+            phase = res.phase_seconds
+            rates = {"rollout": response_tokens / phase["rollout"] if phase.get("rollout") else None,
+                     "inference": work["work/inference_tokens"] / phase["inference"] if phase.get("inference")
+                     else None,
+                     "actor": work["work/actor_tokens"] / phase["actor"] if phase.get("actor") else None}
             steps.append({"step": res.step, "seconds": res.seconds, "phase_seconds": res.phase_seconds,
+                          "response_tokens": response_tokens, "work": work, "tokens_per_s": rates,
+                          "weight_sync_s": sum(sync),
                           "offload_s": to_gen["seconds"], "onload_s": to_train["seconds"],
                           "offload_bytes": to_gen["bytes"], "onload_bytes": to_train["bytes"],
                           "to_training_span_s": span,
@@ -148,6 +160,10 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
                               for k in sorted({k for s in measured for k in s["phase_seconds"]})},
             "offload_s": mean(s["offload_s"] for s in measured), "onload_s": mean(s["onload_s"] for s in measured),
             "handover_fraction": mean((s["offload_s"] + s["onload_s"]) / s["seconds"] for s in measured),
+            "weight_sync_s": mean(s["weight_sync_s"] for s in measured),
+            "tokens_per_s": {k: mean(s["tokens_per_s"][k] for s in measured if s["tokens_per_s"][k])
+                             for k in ("rollout", "inference", "actor")
+                             if any(s["tokens_per_s"][k] for s in measured)},
             "actor_resident_bytes": resident, "train_peak_bytes": train_peak,
             "generate_score_peak_bytes": max(s["generate_score_peak_bytes"] for s in measured),
             "resident_over_train_peak": resident / train_peak if train_peak else None,
@@ -165,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None, help="rollout.max_new_tokens")
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                    help="actor.max_tokens_per_micro_batch (default: micro_batch_size sequences per micro-batch)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="actor.activation_checkpointing")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--work", default="runs/collocated", help="checkpoint, data and run folders")
     a = ap.parse_args(argv)
@@ -182,6 +201,8 @@ def main(argv=None) -> int:
                       "placement": '"actor,rollout,inference": 0 (one device)', "prompts": a.prompts,
                       "group_size": a.group_size, "max_new_tokens": a.new_tokens, "n_minibatches": 2,
                       "micro_batch_size": a.micro_batch, "gpu_memory_utilization": a.gpu_memory_utilization,
+                      "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+                      "activation_checkpointing": a.activation_checkpointing,
                       "steps": a.steps, "step_figures": "means over steps >= 1 (step 0: warm-up)",
                       "checkpoint_made_s": make_s},
            "variants": {}}

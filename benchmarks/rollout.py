@@ -1,25 +1,49 @@
-"""Rollout benchmark: native engine tokens/s vs Hugging Face `generate`, and migration cost (KV move vs re-prefill).
+"""Rollout benchmark: native engine decode speed against the memory-bandwidth bound and Hugging Face `generate`,
+and migration cost (KV move vs re-prefill).
 
     python benchmarks/rollout.py --quick --json out.json            # CPU, tiny model, < 2 min
     python benchmarks/rollout.py --device cuda --json out.json      # GPU: 16-layer model, batch 64
+    python benchmarks/rollout.py --device cuda --model qwen2.5-1.5b --batch 64,256 --prompt-len 256 \\
+        --new-tokens 1024 --repeats 2 --no-migration --json out.json    # Qwen2.5-1.5B shape, decode-bound
 
-Throughput: the same model (our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow
-HF Llama), the same prompts (equal length, no padding), the same batch, greedy, exactly `new_tokens` tokens each
-(no stop tokens), in the same process. Time includes prefill (and, for the native engine on CUDA, capturing its
-CUDA graphs: one decode graph and one prefill graph per prompt length, per engine). If transformers is missing (our CPU
-machines) the HF part is skipped with a note and `hf_tokens_per_s` is null.
+Throughput (`throughput` in the JSON: one entry per `--batch` size, run one after the other in one process; the
+top level repeats the first batch's `native_s`, `native_tokens_per_s`, `hf_*` and `speedup_vs_hf`): the same model
+(our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow HF Llama; `max_seq_len` =
+prompt_len + new_tokens), the same prompts (equal length, no padding), greedy, exactly `new_tokens` tokens each (no
+stop tokens). One engine per batch size (`max_running_requests` = the batch), warmed by a 3-token run of the whole
+batch (which captures its CUDA graphs: the decode graph and the prefill graph of this prompt length), then timed
+`--repeats` times with nothing left to capture, as a rollout worker keeps its engine across RL steps. Per batch:
 
-Migration: one request with `context - 8` prompt tokens and 8 generated tokens on engine A, moved to engine B on
-the same device. `kv_move_s`: export_state + import_state + admission (KV written into B's slot), in process;
-`kv_move_wire_s` adds the cross-process wire format (safetensors bytes to host and back). `reprefill_s`: the
-fallback path, export without KV + import + admission with a one-pass re-prefill of the whole context (the
-cheapest re-prefill, so the ratio is conservative; the exact native "replay" mode adds 7 decode steps).
+- `prefill_s`: every request added and admitted (`engine.admit()`: one prefill per request, sampling its first token);
+- `ms_per_decode_step`: the `engine.step()` loop until no work is left, per step (`decode_steps` = new_tokens - 1);
+- `native_s`: both; `native_tokens_per_s` = batch x new_tokens / native_s. Each is the median of the repeats.
+
+Memory-bandwidth bound: `copy_bandwidth_GBps` is a device-to-device copy (`dst.copy_(src)` of a 2 GiB bf16 tensor,
+CUDA events, median of 20 after warm-up; bytes read + bytes written; on CPU 256 MiB fp32 on one thread, wall
+clock). A decode step must read every weight once (`weight_bytes`: every parameter in the compute dtype, a tied
+embedding once) and the KV of every valid position: at generated position j, batch x (prompt_len + j) x 2 (K, V) x
+layers x kv_heads x head_dim x dtype bytes, averaged over j = 1 .. new_tokens - 1 (`mean_kv_bytes_per_step`).
+`bound_ms_per_step` = (weight_bytes + mean_kv_bytes_per_step) / copy bandwidth and `bound_ratio` =
+bound_ms_per_step / ms_per_decode_step (1: at the bound; masked key positions an attention call reads past the valid
+ones count against it). Goals: `bound_ratio` >= 0.5 at batch 64 and `speedup_vs_hf` >= 2.
+
+HF `generate` (`hf_s`, `hf_tokens_per_s`: the whole call, prefill included, median of the repeats) runs for every
+batch up to 64; a larger one only with `--hf-all` (else `hf_tokens_per_s` is null and `hf_note` says why). If
+transformers is missing (our CPU machines) the HF part is skipped the same way. `hf_first_token_agreement` checks
+the weight mapping: the share of requests whose greedy first token matches (later ones may drift in bf16).
+
+Migration (`--no-migration` skips it): one request with `context - 8` prompt tokens and 8 generated tokens on engine
+A, moved to engine B on the same device. `kv_move_s`: export_state + import_state + admission (KV written into B's
+slot), in process; `kv_move_wire_s` adds the cross-process wire format (safetensors bytes to host and back).
+`reprefill_s`: the fallback path, export without KV + import + admission with a one-pass re-prefill of the whole
+context (the cheapest re-prefill, so the ratio is conservative; the exact native "replay" mode adds 7 decode steps).
 `ratio` = kv_move_s / reprefill_s (goal <= 0.2). Each number is the median of `--repeats` runs.
 
-Attention probe (CUDA only, `attention` in the JSON): one decode-shaped attention call of this model (batch rows x
-heads x 1 query over the full `max_seq_len` slot, boolean mask) timed with CUDA events, as the engine calls it
-(`enable_gqa=True`) and with the KV heads expanded first (`repeat_interleave`, the CPU path); and which SDPA
-backends accept the fused GQA + mask call (a backend that refuses it leaves the math fallback).
+Attention probe (CUDA only, `--no-probe` skips it; `attention` in the JSON): one decode-shaped attention call of
+this model (first batch's rows x heads x 1 query over the full `max_seq_len` slot, boolean mask) timed with CUDA
+events, as the engine calls it (`enable_gqa=True`) and with the KV heads expanded first (`repeat_interleave`, the
+CPU path); and which SDPA backends accept the fused GQA + mask call (a backend that refuses it leaves the math
+fallback).
 """
 
 from __future__ import annotations
@@ -28,7 +52,9 @@ import argparse
 import datetime as dt
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 
 import torch
@@ -44,6 +70,7 @@ GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
                    intermediate_size=8960, tie_embeddings=True, rope_theta=1e6)
 CPU_MODEL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+HF_MAX_BATCH = 64  # larger batches run HF `generate` only with --hf-all
 
 
 def sync(device):
@@ -64,20 +91,67 @@ def prompts(args, batch, length, seed=0):
     return torch.randint(3, args.vocab_size, (batch, length), generator=g)
 
 
-def native_generate(m, ids_BT, new_tokens):
-    engine = NativeEngine(m, EngineConfig(max_running_requests=ids_BT.shape[0]))
+def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, tag: str):
+    """Admission (prefill) and the decode loop of one batch, timed apart: ({prefill_s, decode_s, decode_steps},
+    tokens per request)."""
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    out: dict[str, tuple[int, ...]] = {}
+
+    def collect(events):
+        for ev in events:
+            if ev.finished:
+                out[ev.request_id] = ev.result.token_ids
+
     sync(engine.device)
     t0 = time.perf_counter()
     for i, row in enumerate(ids_BT.tolist()):
-        engine.add(Request(f"b{i}", tuple(row), params, seed=i))
-    out = {}
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.finished:
-                out[ev.request_id] = ev.result.token_ids
+        engine.add(Request(f"{tag}-{i}", tuple(row), params, seed=i))
+    while engine.num_waiting():
+        collect(engine.admit())
     sync(engine.device)
-    return time.perf_counter() - t0, [out[f"b{i}"] for i in range(ids_BT.shape[0])]
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_work():
+        collect(engine.step())
+        steps += 1
+    sync(engine.device)
+    timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": steps}
+    return timing, [out[f"{tag}-{i}"] for i in range(ids_BT.shape[0])]
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in GB/s, bytes read + bytes written (see module doc)."""
+    cuda = device.type == "cuda"
+    dtype, nbytes, reps = (torch.bfloat16, 2 << 30, 20) if cuda else (torch.float32, 256 << 20, 5)
+    src = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    seconds = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds.append(time.perf_counter() - t0)
+    del src, dst
+    if cuda:
+        torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(seconds) / 1e9
+
+
+def mean_kv_bytes_per_step(args: ModelArgs, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:
+    """Valid K + V bytes a decode step reads, averaged over the steps at generated positions 1 .. new_tokens - 1."""
+    per_position = 2 * args.num_layers * args.num_kv_heads * args.head_dim * dtype.itemsize
+    steps = range(1, new_tokens)
+    return batch * per_position * sum(prompt_len + j for j in steps) / max(1, len(steps))
 
 
 def hf_model(args, weights, device, dtype):
@@ -116,33 +190,60 @@ def hf_generate(hf, ids_BT, new_tokens, device):
 
 
 def throughput(a, device, dtype, report):
+    bandwidth = copy_bandwidth(device)
     args, m, weights = build(a.model, a.prompt_len + a.new_tokens, device, dtype)
-    ids = prompts(args, a.batch, a.prompt_len)
-    native_generate(m, ids[: min(4, a.batch)], 4)  # warm-up (allocator, kernels)
-    times, tokens = [], None
-    for _ in range(a.repeats):
-        t, tokens = native_generate(m, ids, a.new_tokens)
-        times.append(t)
-    report["native_s"] = statistics.median(times)
-    report["native_tokens_per_s"] = a.batch * a.new_tokens / report["native_s"]
-    try:
-        hf, version = hf_model(args, weights, device, dtype)
-    except ImportError:
-        report.update(hf_tokens_per_s=None, speedup_vs_hf=None,
-                      hf_note="transformers is not installed: HF comparison skipped")
-        return
-    hf_generate(hf, ids[: min(4, a.batch)], 4, device)
-    times = []
-    for _ in range(a.repeats):
-        t, hf_tokens = hf_generate(hf, ids, a.new_tokens, device)
-        times.append(t)
-    report["hf_s"] = statistics.median(times)
-    report["hf_tokens_per_s"] = a.batch * a.new_tokens / report["hf_s"]
-    report["speedup_vs_hf"] = report["native_tokens_per_s"] / report["hf_tokens_per_s"]
-    report["hf_version"] = version
-    # sanity of the weight mapping: greedy first tokens agree (later ones may drift in bf16)
-    report["hf_first_token_agreement"] = sum(x[0] == y[0] for x, y in zip(tokens, hf_tokens)) / a.batch
+    weight_bytes = sum(p.numel() for p in m.parameters()) * dtype.itemsize  # parameters() yields a tied one once
+    report.update(copy_bandwidth_GBps=bandwidth, weight_bytes=weight_bytes)
+    hf, hf_note = None, None
+    if a.hf_all or min(a.batches) <= HF_MAX_BATCH:
+        try:
+            hf, report["hf_version"] = hf_model(args, weights, device, dtype)
+        except ImportError:
+            hf_note = "transformers is not installed: HF comparison skipped"
+    rows = []
+    for batch in a.batches:
+        ids = prompts(args, batch, a.prompt_len)
+        engine = NativeEngine(m, EngineConfig(max_running_requests=batch))
+        native_generate(engine, ids, 3, "warm")  # captures the CUDA graphs (decode, prefill of this length)
+        runs, tokens = [], None
+        for rep in range(a.repeats):
+            timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}")
+            runs.append(timing)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        prefill_s, decode_s = (statistics.median(r[k] for r in runs) for k in ("prefill_s", "decode_s"))
+        native_s = statistics.median(r["prefill_s"] + r["decode_s"] for r in runs)
+        steps = runs[0]["decode_steps"]
+        ms_per_step = decode_s / steps * 1e3
+        kv_bytes = mean_kv_bytes_per_step(args, batch, a.prompt_len, a.new_tokens, dtype)
+        bound_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+        row = {"batch": batch, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
+               "ms_per_decode_step": ms_per_step, "native_s": native_s,
+               "native_tokens_per_s": batch * a.new_tokens / native_s, "mean_kv_bytes_per_step": kv_bytes,
+               "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step}
+        rows.append(row)
+        if hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
+            row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
+                       hf_note=hf_note or f"batch above {HF_MAX_BATCH}: HF generate skipped (--hf-all runs it)")
+        else:
+            hf_generate(hf, ids[: min(4, batch)], 4, device)  # warm-up
+            times = []
+            for _ in range(a.repeats):
+                t, hf_tokens = hf_generate(hf, ids, a.new_tokens, device)
+                times.append(t)
+            row["hf_s"] = statistics.median(times)
+            row["hf_tokens_per_s"] = batch * a.new_tokens / row["hf_s"]
+            row["speedup_vs_hf"] = row["native_tokens_per_s"] / row["hf_tokens_per_s"]
+            row["hf_first_token_agreement"] = sum(x[0] == y[0] for x, y in zip(tokens, hf_tokens)) / batch
+        print(f"batch {batch}: {row['native_tokens_per_s']:.0f} tokens/s, prefill {prefill_s:.2f} s, "
+              f"{ms_per_step:.2f} ms/decode step (bound {bound_ms:.2f} ms, ratio {row['bound_ratio']:.2f})"
+              + (f", {row['speedup_vs_hf']:.2f}x HF generate" if row["speedup_vs_hf"] else ""), flush=True)
     del hf
+    report["throughput"] = rows
+    first = rows[0]  # the top-level keys of a single-batch run
+    report.update({k: first[k] for k in ("native_s", "native_tokens_per_s", "hf_s", "hf_tokens_per_s",
+                                         "speedup_vs_hf", "hf_first_token_agreement", "hf_note") if k in first})
 
 
 def migration(a, device, dtype, report):
@@ -189,7 +290,7 @@ def attention_probe(a, device, dtype, report):
     F = torch.nn.functional
     m = a.model
     heads, kv, d = m["num_heads"], m["num_kv_heads"], m["hidden_size"] // m["num_heads"]
-    s_len, rows = a.prompt_len + a.new_tokens, a.batch
+    s_len, rows = a.prompt_len + a.new_tokens, a.batches[0]
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(rows, heads, 1, d, device=device, dtype=dtype, generator=g)
     k = torch.randn(rows, kv, s_len, d, device=device, dtype=dtype, generator=g)
@@ -239,39 +340,57 @@ def machine(device):
     return info
 
 
+def batches(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of batch sizes (e.g. 64,256)") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every batch size must be >= 1")
+    return out
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and batch (CPU smoke run, < 2 min)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--batch", type=batches, default=None, metavar="B[,B...]",
+                   help="decode batch sizes, each run in turn (default 64 on GPU, 8 on CPU)")
     p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None, help=">= 2 (the prefill samples the first token)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--model", choices=("default", "qwen2.5-1.5b"), default="default",
                    help="default: a 16-layer 1024-wide model on GPU (the tiny one with --quick or on CPU)")
+    p.add_argument("--hf-all", action="store_true", help=f"run HF generate for batches above {HF_MAX_BATCH} too")
+    p.add_argument("--no-migration", action="store_true", help="skip the migration section")
+    p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     a.model = QWEN25_1_5B if a.model == "qwen2.5-1.5b" else GPU_MODEL if gpu and not a.quick else CPU_MODEL
-    a.batch = a.batch or (8 if a.quick or not gpu else 64)
+    a.batches = a.batch or [8 if a.quick or not gpu else 64]
     a.prompt_len = a.prompt_len or (16 if a.quick else 128)
     a.new_tokens = a.new_tokens or (32 if a.quick else 256)
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.contexts = [512, 2048, 4096]
+    if a.new_tokens < 2:
+        p.error("--new-tokens must be >= 2: decode steps are timed, and the prefill samples the first token")
     torch.set_num_threads(torch.get_num_threads() if gpu else 1)  # CPU: one thread, like our workers
     report = {"name": "rollout", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
               "commit": commit(), "machine": machine(device), "device": str(device), "dtype": str(dtype),
-              "model": a.model,
-              "batch": a.batch, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
-    if gpu:
+              "command": shlex.join(["python", "benchmarks/rollout.py", *(sys.argv[1:] if argv is None else argv)]),
+              "model": a.model, "batch": a.batches[0], "batches": a.batches, "prompt_len": a.prompt_len,
+              "new_tokens": a.new_tokens, "repeats": a.repeats}
+    if gpu and not a.no_probe:
         try:
             attention_probe(a, device, dtype, report)
         except Exception as e:  # a diagnostic: never lose the throughput numbers to it
             report["attention"] = {"error": f"{type(e).__name__}: {e}"}
     throughput(a, device, dtype, report)
-    migration(a, device, dtype, report)
+    if not a.no_migration:
+        migration(a, device, dtype, report)
     print(json.dumps(report, indent=2))
     if a.json:
         with open(a.json, "w") as f:

@@ -190,6 +190,13 @@ class ActorConfig(Section):
         8, ge=1, le=1 << 16,
         description="Sequences per micro-batch; the actor's DP ranks pull micro-batches from the iter's shared queue "
                     "(RLinf key, or algorithm.training_batch_size_per_gpu).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, le=1 << 24,
+        description="Token budget of one actor micro-batch (RLinf's max_tokens_per_mbs): an iter's sequences, longest "
+                    "first, fill micro-batches while rows x padded width stays within it, so similar lengths train "
+                    "together and little is padded. At least model.max_seq_len. null: micro_batch_size sequences per "
+                    "micro-batch in iter order. Either way a micro-batch is padded to its longest sequence's length "
+                    "bucket (at most 25% more), never to model.max_seq_len.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Compute dtype of the actor and of the rollout and inference engines (RLinf: "
@@ -551,6 +558,11 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("data.max_prompt_length", d.max_prompt_length,
                           f"leaves no room for a response within model.max_seq_len={cfg.max_seq_len}",
                           "lower data.max_prompt_length or raise model.max_seq_len")
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is not None and budget < cfg.max_seq_len:
+        raise ConfigError("actor.max_tokens_per_micro_batch", budget,
+                          f"cannot hold one sequence of model.max_seq_len={cfg.max_seq_len} tokens",
+                          f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
     if cfg.cluster.use_pre_process_policy and not cfg.cluster.auto_scheduler:
         raise ConfigError("cluster.use_pre_process_policy", True, "needs dynamic scheduling",
                           "set cluster.auto_scheduler: true or drop the flag")

@@ -63,7 +63,8 @@ from typing import cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.records import ScoredGroup
+from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.engine.shapes import micro_batches, padded_len
 
 ADV_EPS = 1e-6
 
@@ -171,6 +172,19 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
         ids[b, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
         mask[b, len(p) - 1:len(p) + len(r) - 1] = True
     return ids, mask
+
+
+def group_width(group: RolloutGroup, cap: int | None = None) -> int:
+    """The padded width a group is scored at: its longest prompt + response, bucketed (`shapes.padded_len`)."""
+    return padded_len(len(group.prompt_ids) + max(len(r) for r in group.response_ids), cap)
+
+
+def iter_micro_batches(samples: Sequence[ScoredSample], *, max_tokens: int | None, max_rows: int,
+                       cap: int | None = None) -> list[tuple[list[int], int]]:
+    """An iter's micro-batches: (indices into `samples`, padded width), a function of the lengths alone
+    (`shapes.micro_batches`)."""
+    return micro_batches([len(s.prompt_ids) + len(s.response_ids) for s in samples], max_tokens=max_tokens,
+                         max_rows=max_rows, cap=cap)
 
 
 def unpack_response_logprobs(logprobs_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:

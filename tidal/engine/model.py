@@ -17,8 +17,10 @@ replicated, their gradients summed over the TP group (each rank normalizes only 
 
 Shapes: B batch, T query tokens, S key tokens, H heads (local), D head dim, V vocab (local shard).
 
-KV cache hook (generation): pass `kv_cache` with `update(layer, k_BHTD, v_BHTD) -> (k_BHSD, v_BHSD)` and an
-explicit boolean `attn_mask_BTS` (True = may attend); positions are explicit per token so ragged batches work.
+KV cache hooks (generation): a `kv_cache` with `update(layer, k_BHTD, v_BHTD) -> (k_BHSD, v_BHSD)` stores the
+new K/V and returns the keys to attend over (prefill: causal, or an explicit boolean `attn_mask_BTS`, True = may
+attend); one with `attend(layer, q, k, v) -> out_BHTD` also does the attention (a decode step, whose rows read
+key spans of their own). Positions are explicit per token so ragged batches work.
 """
 
 from __future__ import annotations
@@ -197,6 +199,10 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attend = getattr(kv_cache, "attend", None)
+        if attend is not None:   # a decode step: the cache writes the new K/V and attends over what each row needs
+            out = attend(layer, q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d))
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
         gqa: dict[str, Any] = {}

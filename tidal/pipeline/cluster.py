@@ -86,6 +86,9 @@ class StepState:
     rollout_gap_s: float = 0.0
     rollout_gc_s: float = 0.0    # the instances' garbage-collector pauses, summed
     reward_timeouts: int = 0     # reward calls cut by reward.timeout_s (scored 0)
+    # the step's work in padded tokens, a function of the data (not of model.max_seq_len or the layout):
+    # actor micro-batches (rows x width), scoring batches, decode key positions read, prefill tokens
+    work: dict[str, float] = field(default_factory=dict)
     # shared placements (tidal.pipeline.sharing): the step's hand-over to training and its KV release are done
     handed_over: bool = False
     kv_freed: bool = False

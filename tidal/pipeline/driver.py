@@ -35,7 +35,7 @@ from tidal.engine.actor import ITER_PHASES
 from tidal.engine.datasets import DataPosition
 from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.groups import growth_rank_sets
-from tidal.engine.grpo import count_response_tokens, flatten_groups, step_metrics
+from tidal.engine.grpo import count_response_tokens, flatten_groups, group_width, step_metrics
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
@@ -297,8 +297,12 @@ class Pipeline:
         metrics = step_metrics(list(st.scored.values()))
         for m in st.actor_metrics:
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v / max(len(st.actor_metrics), 1) if k.startswith("actor/") \
-                    else metrics.get(k, 0.0) + v
+                if k.startswith("mem/"):     # peaks: the largest
+                    metrics[k] = max(metrics.get(k, 0.0), v)
+                elif k.startswith("actor/"):  # per-rank figures: the mean over ranks and iters
+                    metrics[k] = metrics.get(k, 0.0) + v / max(len(st.actor_metrics), 1)
+                else:                        # sum-style: each rank's share of the iter's value
+                    metrics[k] = metrics.get(k, 0.0) + v
         seconds = self.clock() - t_start
         metrics["step/seconds"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
@@ -310,6 +314,7 @@ class Pipeline:
         metrics["rollout/gap_s"] = st.rollout_gap_s
         metrics["rollout/gc_s"] = st.rollout_gc_s
         metrics["reward/timeouts"] = float(st.reward_timeouts)
+        metrics.update(st.work)
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
@@ -445,6 +450,8 @@ class Pipeline:
         ref = ray.put(samples)
         st.iter_running = True
         st.iter_tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
+        _add(st.work, "work/actor_tokens", sum(len(idx) * width for idx, width in
+                                               roles.actor_micro_batches(self.spec, samples)))
         for d in self.cluster.actor_layout.devices:
             self.cluster.submit(CallKind.ACTOR, d, roles.actor_train_iter, payload=k, samples=ref,
                                 num_tokens=count_response_tokens(samples))
@@ -475,6 +482,8 @@ class Pipeline:
         st.rollout_busy_s += report.busy_s
         st.rollout_gc_s += report.gc_s
         st.reward_timeouts += report.reward_timeouts
+        _add(st.work, "work/rollout_keys_read", report.call_keys_read)
+        _add(st.work, "work/rollout_prefill_tokens", report.call_prefill_tokens)
         st.rollout_call_s += now - t0
         if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):
             st.waiting_since[f.device] = now
@@ -489,6 +498,8 @@ class Pipeline:
         st.score_samples.append((len(scored), float(sum(len(g.prompt_ids) * len(g.response_ids)
                                                         + sum(len(r) for r in g.response_ids) for g in scored)),
                                  now - f.t0))
+        _add(st.work, "work/inference_tokens",
+             sum(len(g.response_ids) * group_width(g, self.spec.args.max_seq_len) for g in scored))
         for g in scored:
             assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
             st.scored[g.group_id] = g
@@ -564,3 +575,7 @@ class Pipeline:
                   if w is not None]
         shards.sort(key=lambda w: int(w["__tp__"][1]))
         return rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)
+
+
+def _add(counters: dict[str, float], key: str, value: float) -> None:
+    counters[key] = counters.get(key, 0.0) + float(value)

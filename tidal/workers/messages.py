@@ -37,7 +37,8 @@ class RolloutModel:
 @dataclass(frozen=True)
 class RolloutReport:
     """One rollout instance after a time slice. Counters of the whole step: `tokens`, `emitted`; of this slice:
-    `busy_s`, `pumps`, `mean_batch`, `call_tokens`, `gc_s`, `reward_timeouts`."""
+    `busy_s`, `pumps`, `mean_batch`, `call_tokens`, `gc_s`, `reward_timeouts`, `call_keys_read`,
+    `call_prefill_tokens`."""
 
     groups_in_progress: int = 0   #: groups opened in the engine, not finished
     running: int = 0              #: sequences running in the engine
@@ -53,6 +54,8 @@ class RolloutReport:
     gc_s: float = 0.0             #: the worker's garbage-collector pauses
     call_tokens: int = 0          #: tokens generated in this slice
     reward_timeouts: int = 0      #: verifier calls cut by `reward.timeout_s`
+    call_keys_read: int = 0       #: key positions decode rows attended over in this slice (the KV read)
+    call_prefill_tokens: int = 0  #: prompt tokens prefilled in this slice, padding included
 
     @property
     def started(self) -> int:

@@ -30,7 +30,15 @@ from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueu
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import RequestState, SamplingParams
-from tidal.engine.grpo import ScoredSample, grpo_loss, pack_samples, pack_sequences, unpack_response_logprobs
+from tidal.engine.grpo import (
+    ScoredSample,
+    group_width,
+    grpo_loss,
+    iter_micro_batches,
+    pack_samples,
+    pack_sequences,
+    unpack_response_logprobs,
+)
 from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs, Transformer, compute_dtype
@@ -74,6 +82,8 @@ class RunSpec:
     dtype: str = "auto"
     """`actor.dtype`: the compute dtype of the actor and of the engines (`model.compute_dtype`)."""
     activation_checkpointing: bool = False
+    max_tokens_per_micro_batch: int | None = None
+    """`actor.max_tokens_per_micro_batch`: the actor's micro-batches by token budget (None: micro_batch_size rows)."""
 
 
 @dataclass
@@ -186,6 +196,12 @@ def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
     return loss_fn, collected
 
 
+def actor_micro_batches(spec: RunSpec, samples: list[ScoredSample]) -> list[tuple[list[int], int]]:
+    """The iter's micro-batches under the run's keys (`actor.max_tokens_per_micro_batch`, `micro_batch_size`)."""
+    return iter_micro_batches(samples, max_tokens=spec.max_tokens_per_micro_batch, max_rows=spec.micro_batch_size,
+                              cap=spec.args.max_seq_len)
+
+
 def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     """Ranks of the actor's layout: one optimizer step on the iter's samples (micro-batches from one shared
     queue; static claim order, so the update is identical whatever the DP size). Others return None."""
@@ -194,14 +210,18 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
     scored: list[ScoredSample] = _resolve(samples)
-    mbs = spec.micro_batch_size
-    # padded to max_seq_len like inference, so the two compute the same log-probs bit for bit (ratio 1 at iter 0)
-    batches = [pack_samples(scored[i:i + mbs], tok.pad_id, spec.args.max_seq_len).to(ctx.device)
-               for i in range(0, len(scored), mbs)]
+    # shapes follow the tokens (tidal/engine/shapes.py): the same micro-batches whatever the DP size
+    batches = [pack_samples([scored[i] for i in idx], tok.pad_id, width).to(ctx.device)
+               for idx, width in actor_micro_batches(spec, scored)]
     loss_fn, loss_metrics = _grpo_loss_fn(spec)
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     # None only on ranks outside the layout, returned above (shard.state is None)
     report = cast(IterReport, shard.train_iter(SharedQueue(batches), loss_fn, num_tokens))
     out = report.metrics()
+    if cuda:   # the iter's peak on this device (the step's metric is the largest over ranks and iters)
+        out["mem/actor_peak_bytes"] = float(torch.cuda.max_memory_allocated(ctx.device))
     for m in loss_metrics:  # sum-style metrics: this rank's share of the iter's value
         for k, v in m.items():
             if k != "grpo/loss":
@@ -223,7 +243,7 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     out = []
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
-                                         spec.args.max_seq_len)
+                                         group_width(g, spec.args.max_seq_len))
         out.append([lp.clone() for lp in unpack_response_logprobs(model.token_logprobs(ids_BT.to(ctx.device)),
                                                                   mask_BT)])
     return out if shard.coord == (0, 0) else None
@@ -420,6 +440,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
     inst.reopen()  # new work may have arrived in the local queue
     t0 = time.perf_counter()
     tokens0 = inst.signals().tokens_generated
+    keys0, prefill0 = getattr(r.engine, "keys_read", 0), getattr(r.engine, "prefill_tokens", 0)
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
@@ -442,7 +463,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
         progress=progress, tokens=s.tokens_generated, token_rate=s.token_rate, emitted=s.groups_emitted,
         queued=r.queue.remaining(), busy_s=time.perf_counter() - t0, pumps=pumps, mean_batch=batch / max(1, pumps),
         gc_s=GcPauses.install().take()[0], call_tokens=s.tokens_generated - tokens0,
-        reward_timeouts=verifier.num_timeouts - timeouts0)
+        reward_timeouts=verifier.num_timeouts - timeouts0, call_keys_read=getattr(eng, "keys_read", 0) - keys0,
+        call_prefill_tokens=getattr(eng, "prefill_tokens", 0) - prefill0)
 
 
 def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
@@ -593,9 +615,9 @@ def inference_load(ctx, weights: Any, version: int) -> int:
 def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Old-policy log-probs of each arriving group under the current weights.
 
-    Each group is scored as its own [group_size, max_seq_len] batch: the shapes, and so the fp32 round-off, do
-    not depend on which groups happened to arrive together, which keeps a dynamic run bit-identical to a
-    static one."""
+    Each group is scored as its own [group_size, padded longest sequence] batch (`group_width`): the shapes,
+    and so the round-off, do not depend on which groups happened to arrive together, which keeps a dynamic
+    run bit-identical to a static one."""
     roles = roles_of(ctx)
     inf = roles.inference
     assert inf is not None, "inference_load runs before inference_score"
@@ -603,7 +625,7 @@ def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     out = []
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), roles.tok.pad_id,
-                                         model.args.max_seq_len)
+                                         group_width(g, model.args.max_seq_len))
         lps = unpack_response_logprobs(model.token_logprobs(ids_BT.to(ctx.device)), mask_BT)
         out.append(g.scored(tuple(lp.clone() for lp in lps), inf.version))
     return out

@@ -1,14 +1,18 @@
 """The native (torch) generation engine: continuous batching over a slot KV cache, exact per request.
 
     step():  admit   waiting requests into free slots (FIFO; imported ones first); for each: load its
-                     moved KV, or prefill ([1, T], one request at a time) and sample its first token
-             decode  one batched forward over all W slots (row-exact, see `kv_cache.py`); rows that are
-                     replaying a re-prefilled request feed their recorded token and sample nothing
+                     moved KV, or prefill it and sample its first token
+             decode  one batched forward over all R rows; each row attends over the first keys of its own slot
+                     only, its length bucketed (`tidal.engine.shapes.padded_len`); rows that are replaying a
+                     re-prefilled request feed their recorded token and sample nothing
              finish  stop token / max_new_tokens / max_seq_len -> RequestResult, the slot is free again
 
 Capacity: W = min(max_running_requests, kv_budget_bytes // bytes of one slot) slots; a slot holds
-`max_seq_len` positions of every layer. Every decode forward has R rows: R = W on CUDA, W rounded up to a
-multiple of 64 on CPU (padding rows share one dummy slot, so the KV budget holds).
+`max_seq_len` positions of every layer (the run's longest prompt + response). Every decode forward has R rows:
+R = W on CUDA, W rounded up to a multiple of 64 on CPU (padding rows share one dummy slot, so the KV budget
+holds). The work follows the tokens: a decode step reads each row's keys up to its bucketed length, and a
+prefill runs the prompt's tokens, so doubling `max_seq_len` with the same requests changes neither
+(`keys_read`, `prefill_tokens` count them).
 
 Why R is a multiple of 64 on CPU (measured, torch 2.13 CPU, AVX-512): elementwise kernels run a flat loop
 over numel in vector chunks of 2 x Vec::size() and finish the last `numel % 32` elements with the *scalar*
@@ -19,13 +23,18 @@ GEMMs: per-row bits depend on M (classes M=1, 2..15, >=16 measured) but not on r
 fixed M, so R is fixed per engine. Intra-op threads split large elementwise loops into chunks with their own
 tails: run CPU engines with torch.set_num_threads(1) (our workers do) when bit-exactness matters.
 
-Exactness guarantee (measured, see tests/test_generation.py): a request's tokens and log-probs are a function
-of (weights, prompt, sampling params, seed) only, not of which requests share its batch, its slot, or its
-arrival time, and not of migrations between engines with equal `numerics` (decode rows, whether rows gather
-their slots, dtype, device type, TP size, max_seq_len; same torch build and thread count). Why: prefill is per
-request; decode has fixed shapes (R rows, S keys); sampling uses the request's own generator. Bigger batched
-prefills or a dynamic decode width would be faster but change round-off with batch composition (a flipped
-argmax/sample), so we do not use them.
+Two modes (`EngineConfig.batch_invariant`, default: on for CPU, off for CUDA):
+- batch-invariant: decode rows are grouped by their own key span (a row's attention shape depends on its own
+  position alone) and prompts prefill one at a time ([1, T]). Guarantee (measured, tests/test_generation.py): a
+  request's tokens and log-probs are a function of (weights, prompt, sampling params, seed) only, not of which
+  requests share its batch, its slot, or its arrival time, and not of migrations between engines with equal
+  `numerics` (decode rows, whether rows gather their slots, dtype, device type, TP size, max_seq_len, mode;
+  same torch build and thread count).
+- step-wide (CUDA): every row of a step reads the longest active row's bucketed span (one captured CUDA graph
+  per span, all in one memory pool), and waiting prompts prefill together in right-padded batches of up to
+  PREFILL_TOKENS tokens. Keys past a row's position are masked; a GEMM's round-off can depend on how many
+  prompts share a prefill, so tokens equal a batch-invariant run's only up to round-off (a near-tie can flip).
+  KV migration between engines of equal numerics stays exact: the moved KV is the source's, bit for bit.
 
 Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
 with KV; `commit_export` forgets them, `cancel_export` unfreezes them. `import_state` queues them first in
@@ -48,13 +57,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 
 from tidal.core.errors import TidalError
 from tidal.engine.generation import sampler
-from tidal.engine.generation.kv_cache import SlotKVCache
+from tidal.engine.generation.kv_cache import RowGroup, SlotKVCache
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
     EngineStatus,
@@ -66,10 +75,12 @@ from tidal.engine.generation.protocol import (
 )
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.model import Transformer
+from tidal.engine.shapes import padded_len
 from tidal.engine.tp import group_size
 
 CPU_ROW_MULTIPLE = 64
 PREFILL_GRAPHS = 32  # captured prefill graphs kept per engine (one per prompt length)
+PREFILL_TOKENS = 16384  # CUDA: most tokens (rows x padded width) of one batched prefill
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,10 @@ class EngineConfig:
     """How a KV-less imported request rebuilds its KV (see module doc)."""
     cuda_graph: bool = True
     """On CUDA (TP 1), replay one captured CUDA graph per decode step instead of launching each kernel."""
+    batch_invariant: bool | None = None
+    """True: a request's tokens do not depend on what shares its batch (each decode row reads its own key span,
+    prompts prefill one at a time). False: one key span per decode step (one CUDA graph per span) and batched
+    prefill: faster, equal only up to round-off. None: True on CPU, False on CUDA."""
     vocab_limit: int | None = None
     """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
     rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
@@ -152,8 +167,11 @@ class NativeEngine(GenerationEngine):
         # `gather`: rows read their slot's KV through the row -> slot index (padding rows), else the cache directly.
         # The two paths differ by an ulp on some CPUs (AMD EPYC, AVX-512: 6 of 1,200 requests' log-probs between a
         # 64-slot and a 16-slot engine, both 64 rows), so KV moves only between engines on the same path
+        # decode key spans and prefill batching (see module doc and `EngineConfig.batch_invariant`)
+        self._row_spans = config.batch_invariant if config.batch_invariant is not None else self.device.type == "cpu"
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
-                         f"device={self.device.type},tp={self.tp},seq={s}")
+                         f"device={self.device.type},tp={self.tp},seq={s},"
+                         f"span={'row' if self._row_spans else 'step'}")
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
         self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
                                  self.dtype, self.device)
@@ -167,13 +185,18 @@ class NativeEngine(GenerationEngine):
         self._slots: list[str | None] = [None] * width
         self._gone: dict[str, str] = {}  # id -> "finished" / "aborted" / "migrated away" (for error messages)
         self.tokens_generated = 0
+        # work counters (a function of the tokens, not of max_seq_len): prompt tokens prefilled (padding included)
+        # and key positions read by decode rows, summed over every row a step computes
+        self.prefill_tokens = 0
+        self.keys_read = 0
         # per-slot sampling params, kept on the device (inactive slots are greedy and ignored)
         self._temp = torch.zeros(self.rows, device=self.device)
         self._top_p = torch.ones(self.rows, device=self.device)
         self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: dict[int, tuple] = {}          # decode span -> (graph, its outputs)
         self._prefill_graphs: dict[int, tuple] = {}
+        self._graph_pool: Any = None   # one memory pool for every captured decode graph
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -236,6 +259,7 @@ class NativeEngine(GenerationEngine):
 
     def _admit(self, events: list[RequestEvent]) -> None:
         skipped: list[str] = []
+        jobs: list[tuple[_Live, list[int]]] = []   # prefills of this admission, in admission order
         while self._waiting and None in self._slots:
             rid = self._waiting.popleft()
             live = self._live[rid]
@@ -250,25 +274,66 @@ class NativeEngine(GenerationEngine):
                 live.kv_len = self.cache.write(slot, [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
                                                       for k, v in live.pending_kv])
                 live.pending_kv = None
+                live.replay = deque(live.all_tokens()[live.kv_len:-1])
             elif live.tokens:  # imported without KV: re-prefill
                 upto = len(live.request.prompt_ids) if self.config.reprefill == "replay" else -1
-                self._prefill(live, live.all_tokens()[:upto])
+                jobs.append((live, live.all_tokens()[:upto]))
             else:
-                logits = self._prefill(live, list(live.request.prompt_ids))
-                live.version = self._version
-                u = self._uniforms([live], [True])
-                tok = sampler.sample(logits, self._temp[slot:slot + 1], self._top_p[slot:slot + 1],
-                                     self._top_k[slot:slot + 1], u)
-                lp = sampler.logprobs(logits, tok)
-                self._record(live, int(tok.item()), float(lp.item()), events)
-                continue
-            live.replay = deque(live.all_tokens()[live.kv_len:-1])
+                jobs.append((live, list(live.request.prompt_ids)))
         self._waiting.extendleft(reversed(skipped))
+        for (live, _), logits in zip(jobs, self._prefill_all(jobs)):
+            if live.tokens:   # re-prefilled: the recorded tokens after the prefilled ones replay through decode rows
+                live.replay = deque(live.all_tokens()[live.kv_len:-1])
+                continue
+            live.version = self._version
+            slot = cast(int, live.slot)
+            u = self._uniforms([live], [True])
+            tok = sampler.sample(logits, self._temp[slot:slot + 1], self._top_p[slot:slot + 1],
+                                 self._top_k[slot:slot + 1], u)
+            lp = sampler.logprobs(logits, tok)
+            self._record(live, int(tok.item()), float(lp.item()), events)
+
+    def _prefill_all(self, jobs: list[tuple[_Live, list[int]]]) -> list[torch.Tensor]:
+        """Write each job's K/V into its slot; the last position's full logits [1, V] of each. CPU: one request
+        at a time (a prompt's prefill is the same computation wherever it runs). CUDA: right-padded batches of
+        up to PREFILL_TOKENS tokens (a lone prompt through its captured graph)."""
+        if self._row_spans:
+            return [self._prefill(live, ids) for live, ids in jobs]
+        out: list[torch.Tensor] = []
+        lo = 0
+        while lo < len(jobs):
+            hi, width = lo + 1, padded_len(len(jobs[lo][1]), self.args.max_seq_len)
+            while hi < len(jobs):
+                w = max(width, padded_len(len(jobs[hi][1]), self.args.max_seq_len))
+                if (hi - lo + 1) * w > PREFILL_TOKENS:
+                    break
+                hi, width = hi + 1, w
+            chunk = jobs[lo:hi]
+            out += [self._prefill(*chunk[0])] if len(chunk) == 1 else self._prefill_batch(chunk, width)
+            lo = hi
+        return out
+
+    def _prefill_batch(self, jobs: list[tuple[_Live, list[int]]], width: int) -> list[torch.Tensor]:
+        """Right-padded prompts [n, width] in one causal forward (padding sits after every real token, so it
+        changes no real position's output; its K/V lands past each slot's kv_len, where decode masks it)."""
+        lengths = [len(ids) for _, ids in jobs]
+        ids_BT = torch.zeros((len(jobs), width), dtype=torch.long)
+        for b, (live, ids) in enumerate(jobs):
+            ids_BT[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            live.kv_len = len(ids)
+        self.prefill_tokens += len(jobs) * width
+        slots = torch.tensor([cast(int, live.slot) for live, _ in jobs], device=self.device)
+        pos_BT = torch.arange(width, device=self.device).expand(len(jobs), width)
+        h = self.model.hidden(ids_BT.to(self.device), pos_BT, None, self.cache.prefill_writer(slots))
+        last = h[torch.arange(len(jobs), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        logits = self.model.full_logits(self.model.logits_local(last[:, None]))[:, -1, :self._vocab].float()
+        return list(logits.split(1))
 
     def _prefill(self, live: _Live, ids: list[int]) -> torch.Tensor:
         """Write the K/V of `ids` into the request's slot; return the last position's full logits [1, V]."""
         t = len(ids)
         live.kv_len = t
+        self.prefill_tokens += t
         ids_1T = torch.tensor([ids], dtype=torch.long)
         slot = cast(int, live.slot)  # prefill runs on admitted requests, which hold a slot
         if self._use_graph:
@@ -324,10 +389,20 @@ class NativeEngine(GenerationEngine):
             u[live.slot] = x
         ids_R = torch.tensor(ids, dtype=torch.long)
         pos_R = torch.tensor(pos, dtype=torch.long)
-        if self._use_graph:
-            tok, lp = self._graph_decode(ids_R, pos_R, u)
+        if self._row_spans:
+            groups = self._row_groups(pos)
+            self.keys_read += sum(len(g.rows) * g.span for g in groups)
+            tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
+                                           groups=groups)
         else:
-            tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device))
+            # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
+            span = padded_len(max(live.kv_len for live in active) + 1, self.args.max_seq_len)
+            self.keys_read += self.rows * span
+            if self._use_graph and self.rows == self.width:
+                tok, lp = self._graph_decode(ids_R, pos_R, u, span)
+            else:
+                tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
+                                               span=span)
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for live, samples in zip(active, sampling):
             live.kv_len += 1
@@ -336,33 +411,47 @@ class NativeEngine(GenerationEngine):
                 continue
             self._record(live, tok_l[live.slot], lp_l[live.slot], events)
 
-    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
-        """The fixed-shape decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
-        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot)
-        logits_local = self.model(ids_R[:, None], pos_R[:, None], self.cache.decode_mask(pos_R), decoder)
+    def _row_groups(self, pos: list[int]) -> list[RowGroup]:
+        """Rows by their own key span (position + 1, bucketed): the exact path, whatever shares the step."""
+        by_span: dict[int, list[int]] = {}
+        for r in range(self.rows):
+            by_span.setdefault(padded_len(pos[r] + 1, self.args.max_seq_len), []).append(r)
+        slot_of = self._row_slot.tolist()
+        return [RowGroup(rows, [slot_of[r] for r in rows], [pos[r] for r in rows], span, self.device)
+                for span, rows in sorted(by_span.items())]
+
+    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, *,
+                        span: int | None = None, groups: list[RowGroup] | None = None):
+        """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
+        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups)
+        logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R)
         return tok, sampler.logprobs(logits, tok)
 
-    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor):
-        """CUDA: replay one captured graph of `_decode_forward` (its shapes never change, so one capture serves
-        every step); the kernels are the eager ones, so the results are too. Captured lazily, dropped on release."""
-        if self._graph is None:
+    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, span: int):
+        """CUDA: replay the captured graph of `_decode_forward` at this key span (one capture per span, all in
+        one memory pool; the kernels are the eager ones, so the results are too). Captured lazily, dropped on
+        release."""
+        if not self._graphs:
             self._static = [ids_R.to(self.device), pos_R.to(self.device), u_R.to(self.device)]
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
+            buf.copy_(src, non_blocking=True)
+        entry = self._graphs.get(span)
+        if entry is None:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
                 for _ in range(2):
-                    self._decode_forward(*self._static)
+                    self._decode_forward(*self._static, span=span)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._static_out = self._decode_forward(*self._static)
-            self._graph = graph
-        for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
-            buf.copy_(src, non_blocking=True)
-        self._graph.replay()
-        return self._static_out
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                out = self._decode_forward(*self._static, span=span)
+            self._graphs[span] = entry = (graph, out)
+        entry[0].replay()
+        return entry[1]
 
     def _uniforms(self, lives: list[_Live], sampling: list[bool]) -> torch.Tensor:
         """One uniform per sampling, non-greedy request, drawn from its own generator (0 for the others)."""
@@ -523,7 +612,7 @@ class NativeEngine(GenerationEngine):
         for p in params.values():
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.cache.free()
-        self._graph, self._prefill_graphs = None, {}  # they point into the freed slab and parameters
+        self._graphs, self._prefill_graphs = {}, {}  # they point into the freed slab and parameters
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -4,25 +4,30 @@ Per layer two slabs `k`, `v` of shape [W, H_kv_local, S, D]: W slots (+1 dummy s
 the engine pads the decode batch, see engine.py), S = the model's `max_seq_len`. A request owns one slot
 from admission to finish; its first `kv_len` positions are valid.
 
-Why fixed shapes: on CPU a GEMM's per-row round-off depends on the number of rows M (measured with torch
-2.13/oneDNN: rows of `F.linear` fall into classes M=1, M=2..15, M>=16 with different bits), but at a fixed M
-a row's result depends neither on its position nor on the other rows' contents (elementwise kernels need the
-row count padded too: engine.py). Attention over a fixed key
-span S with a boolean mask is exact per row too (masked scores are -inf, exp gives exact zeros, and the
-reduction shapes never change). So decode always runs all W rows over all S keys: a request's tokens do not
-depend on which other requests share the batch, which slot it sits in, or which engine (of equal W, dtype,
-device type and TP) runs it. Empty and frozen slots compute throw-away rows; garbage beyond a row's valid
-length is masked and always finite (it is earlier model output or zeros).
+Why the shapes are what they are: on CPU a GEMM's per-row round-off depends on the number of rows M (measured
+with torch 2.13/oneDNN: rows of `F.linear` fall into classes M=1, M=2..15, M>=16 with different bits), but at a
+fixed M a row's result depends neither on its position nor on the other rows' contents (elementwise kernels
+need the row count padded too: engine.py). So decode always runs all R rows through the projections and MLP.
+Attention is where a row's cost follows its length: a row reads the first `span` keys of its slot, span = its
+position + 1 rounded up to a length bucket (`tidal.engine.shapes.padded_len`), masked past its position (masked
+scores are -inf and exp gives exact zeros). In the batch-invariant mode rows are grouped by their own span
+(`RowGroup`), so a row's attention shape depends on its own position only and a request's tokens do not depend
+on which other requests share the batch, which slot it sits in, or which engine (of equal numerics) runs it; the
+step-wide mode gives every row the longest active row's span (one CUDA graph per span). Empty and frozen slots
+compute throw-away rows; garbage beyond a row's valid length is masked and always finite (earlier model output,
+padding's K/V, or zeros).
 
-Prefill runs one request at a time ([1, T] rows, causal attention over its own tokens) and writes the slot;
-the prompt's prefill is therefore the same computation wherever and whenever it runs.
+Prefill writes a prompt's K/V into its slot: one request at a time ([1, T], causal over its own tokens: the same
+computation wherever and whenever it runs), or, step-wide, right-padded prompts [n, T] in one forward.
 
-    prefill(slot 3, prompt of 5)         decode step (W=4, S=8), write position = kv_len of each row
-    slot 3: [p p p p p . . .]            slot 0: [x x x w . . . .]   mask row 0: [1 1 1 1 0 0 0 0]
+    prefill(slot 3, prompt of 5)         decode step, write position = kv_len of each row, span 16 (a bucket)
+    slot 3: [p p p p p . . .]            slot 0: [x x x w . . . .]   mask row 0: [1 1 1 1 0 0 ... 0] (16 keys)
                                          slot 1: (empty: write at 0, attend to 0, row discarded)
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -67,51 +72,90 @@ class SlotKVCache:
         return length
 
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------
-    def prefill_writer(self, slot: int | torch.Tensor) -> _PrefillWriter:
-        return _PrefillWriter(self, slot)
+    def prefill_writer(self, slots: int | torch.Tensor) -> _PrefillWriter:
+        return _PrefillWriter(self, slots)
 
-    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None = None) -> _Decoder:
-        """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r)."""
-        return _Decoder(self, positions_R, row_slot_R)
+    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
+                span: int | None = None, groups: list[RowGroup] | None = None) -> _Decoder:
+        """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r). Either
+        every row attends over the first `span` keys of its slot, or each `RowGroup` over its own span."""
+        return _Decoder(self, positions_R, row_slot_R, span, groups)
 
-    def decode_mask(self, positions_W: torch.Tensor) -> torch.Tensor:
-        """[W, 1, S] bool: row b attends to keys 0..positions[b] (its own new token included)."""
-        keys = torch.arange(self.max_seq_len, device=positions_W.device)
-        return (keys[None, :] <= positions_W[:, None]).unsqueeze(1)
+
+class RowGroup:
+    """Decode rows that attend over the same key span: their row and slot indices and their [n, 1, 1, span]
+    mask (key j visible to a row at position p iff j <= p), built once per step, used by every layer."""
+
+    def __init__(self, rows: list[int], slots: list[int], positions: list[int], span: int, device):
+        self.rows = torch.tensor(rows, device=device)
+        self.slots = torch.tensor(slots, device=device)
+        self.span = span
+        keys = torch.arange(span, device=device)
+        self.mask = (keys[None, :] <= torch.tensor(positions, device=device)[:, None])[:, None, None, :]
+
+
+def decode_attention(q_RH1D: torch.Tensor, k_RKSD: torch.Tensor, v_RKSD: torch.Tensor,
+                     mask_R11S: torch.Tensor) -> torch.Tensor:
+    """One query token per row over S keys, grouped-query without copying K/V: the H query heads of a row
+    become `H / K` queries of each of its K kv heads (head h reads kv head h // (H / K), as repeat_interleave
+    would), so every backend that takes a broadcast boolean mask serves it (on CUDA the memory-efficient
+    kernel, which the fused `enable_gqa` + mask call does not reach)."""
+    r, h, _, d = q_RH1D.shape
+    kv = k_RKSD.shape[1]
+    q = q_RH1D.reshape(r, kv, h // kv, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_RKSD, v_RKSD, attn_mask=mask_R11S)
+    return out.reshape(r, h, 1, d)
 
 
 class _PrefillWriter:
-    """Writes one request's prompt K/V into its slot; attention runs over the prompt only (causal).
+    """Writes prompts' K/V into their slots; attention runs over each prompt only (causal, right-padded rows).
 
-    `slot` is an int, or a one-element device tensor (CUDA graphs: the slot changes between replays)."""
+    `slots` is an int (one request), or a device tensor of one slot per row (a batched prefill, or a CUDA graph
+    whose slot changes between replays)."""
 
-    def __init__(self, cache: SlotKVCache, slot: int | torch.Tensor):
-        self.cache, self.slot = cache, slot
+    def __init__(self, cache: SlotKVCache, slots: int | torch.Tensor):
+        self.cache, self.slots = cache, slots
 
     def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor):
         t = k_BHTD.shape[2]
-        if isinstance(self.slot, torch.Tensor):
-            self.cache.k[layer][self.slot, :, :t] = k_BHTD
-            self.cache.v[layer][self.slot, :, :t] = v_BHTD
+        if isinstance(self.slots, torch.Tensor):
+            self.cache.k[layer][self.slots, :, :t] = k_BHTD
+            self.cache.v[layer][self.slots, :, :t] = v_BHTD
         else:
-            self.cache.k[layer][self.slot, :, :t].copy_(k_BHTD[0])
-            self.cache.v[layer][self.slot, :, :t].copy_(v_BHTD[0])
+            self.cache.k[layer][self.slots, :, :t].copy_(k_BHTD[0])
+            self.cache.v[layer][self.slots, :, :t].copy_(v_BHTD[0])
         return k_BHTD, v_BHTD
 
 
 class _Decoder:
-    """One decode step: write each row's new K/V at its position, attend over the row's whole slot.
+    """One decode step: write each row's new K/V at its position, then attend over the keys the row needs.
 
-    Padding rows (CPU, see engine.py) all map to one dummy slot; then the slab rows are gathered per row."""
+    `span`: every row reads the first `span` keys of its own slot (rows are slots; CUDA graphs capture one
+    step per span). `groups`: each row reads its own span's keys, gathered per group (the exact CPU path:
+    a row's span depends on its own position only, never on which rows share the step)."""
 
-    def __init__(self, cache: SlotKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None):
-        self.cache, self.positions, self.gather = cache, positions_R, row_slot_R is not None
+    def __init__(self, cache: SlotKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
+                 span: int | None, groups: list[RowGroup] | None):
+        if (span is None) == (groups is None):
+            raise ValueError("a decode step takes either one span or row groups")
+        self.cache, self.positions, self.span, self.groups = cache, positions_R, span, groups
+        self.gather = row_slot_R is not None
         self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=positions_R.device)
+        if span is not None:
+            keys = torch.arange(span, device=positions_R.device)
+            self.mask = (keys[None, :] <= positions_R[:, None])[:, None, None, :]
 
-    def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor):
+    def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor) -> torch.Tensor:
         k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.slots, :, self.positions] = k_BHTD[:, :, 0]  # padding rows collide in the dummy slot: garbage
-        v[self.slots, :, self.positions] = v_BHTD[:, :, 0]
-        if self.gather:
-            return k.index_select(0, self.slots), v.index_select(0, self.slots)
-        return k, v
+        k[self.slots, :, self.positions] = k_RK1D[:, :, 0]  # padding rows collide in the dummy slot: garbage
+        v[self.slots, :, self.positions] = v_RK1D[:, :, 0]
+        if self.groups is None:
+            span = cast(int, self.span)
+            if self.gather:
+                return decode_attention(q_RH1D, k[self.slots, :, :span], v[self.slots, :, :span], self.mask)
+            return decode_attention(q_RH1D, k[:, :, :span], v[:, :, :span], self.mask)
+        out = torch.empty_like(q_RH1D)
+        for g in self.groups:
+            out[g.rows] = decode_attention(q_RH1D.index_select(0, g.rows), k[g.slots, :, :g.span],
+                                           v[g.slots, :, :g.span], g.mask)
+        return out
