@@ -110,12 +110,18 @@ def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int,
         collect(engine.admit())
     sync(engine.device)
     t1 = time.perf_counter()
-    steps = 0
+    steps, window, mark, profile = 0, 128, t1, []
+    prompt_len = ids_BT.shape[1]
     while engine.has_work():
-        collect(engine.step())
+        collect(engine.step())   # each step reads its sampled tokens back: the host clock follows the device
         steps += 1
+        if steps % window == 0:   # (context tokens at the window's middle, ms per step): the cost model's fit
+            now = time.perf_counter()
+            profile.append((prompt_len + steps - window // 2, (now - mark) / window * 1e3))
+            mark = now
     sync(engine.device)
-    timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": steps}
+    timing = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_steps": steps,
+              "ms_per_step_by_context": profile}
     return timing, [out[f"{tag}-{i}"] for i in range(ids_BT.shape[0])]
 
 
@@ -204,7 +210,8 @@ def throughput(a, device, dtype, report):
     for batch in a.batches:
         ids = prompts(args, batch, a.prompt_len)
         engine = NativeEngine(m, EngineConfig(max_running_requests=batch))
-        native_generate(engine, ids, 3, "warm")  # captures the CUDA graphs (decode, prefill of this length)
+        # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
+        native_generate(engine, ids, a.new_tokens, "warm")
         runs, tokens = [], None
         for rep in range(a.repeats):
             timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}")
@@ -221,7 +228,8 @@ def throughput(a, device, dtype, report):
         row = {"batch": batch, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
                "ms_per_decode_step": ms_per_step, "native_s": native_s,
                "native_tokens_per_s": batch * a.new_tokens / native_s, "mean_kv_bytes_per_step": kv_bytes,
-               "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step}
+               "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step,
+               "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"]}
         rows.append(row)
         if hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,

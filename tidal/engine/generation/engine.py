@@ -194,7 +194,7 @@ class NativeEngine(GenerationEngine):
         self._top_p = torch.ones(self.rows, device=self.device)
         self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
-        self._graphs: dict[int, tuple] = {}          # decode span -> (graph, its outputs)
+        self._graphs: dict[tuple[int, bool], tuple] = {}   # (decode span, filtered) -> (graph, its outputs)
         self._prefill_graphs: dict[int, tuple] = {}
         self._graph_pool: Any = None   # one memory pool for every captured decode graph
 
@@ -389,20 +389,23 @@ class NativeEngine(GenerationEngine):
             u[live.slot] = x
         ids_R = torch.tensor(ids, dtype=torch.long)
         pos_R = torch.tensor(pos, dtype=torch.long)
+        # the vocab sort of top-k / top-p runs only in steps where some row asks for it (a row's token never
+        # depends on this: `sampler.sample`)
+        filtered = any(lv.request.params.top_p < 1 or lv.request.params.top_k > 0 for lv in active)
         if self._row_spans:
             groups = self._row_groups(pos)
             self.keys_read += sum(len(g.rows) * g.span for g in groups)
             tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
-                                           groups=groups)
+                                           filtered, groups=groups)
         else:
             # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
             span = padded_len(max(live.kv_len for live in active) + 1, self.args.max_seq_len)
             self.keys_read += self.rows * span
             if self._use_graph and self.rows == self.width:
-                tok, lp = self._graph_decode(ids_R, pos_R, u, span)
+                tok, lp = self._graph_decode(ids_R, pos_R, u, filtered, span)
             else:
                 tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
-                                               span=span)
+                                               filtered, span=span)
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for live, samples in zip(active, sampling):
             live.kv_len += 1
@@ -420,36 +423,38 @@ class NativeEngine(GenerationEngine):
         return [RowGroup(rows, [slot_of[r] for r in rows], [pos[r] for r in rows], span, self.device)
                 for span, rows in sorted(by_span.items())]
 
-    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, *,
+    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool, *,
                         span: int | None = None, groups: list[RowGroup] | None = None):
         """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
         decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
-        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R)
+        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R, filtered)
         return tok, sampler.logprobs(logits, tok)
 
-    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, span: int):
-        """CUDA: replay the captured graph of `_decode_forward` at this key span (one capture per span, all in
-        one memory pool; the kernels are the eager ones, so the results are too). Captured lazily, dropped on
-        release."""
+    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool,
+                      span: int):
+        """CUDA: replay the captured graph of `_decode_forward` at this key span and sampler (one capture per
+        pair, all in one memory pool; the kernels are the eager ones, so the results are too). Captured lazily,
+        dropped on release."""
         if not self._graphs:
             self._static = [ids_R.to(self.device), pos_R.to(self.device), u_R.to(self.device)]
             self._graph_pool = torch.cuda.graph_pool_handle()
         for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
             buf.copy_(src, non_blocking=True)
-        entry = self._graphs.get(span)
+        entry = self._graphs.get((span, filtered))
         if entry is None:
+            ids_s, pos_s, u_s = self._static
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
                 for _ in range(2):
-                    self._decode_forward(*self._static, span=span)
+                    self._decode_forward(ids_s, pos_s, u_s, filtered, span=span)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = self._decode_forward(*self._static, span=span)
-            self._graphs[span] = entry = (graph, out)
+                out = self._decode_forward(ids_s, pos_s, u_s, filtered, span=span)
+            self._graphs[(span, filtered)] = entry = (graph, out)
         entry[0].replay()
         return entry[1]
 

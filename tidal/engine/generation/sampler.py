@@ -6,9 +6,11 @@ Each row is sampled by inverse CDF from one uniform number `uniform_N[i]` that t
 request's own `torch.Generator` (one draw per sampled token; greedy rows draw nothing). Drawing the uniforms
 per request is the only per-request Python work of a decode step; everything else is batched tensor math
 whose per-row result does not depend on the other rows. The distribution of row i is
-`softmax(logits / temperature)` restricted to the top-k tokens and then to the smallest prefix (by
-descending probability, ties in vocab order via a stable sort) whose mass reaches top_p (the first token is
-always kept), renormalized. Temperature 0 is greedy: the argmax (lowest id on ties).
+`softmax(logits / temperature)`; with top-k or top-p it is restricted to the top-k tokens and then to the
+smallest prefix (by descending probability, ties in vocab order via a stable sort) whose mass reaches top_p
+(the first token is always kept), renormalized, and the inverse CDF runs over that sorted order. Without them
+the inverse CDF runs in vocab order and nothing is sorted: a stable sort of 151,936 logits per row costs more
+than a 1.5B model's whole decode forward on an H200. Temperature 0 is greedy: the argmax (lowest id on ties).
 
 Rollout log-prob (what RL needs as the behaviour policy's log-prob): `logprobs(logits, tokens)` is
 log softmax(logits)[token] at temperature 1, in fp32, *before* temperature, top-k or top-p. It is the same
@@ -22,22 +24,32 @@ import torch
 
 
 def sample(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N: torch.Tensor, top_k_N: torch.Tensor,
-           uniform_N: torch.Tensor) -> torch.Tensor:
-    """One token per row (int64 [N]). All inputs on the logits' device; logits are used in fp32."""
+           uniform_N: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+    """One token per row (int64 [N]). All inputs on the logits' device; logits are used in fp32.
+
+    `filtered`: some row may have top-k or top-p set (the caller knows its rows' params); False skips the
+    vocab sort, which no row then needs. A row's token does not depend on it: rows without top-k/top-p take
+    the unsorted inverse CDF either way."""
     logits = logits_NV.float()
     greedy = temperature_N <= 0
     temp = torch.where(greedy, torch.ones_like(temperature_N), temperature_N)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    cum = sorted_p.cumsum(dim=-1)
-    rank = torch.arange(logits.shape[-1], device=logits.device)
-    keep = (cum - sorted_p) < top_p_N[:, None]  # mass before this token has not reached top_p yet
-    keep &= (top_k_N[:, None] <= 0) | (rank[None, :] < top_k_N[:, None])
-    kept_cum = (sorted_p * keep).cumsum(dim=-1)
-    target = uniform_N * kept_cum[:, -1]
-    pick = torch.searchsorted(kept_cum, target[:, None].contiguous(), right=True).clamp_max(logits.shape[-1] - 1)
-    sampled = order.gather(-1, pick).squeeze(-1)
+    sampled = _inverse_cdf(probs.cumsum(dim=-1), uniform_N)
+    if filtered:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        cum = sorted_p.cumsum(dim=-1)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        keep = (cum - sorted_p) < top_p_N[:, None]  # mass before this token has not reached top_p yet
+        keep &= (top_k_N[:, None] <= 0) | (rank[None, :] < top_k_N[:, None])
+        nucleus = order.gather(-1, _inverse_cdf((sorted_p * keep).cumsum(dim=-1), uniform_N)[:, None]).squeeze(-1)
+        sampled = torch.where((top_p_N < 1) | (top_k_N > 0), nucleus, sampled)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _inverse_cdf(cum_NV: torch.Tensor, uniform_N: torch.Tensor) -> torch.Tensor:
+    """The index whose cumulative mass first exceeds uniform x total, per row."""
+    target = uniform_N * cum_NV[:, -1]
+    return torch.searchsorted(cum_NV, target[:, None].contiguous(), right=True).clamp_max(cum_NV.shape[-1] - 1)[:, 0]
 
 
 def logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
