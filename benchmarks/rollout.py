@@ -201,7 +201,7 @@ def throughput(a, device, dtype, report):
     weight_bytes = sum(p.numel() for p in m.parameters()) * dtype.itemsize  # parameters() yields a tied one once
     report.update(copy_bandwidth_GBps=bandwidth, weight_bytes=weight_bytes)
     hf, hf_note = None, None
-    if a.hf_all or min(a.batches) <= HF_MAX_BATCH:
+    if not a.no_hf and (a.hf_all or min(a.batches) <= HF_MAX_BATCH):
         try:
             hf, report["hf_version"] = hf_model(args, weights, device, dtype)
         except ImportError:
@@ -233,7 +233,8 @@ def throughput(a, device, dtype, report):
         rows.append(row)
         if hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
-                       hf_note=hf_note or f"batch above {HF_MAX_BATCH}: HF generate skipped (--hf-all runs it)")
+                       hf_note=hf_note or ("--no-hf: HF generate skipped" if a.no_hf else
+                                           f"batch above {HF_MAX_BATCH}: HF generate skipped (--hf-all runs it)"))
         else:
             hf_generate(hf, ids[: min(4, batch)], 4, device)  # warm-up
             times = []
@@ -370,6 +371,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--model", choices=("default", "qwen2.5-1.5b"), default="default",
                    help="default: a 16-layer 1024-wide model on GPU (the tiny one with --quick or on CPU)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate (the native engine's figures only)")
     p.add_argument("--hf-all", action="store_true", help=f"run HF generate for batches above {HF_MAX_BATCH} too")
     p.add_argument("--no-migration", action="store_true", help="skip the migration section")
     p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")

@@ -287,8 +287,9 @@ class Transformer(nn.Module):
     def hidden(self, ids_BT, positions_BT=None, attn_mask_BTS=None, kv_cache: KVCache | None = None):
         if positions_BT is None:
             positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
-        cos, sin = self.rope_cos[positions_BT], self.rope_sin[positions_BT]
         x = self.embed_tokens(ids_BT)
+        # in the compute dtype once per forward, not in every layer's q and k rotation
+        cos, sin = self.rope_cos[positions_BT].to(x.dtype), self.rope_sin[positions_BT].to(x.dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled() and kv_cache is None
         for i, layer in enumerate(self.layers):
             if recompute:   # keep each layer's input only; its activations are recomputed in the backward

@@ -383,10 +383,10 @@ class NativeEngine(GenerationEngine):
             ids[slot] = live.replay[0] if live.replay else live.tokens[-1]
             active.append(live)
             sampling.append(not live.replay)
-        u = torch.zeros(self.rows)
-        drawn = self._uniforms(active, sampling)
-        for live, x in zip(active, drawn.tolist()):
-            u[live.slot] = x
+        u_list = [0.0] * self.rows   # built on the host, one tensor a step: no per-row tensor writes or syncs
+        for live, x in zip(active, self._draws(active, sampling)):
+            u_list[cast(int, live.slot)] = x
+        u = torch.tensor(u_list, dtype=torch.float32)
         ids_R = torch.tensor(ids, dtype=torch.long)
         pos_R = torch.tensor(pos, dtype=torch.long)
         # the vocab sort of top-k / top-p runs only in steps where some row asks for it (a row's token never
@@ -459,10 +459,14 @@ class NativeEngine(GenerationEngine):
         return entry[1]
 
     def _uniforms(self, lives: list[_Live], sampling: list[bool]) -> torch.Tensor:
+        """`_draws` as an fp32 tensor on the device."""
+        return torch.tensor(self._draws(lives, sampling), dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def _draws(lives: list[_Live], sampling: list[bool]) -> list[float]:
         """One uniform per sampling, non-greedy request, drawn from its own generator (0 for the others)."""
-        out = [torch.rand((), generator=lv.generator).item() if s and not lv.request.params.greedy else 0.0
-               for lv, s in zip(lives, sampling)]
-        return torch.tensor(out, dtype=torch.float32, device=self.device)
+        return [torch.rand((), generator=lv.generator).item() if s and not lv.request.params.greedy else 0.0
+                for lv, s in zip(lives, sampling)]
 
     def _record(self, live: _Live, token: int, logprob: float, events: list[RequestEvent]) -> None:
         live.tokens.append(token)
