@@ -1,11 +1,14 @@
 """Cost models: how long each kind of work takes, as small dataclasses with documented parameters.
 
 The simulator uses them to advance time; the `tidal` policy uses the same models to predict whether a move
-pays for itself. Two presets:
+pays for itself. Three presets:
 
 - `gpu_h200_1p5b()`: an H200-class GPU (HBM 4.8 TB/s, 989 TFLOP/s dense bf16, NVLink 450 GB/s per direction,
   pinned host copies 55 GB/s measured, see DESIGN.md) running a 1.5B Qwen2.5-style model (28 layers,
   2 KV heads x 128, bf16). Every number is derived below from those figures; none is fitted to a workload.
+- `gpu_h200()`: the same pair fitted to this system's own measurements on one H200 (decode vs batch and
+  context, prefill, actor, scoring, weight sync, hand-over; resharding on 2 x H200); the derived figures stay
+  where one GPU measures nothing.
 - `cpu_tiny()`: CPU virtual devices running the default tiny config (hidden 128, 4 layers). Orders of
   magnitude from the DESIGN.md facts (gloo 3 GB/s); calibrate with `fit_decode` / `fit_actor` from
   measured runs before trusting absolute times.
@@ -194,6 +197,40 @@ def gpu_h200_1p5b() -> CostModel:
     )
 
 
+def gpu_h200() -> CostModel:
+    """One H200 + a Qwen2.5-1.5B-shaped model (bf16), fitted to measurements of this system on that machine:
+
+    - decode (benchmarks/results/rollout/2026-12-03_9af554b_h200.json, batch 64 and 256, prompt 256, ms per
+      step over windows of 128 steps as the context grows 320 -> 1,088): least squares of
+      t = step_s + per_seq_s x batch + per_seq_token_s x batch x context over the 14 windows (largest residual
+      2.8%): 4.72 ms + 12.5 us per sequence + 9.2 ns per sequence-token of context. The fixed term is about
+      4.5x the weights' read at the measured copy bandwidth (4.24 TB/s): the step is bound by its ~1,300
+      small kernels, not by memory. per_seq_s takes the context term at a 1,024-token mean context (22.0 us;
+      the measured range ends at 1,088, the RLinf example's responses run longer);
+    - prefill 9.3 us/token (16,384 and 65,536 prompt tokens in batched prefills, same file);
+    - actor 31.0 us/token (32,288 tokens/s, MFU 42.2%: 8 x 2,048-token sequences per micro-batch, 2 micro-batches
+      an iter, the optimizer step included; benchmarks/results/train_throughput/2026-12-03_923f3cf_h200.json);
+    - inference 10.0 us/token (411,648 padded tokens in 4.13 s, the scoring phase of one GRPO step of 64 x 8
+      responses; benchmarks/results/collocated/2026-12-03_9af554b_h200.json); weight sync 0.49 s there;
+    - reshard: 276 GB/s into a device and 30 ms fixed (2 x H200, a 7B-shaped state's DP 1 -> 2: 47 GB in 0.17 s;
+      1B cases 26-48 ms; benchmarks/results/reshard/2026-11-29_56e02d6_2xh200_{1b,7b}.json);
+    - lend / return: the measured hand-over (0.45 s offload, 0.41 s onload of the actor's 20 GiB at ~49 GB/s)
+      plus the derived preset's 1 s instance start or stop. Gradient all-reduce, inter-node links and KV moves
+      across instances are `gpu_h200_1p5b`'s derivations (one GPU measures none of them).
+    """
+    p = 1.54e9
+    derived = gpu_h200_1p5b()
+    return replace(
+        derived, name="gpu-h200",
+        decode=DecodeCost(step_s=4.72e-3, per_seq_s=12.5e-6 + 9.24e-9 * 1024, prefill_per_token_s=9.3e-6),
+        inference=InferenceCost(per_token_s=10.0e-6, tp_eff=0.9, per_group_s=0.01),
+        actor=replace(derived.actor, train_per_token_s=31.0e-6, iter_fixed_s=0.0),
+        reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=276e9, inter_node_bw=50e9,
+                            devices_per_node=8, fixed_s=0.03),
+        lend_s=1.45, return_s=1.41, sync_fixed_s=0.49 - 2 * p / 450e9,
+    )
+
+
 def cpu_tiny() -> CostModel:
     """CPU virtual devices, the default tiny model (~1M params). Estimates to calibrate with the fits:
     gloo send/recv 3 GB/s and memcpy 20 GB/s are measured (DESIGN.md); compute terms are Python-overhead
@@ -212,7 +249,7 @@ def cpu_tiny() -> CostModel:
     )
 
 
-PRESETS = {"gpu": gpu_h200_1p5b, "cpu": cpu_tiny}
+PRESETS = {"gpu": gpu_h200_1p5b, "gpu_h200": gpu_h200, "cpu": cpu_tiny}
 
 
 def preset(name: str) -> CostModel:

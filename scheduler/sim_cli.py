@@ -1,8 +1,9 @@
-"""`tidal simulate CONFIG [--policy P] [--devices N] [--steps S] [--json PATH]`: the lead wires `cli_simulate`.
+"""`tidal simulate CONFIG [--policy P] [--devices N] [--steps S] [--costs PRESET] [--json PATH]`.
 
 CONFIG is a Tidal config (YAML) or `rlinf-example` (RLinf's 8-GPU example workload, built in). With
 `--devices N` the RLinf example placement (actor 1/4, rollout 1/2, inference 1/4) scales to N devices.
-`--policy all` compares static, rlinf and tidal on the same seed.
+`--policy all` compares static, rlinf and tidal on the same seed. `--costs` picks a cost preset
+(`scheduler.costs.PRESETS`): `gpu` (derived), `gpu_h200` (fitted to measurements on one H200), `cpu`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 from argparse import Namespace
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from scheduler.costs import PRESETS, preset
 from scheduler.policies import POLICIES
 from scheduler.simulator import SimResult, simulate
 from scheduler.workload import SimSpec, rlinf_example
@@ -22,16 +25,17 @@ from tidal.core.config import load_config
 from tidal.core.errors import TidalError
 
 
-def _spec(config: str, devices: int | None) -> SimSpec:
+def _spec(config: str, devices: int | None, costs: str | None = None) -> SimSpec:
+    model = preset(costs) if costs else None
     if config == "rlinf-example":
-        return rlinf_example(devices or 8)
-    cfg = load_config(config)
-    return SimSpec.from_config(cfg, devices)
+        return rlinf_example(devices or 8, costs=model)
+    spec = SimSpec.from_config(load_config(config), devices)
+    return replace(spec, costs=model) if model else spec
 
 
 def cli_simulate(args: Namespace) -> int:
     """args: config (path or `rlinf-example`), policy (name, `all` or None), devices, steps, seed, json."""
-    spec = _spec(args.config, getattr(args, "devices", None))
+    spec = _spec(args.config, getattr(args, "devices", None), getattr(args, "costs", None))
     pol = getattr(args, "policy", None)
     if pol is None and args.config != "rlinf-example":
         pol = load_config(args.config).scheduler.policy
@@ -43,7 +47,8 @@ def cli_simulate(args: Namespace) -> int:
     seed = getattr(args, "seed", None) or 0
     results: list[SimResult] = [simulate(spec, n, None, steps, seed) for n in names]
     base = next((r for r in results if r.policy == "static"), None)
-    table = Table(title=f"simulated {spec.name}: {spec.num_devices} devices, {steps} steps, seed {seed}")
+    table = Table(title=f"simulated {spec.name}: {spec.num_devices} devices, {steps} steps, seed {seed}, "
+                        f"costs {spec.costs.name}")
     for col in ("policy", "mean step s", "vs static", "idle", "migrations", "reshards", "sim wall s"):
         table.add_column(col, justify="right")
     for r in results:
@@ -67,6 +72,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--devices", type=int, default=None, help="scale the placement to N devices")
     ap.add_argument("--steps", type=int, default=10, help="RL steps to simulate")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--costs", default=None, choices=sorted(PRESETS),
+                    help="cost preset (default: gpu for rlinf-example; a config's cluster.device picks cpu or gpu)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     if args.devices is not None and args.devices < 4:

@@ -93,12 +93,14 @@ def scale_params(p: PolicyParams, devices: int, prompts: int) -> PolicyParams:
                    inference_devices=tuple(range(3 * q, devices)), rollout_batch_size=prompts)
 
 
-def rlinf_example(devices: int = 8, prompts_per_device: int = 64, max_running_requests: int = 512) -> SimSpec:
-    """RLinf's 8-GPU example workload (1.5B, 512 prompts x 16, 4 iters, actor TP 2), scaled to `devices`."""
+def rlinf_example(devices: int = 8, prompts_per_device: int = 64, max_running_requests: int = 512,
+                  costs: CostModel | None = None) -> SimSpec:
+    """RLinf's 8-GPU example workload (1.5B, 512 prompts x 16, 4 iters, actor TP 2), scaled to `devices`;
+    `costs` default: the derived GPU preset (`gpu_h200_1p5b`)."""
     base = PolicyParams(
         num_devices=8, actor_devices=(0, 1), rollout_devices=(2, 3, 4, 5), inference_devices=(6, 7),
         actor_tp=2, rollout_tp=1, inference_tp=1, rollout_batch_size=512, group_size=16, n_minibatches=4,
         max_running_requests=max_running_requests, use_pre_process_policy=False,
         use_wait_before_last_iter_policy=False, pre_process_threshold=0.5)
     params = base if devices == 8 else scale_params(base, devices, prompts_per_device * devices)
-    return SimSpec(params=params, costs=gpu_h200_1p5b(), name=f"rlinf-example-{devices}")
+    return SimSpec(params=params, costs=costs or gpu_h200_1p5b(), name=f"rlinf-example-{devices}")

@@ -287,3 +287,15 @@ def test_imported_sequences_run_before_the_targets_unstarted_ones(monkeypatch):
     # 9, 13; the move lands 4 (started) ahead of 9 and 13, and 8, 12 (not started) behind them
     g = sim.gen_at
     assert max(g[:4]) < moved[0] < g[5] < g[4] < g[9] < g[13] < g[8] < g[12]
+
+
+def test_fitted_h200_preset_simulates_the_rlinf_example(tmp_path):
+    """`--costs gpu_h200` (fitted to H200 measurements) drives the same simulation; dynamic policies beat static."""
+    from scheduler.costs import preset
+    fitted = preset("gpu_h200")
+    assert fitted.name == "gpu-h200" and fitted.decode.step_time(64) > fitted.decode.step_s > 0
+    out = tmp_path / "sim.json"
+    cli_simulate(Namespace(config="rlinf-example", policy="all", devices=None, steps=2, seed=0, json=str(out),
+                           costs="gpu_h200"))
+    res = {r["policy"]: r["mean_step_s"] for r in json.loads(out.read_text())}
+    assert res["tidal"] < res["static"] and res["rlinf"] < res["static"]
