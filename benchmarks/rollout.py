@@ -125,6 +125,34 @@ def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int,
     return timing, [out[f"{tag}-{i}"] for i in range(ids_BT.shape[0])]
 
 
+def decode_profile(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, steps: int = 32) -> dict:
+    """Where a decode step's time goes (CUDA): `steps` steps mid-generation under torch.profiler, the kernels
+    launched per step and their summed device time, against the wall time per step; the rest is the host's
+    share (Python, launches, the per-step read-back of sampled tokens) while the device waits."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    for i, row in enumerate(ids_BT.tolist()):
+        engine.add(Request(f"prof-{i}", tuple(row), params, seed=i))
+    while engine.num_waiting():
+        engine.admit()
+    for _ in range(new_tokens // 2):
+        engine.step()
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.device_time_total for e in kernels) if kernels and hasattr(kernels[0], "device_time_total") \
+        else sum(e.cuda_time_total for e in kernels)
+    while engine.has_work():
+        engine.step()
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
+            "wall_ms_per_step_profiled": wall / steps * 1e3}
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy bandwidth in GB/s, bytes read + bytes written (see module doc)."""
     cuda = device.type == "cuda"
@@ -216,6 +244,7 @@ def throughput(a, device, dtype, report):
         for rep in range(a.repeats):
             timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}")
             runs.append(timing)
+        profile = decode_profile(engine, ids, a.new_tokens) if device.type == "cuda" and a.profile_steps else None
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -229,7 +258,7 @@ def throughput(a, device, dtype, report):
                "ms_per_decode_step": ms_per_step, "native_s": native_s,
                "native_tokens_per_s": batch * a.new_tokens / native_s, "mean_kv_bytes_per_step": kv_bytes,
                "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step,
-               "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"]}
+               "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile}
         rows.append(row)
         if hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
@@ -371,6 +400,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--model", choices=("default", "qwen2.5-1.5b"), default="default",
                    help="default: a 16-layer 1024-wide model on GPU (the tiny one with --quick or on CPU)")
+    p.add_argument("--profile-steps", type=int, default=32,
+                   help="CUDA: profile this many decode steps per batch (kernels, device-busy time); 0 skips it")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (the native engine's figures only)")
     p.add_argument("--hf-all", action="store_true", help=f"run HF generate for batches above {HF_MAX_BATCH} too")
     p.add_argument("--no-migration", action="store_true", help="skip the migration section")
