@@ -39,6 +39,24 @@ def test_chunked_logprobs_equal_the_whole_logits_and_their_gradients(monkeypatch
         torch.testing.assert_close(chunked.token_logprobs(ids), got.detach(), rtol=0, atol=0)
 
 
+def test_entropy_comes_with_the_logprobs_whole_or_in_chunks(monkeypatch):
+    """The policy's entropy per position from the same (chunked) logits: equal to -sum p log p of the whole
+    softmax, without grad, and leaving the log-probs exactly as `token_logprobs` gives them."""
+    ids = torch.randint(0, ARGS.vocab_size, (8, 24), generator=torch.Generator().manual_seed(2))
+    m = _model()
+    with torch.no_grad():
+        logp = torch.log_softmax(m(ids)[:, :-1].double(), dim=-1)
+        want = -(logp.exp() * logp).sum(-1).float()
+        lp, ent = m.token_logprobs_entropy(ids)
+        torch.testing.assert_close(ent, want, rtol=0, atol=2e-5)
+        assert torch.equal(lp, m.token_logprobs(ids))
+        monkeypatch.setattr(model_mod, "LOGPROB_CHUNK_ELEMENTS", 64 * ARGS.vocab_size)
+        lp_c, ent_c = m.token_logprobs_entropy(ids)
+        torch.testing.assert_close(ent_c, want, rtol=0, atol=2e-5)
+    lp_g, ent_g = m.token_logprobs_entropy(ids)   # with grad: the entropy is a metric, never in the graph
+    assert lp_g.requires_grad and not ent_g.requires_grad
+
+
 def _train_rank(rank: int, world: int, checkpointing: bool) -> dict:
     shard = ActorShard(ARGS, OptimConfig(lr=1e-2, warmup_iters=0, total_iters=10),
                        Layout(1, world, tuple(range(world))), rank, weights=init_global_weights(ARGS, 0),

@@ -67,3 +67,21 @@ def test_tp_that_does_not_divide_heads_is_refused():
     check_tp(ARGS, 4)
     with pytest.raises(LayoutError, match="num_kv_heads"):
         check_tp(ARGS, 8)
+
+
+def _tp_entropy(rank, world):
+    group = dist.new_group(list(range(world)))
+    m = Transformer(ARGS, tp_group=group)
+    m.load_global(_weights(ARGS))
+    with torch.no_grad():
+        return m.token_logprobs_entropy(_batch())[1]
+
+
+def test_tp_entropy_matches_single_process():
+    """The entropy's two vocab sums are reduced over the TP group: each rank holds the whole distribution's."""
+    m = Transformer(ARGS)
+    m.load_global(_weights(ARGS))
+    with torch.no_grad():
+        want = m.token_logprobs_entropy(_batch())[1]
+    for got in run_ranks(2, _tp_entropy):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

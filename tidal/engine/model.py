@@ -311,7 +311,14 @@ class Transformer(nn.Module):
         return gather_vocab(logits_local, self.tp_group, self.args.vocab_size)
 
     def token_logprobs(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: shape [B, T-1], fp32, TP-exact.
+        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: shape [B, T-1], fp32, TP-exact (`token_logprobs_entropy`
+        without the entropy)."""
+        return self.token_logprobs_entropy(ids_BT, attn_mask_BTS, positions_BT, with_entropy=False)[0]
+
+    def token_logprobs_entropy(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None,
+                               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p(ids[:, t+1] | ids[:, :t+1]), the entropy of p(. | ids[:, :t+1]) without grad, or None) for
+        t < T-1: each [B, T-1], fp32, TP-exact.
 
         The [B, T-1, V] logits are never whole when they exceed `LOGPROB_CHUNK_ELEMENTS`: rows of positions go
         through the head and the log-softmax a chunk at a time, each chunk recomputed in the backward (so a
@@ -322,15 +329,21 @@ class Transformer(nn.Module):
         b, t, dim = h.shape[0], h.shape[1] - 1, h.shape[2]
         rows = max(64, LOGPROB_CHUNK_ELEMENTS // max(1, self.embed_tokens.weight.shape[0]))
         if b * t <= rows:
-            return vocab_parallel_logprobs(self.logits_local(h)[:, :-1], targets, self.tp_group, self.vocab_lo)
+            out = vocab_parallel_logprobs(self.logits_local(h)[:, :-1], targets, self.tp_group, self.vocab_lo,
+                                          with_entropy)
+            return out if with_entropy else (out, None)
         h_N, t_N = h[:, :-1].reshape(b * t, dim), targets.reshape(b * t)
         grad = torch.is_grad_enabled() and h_N.requires_grad
-        out = [checkpoint(self._logprobs, h_N[lo:lo + rows], t_N[lo:lo + rows], use_reentrant=False) if grad
-               else self._logprobs(h_N[lo:lo + rows], t_N[lo:lo + rows]) for lo in range(0, b * t, rows)]
-        return torch.cat(out).view(b, t)
+        out = [checkpoint(self._logprobs, h_N[lo:lo + rows], t_N[lo:lo + rows], with_entropy, use_reentrant=False)
+               if grad else self._logprobs(h_N[lo:lo + rows], t_N[lo:lo + rows], with_entropy)
+               for lo in range(0, b * t, rows)]
+        lp = torch.cat([o[0] for o in out]).view(b, t)
+        return lp, torch.cat([o[1] for o in out]).view(b, t) if with_entropy else None
 
-    def _logprobs(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo)
+    def _logprobs(self, h: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+        if with_entropy:
+            return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo, True)
+        return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo), None
 
     # ---- weights ------------------------------------------------------------------------------------
     def specs(self) -> dict[str, ParamSpec]:

@@ -111,12 +111,14 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.group)
 
 
-def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, group,
-                            vocab_lo: int) -> torch.Tensor:
-    """log softmax(logits)[target] for logits sharded along the last dim (vocab), in fp32.
+def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, group, vocab_lo: int,
+                            with_entropy: bool = False):
+    """log softmax(logits)[target] for logits sharded along the last dim (vocab), in fp32; with `with_entropy`
+    also the distribution's entropy per position (no grad): (log-probs, entropy).
 
     logits_local: [..., V_local] of the vocab range starting at `vocab_lo`; targets: [...] global ids.
-    The max shift is a constant for the gradient and is taken without grad.
+    The max shift is a constant for the gradient and is taken without grad. Entropy = log Z - sum(e^s s) / Z
+    over the shifted logits s (Z = sum e^s), each sum reduced over the TP group.
     """
     logits = logits_local.float()
     with torch.no_grad():
@@ -124,13 +126,20 @@ def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, g
         if group_size(group) > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - m.unsqueeze(-1)
-    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    exp = shifted.exp()
+    sum_exp = reduce_from_tp(exp.sum(dim=-1), group)
     v_local = logits.shape[-1]
     inside = (targets >= vocab_lo) & (targets < vocab_lo + v_local)
     local_t = torch.where(inside, targets - vocab_lo, torch.zeros_like(targets))
     picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside.to(shifted.dtype)
     target_logit = reduce_from_tp(picked, group)
-    return target_logit - sum_exp.log()
+    logprobs = target_logit - sum_exp.log()
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        weighted = reduce_from_tp((exp * shifted).sum(dim=-1), group)
+        entropy = sum_exp.log() - weighted / sum_exp
+    return logprobs, entropy
 
 
 def gather_vocab(logits_local: torch.Tensor, group, vocab_size: int) -> torch.Tensor:

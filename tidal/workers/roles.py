@@ -189,8 +189,10 @@ def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
     collected: list[dict[str, float]] = []
 
     def loss_fn(model, batch, num_tokens_in_iter):
-        loss, metrics = grpo_loss(model.token_logprobs(batch.input_ids_BT), batch, num_tokens_in_iter,
-                                  clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
+        logprobs, entropy = model.token_logprobs_entropy(batch.input_ids_BT)
+        loss, metrics = grpo_loss(logprobs, batch, num_tokens_in_iter, clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
+        # the policy's entropy per response token (a sum-style share of the iter's mean, like grpo_loss's metrics)
+        metrics["grpo/entropy"] = float((entropy * batch.response_mask_BT).sum()) / num_tokens_in_iter
         collected.append(metrics)
         return loss
     return loss_fn, collected
