@@ -51,7 +51,7 @@ def test_entropy_comes_with_the_logprobs_whole_or_in_chunks(monkeypatch):
         torch.testing.assert_close(ent, want, rtol=0, atol=2e-5)
         assert torch.equal(lp, m.token_logprobs(ids))
         monkeypatch.setattr(model_mod, "LOGPROB_CHUNK_ELEMENTS", 64 * ARGS.vocab_size)
-        lp_c, ent_c = m.token_logprobs_entropy(ids)
+        _, ent_c = m.token_logprobs_entropy(ids)
         torch.testing.assert_close(ent_c, want, rtol=0, atol=2e-5)
     lp_g, ent_g = m.token_logprobs_entropy(ids)   # with grad: the entropy is a metric, never in the graph
     assert lp_g.requires_grad and not ent_g.requires_grad
