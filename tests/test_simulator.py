@@ -299,3 +299,20 @@ def test_fitted_h200_preset_simulates_the_rlinf_example(tmp_path):
                            costs="gpu_h200"))
     res = {r["policy"]: r["mean_step_s"] for r in json.loads(out.read_text())}
     assert res["tidal"] < res["static"] and res["rlinf"] < res["static"]
+
+
+def test_rlinf_wait_before_last_iter_changes_the_step_where_rollout_outlasts_the_iter():
+    """The flag binds only when rollout still runs at the boundary before the last iter. On RLinf's example the
+    2-device actor's first iters outlast the rollout tail, so the flag cannot change anything there; with the
+    actor on 4 devices and 2 iters a step, the tail is still running at that boundary: the flag holds the actor
+    (a recorded wait) until rollout ends, then hands it every device at once, and the step's time changes."""
+    base = rlinf_example(8)
+    steps = {}
+    for flag in (False, True):
+        p = dataclasses.replace(base.params, use_wait_before_last_iter_policy=flag, n_minibatches=2,
+                                actor_devices=(0, 1, 2, 3), rollout_devices=(4, 5), inference_devices=(6, 7))
+        r = simulate(dataclasses.replace(base, params=p), "rlinf", None, 2, 0)
+        waits = sum("wait before last iter" in e.detail for e in r.events)
+        assert (waits > 0) == flag
+        steps[flag] = r.mean_step_s
+    assert steps[True] != steps[False]
