@@ -85,8 +85,8 @@ def check_up_then_down(tmp_path: Path, only: tuple[str, ...]) -> None:
         assert {n: read_record(state, n).pid for n in only} == {n: r.pid for n, r in recs.items()}
         if "mlflow" in only:  # the UI serves the store the sink writes by default (cwd's mlruns.db)
             assert (tmp_path / "mlruns.db").is_file()
-        if "optuna" in only:
-            assert (tmp_path / "optuna.db").is_file()
+        if "optuna" in only:  # the dashboard reads where `tidal sweep` writes: the platform database
+            assert (tmp_path / "tidal.db").is_file()
     finally:
         all_pids = {n: group_members(r.pid) for n, r in recs.items() if r is not None}
         down = tidal("down", cwd=tmp_path, timeout=120)
@@ -112,6 +112,8 @@ def test_up_down_all_services(tmp_path):
 
 def test_build_specs_bind_and_telemetry(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    for var in ("TIDAL_OPTUNA_STORAGE", "TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
     opts = UpOptions(tmp_path / "state", prefect_port=1, mlflow_port=2, optuna_port=3)
     specs = {s.name: s for s in build_specs(opts)}
     assert list(specs) == list(SERVICES)
@@ -122,9 +124,40 @@ def test_build_specs_bind_and_telemetry(tmp_path, monkeypatch):
     assert specs["mlflow"].argv[specs["mlflow"].argv.index("--workers") + 1] == "1"
     # Relative SQLite stores are pinned to the directory `tidal up` ran in.
     assert f"sqlite:///{tmp_path.resolve()}/mlruns.db" in specs["mlflow"].argv
-    assert specs["optuna"].argv[1] == f"sqlite:///{tmp_path.resolve()}/optuna.db"
+    assert specs["optuna"].argv[1] == f"sqlite:///{tmp_path.resolve()}/tidal.db"
     assert dict(specs["prefect"].env)["PREFECT_HOME"] == str(tmp_path / "state" / "prefect")
     assert [s.name for s in build_specs(UpOptions(tmp_path, only=("mlflow",)))] == ["mlflow"]
+
+
+def test_the_dashboard_and_the_sweep_share_one_storage(tmp_path, monkeypatch):
+    from tidal.core.config import TidalConfig
+    from tidal.sweep import storage_url
+    for var in ("TIDAL_OPTUNA_STORAGE", "TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    assert services.default_stores() == ("sqlite:///mlruns.db", "sqlite:///tidal.db")
+    assert storage_url(TidalConfig(), None) == services.default_stores()[1]
+    monkeypatch.setenv("TIDAL_DB_URL", "postgresql://tidal@127.0.0.1/tidal")
+    assert services.default_stores()[1] == "postgresql://tidal@127.0.0.1/tidal"
+    monkeypatch.setenv("TIDAL_OPTUNA_STORAGE", "sqlite:///studies.db")
+    assert services.default_stores()[1] == storage_url(TidalConfig(), None) == "sqlite:///studies.db"
+
+
+def test_a_running_service_asked_for_other_settings_is_refused(tmp_path):
+    """`tidal up` with another store than the running dashboard's: an error naming the service and the way out,
+    nothing restarted; the same settings again: reused."""
+    port = free_port()
+    state = tmp_path / "state"
+    first = UpOptions(state, optuna_port=port, only=("optuna",), optuna_storage=f"sqlite:///{tmp_path}/a.db")
+    ok, failed = services.up(first, log=lambda _: None)
+    try:
+        assert not failed and ok[0].settings
+        with pytest.raises(TidalError, match=r"tidal down --only optuna"):
+            services.up(UpOptions(state, optuna_port=port, only=("optuna",),
+                                  optuna_storage=f"sqlite:///{tmp_path}/b.db"), log=lambda _: None)
+        again, _ = services.up(first, log=lambda _: None)
+        assert again[0].pid == ok[0].pid
+    finally:
+        services.down(state, grace_s=5.0, log=lambda _: None)
 
 
 def test_port_in_use_is_a_clear_error(tmp_path):

@@ -50,7 +50,7 @@ from rich.table import Table
 from scheduler.simulator import simulate
 from scheduler.workload import rlinf_example
 from tidal.core.bounded_yaml import load_yaml, read_text
-from tidal.core.config import TidalConfig, build_config, flatten
+from tidal.core.config import TidalConfig, build_config, flatten, sweep_storage
 from tidal.core.errors import TidalError
 from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, run_dir
 from tidal.tracking import MlflowSink
@@ -335,7 +335,7 @@ class SweepReport:
 
 
 def storage_url(cfg: TidalConfig, storage: str | None) -> str:
-    return storage or os.environ.get("TIDAL_OPTUNA_STORAGE") or cfg.tracking.db_url
+    return sweep_storage(cfg.tracking.db_url, storage)
 
 
 def _masked(url: str) -> str:

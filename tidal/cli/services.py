@@ -13,13 +13,16 @@ spawns, e.g. MLflow's uvicorn worker), with its log and a JSON pid file in the s
         optuna.pid   optuna.log
         env          (`export PREFECT_API_URL=...`: source it so flows use this server)
 
-MLflow serves the same store the runs write (`tracking.mlflow_uri`, default `sqlite:///mlruns.db` in the
-current directory) and optuna-dashboard the sweep storage (`sqlite:///optuna.db` unless --optuna-storage).
-optuna-dashboard does not create tables, so `up` initialises the Optuna storage first.
+MLflow serves the same store the runs write (`tracking.mlflow_uri`: $MLFLOW_TRACKING_URI, else
+`sqlite:///mlruns.db` in the current directory) and optuna-dashboard the store `tidal sweep` writes
+(`tidal.core.config.sweep_storage`: $TIDAL_OPTUNA_STORAGE, else the platform database `tracking.db_url`,
+$TIDAL_DB_URL or `sqlite:///tidal.db`), so a sweep shows in the dashboard `up` starts. optuna-dashboard does not
+create tables, so `up` initialises the Optuna storage first.
 
 Lifecycle of one `tidal up`:
 
-    for each service:  pid file alive + healthy? -> "already running" (idempotent)
+    for each service:  pid file alive, same settings? -> "already running" (idempotent)
+                       alive with other settings?    -> error naming the service and `tidal down --only`
                        stale pid file?           -> removed
                        port taken?               -> error naming the flag to change
                        spawn (new session), write pid file
@@ -38,6 +41,7 @@ service's executable, so a recycled pid is never signalled.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -49,16 +53,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tidal.core.config import TrackingConfig
+from tidal.core.config import TrackingConfig, sweep_storage
 from tidal.core.errors import TidalError
 from tidal.core.secrets import redact
 
 SERVICES = ("prefect", "mlflow", "optuna")
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000, "optuna": 8080}
-OPTUNA_STORAGE_DEFAULT = "sqlite:///optuna.db"
 TELEMETRY_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true",
                  "MLFLOW_DISABLE_TELEMETRY": "true"}
 Log = Callable[[str], None]
@@ -84,6 +87,12 @@ class ServiceSpec:
     def health_url(self) -> str:
         return f"http://{_url_host(self.host)}:{self.port}{self.health_path}"
 
+    @property
+    def settings(self) -> str:
+        """A digest of the command line (stores, ports, host): a running service is reused only if it matches.
+        A digest, not the command, because a store URL may hold a password and the pid file is plain JSON."""
+        return hashlib.sha256("\0".join(self.argv[1:]).encode()).hexdigest()[:16]
+
 
 @dataclass(frozen=True)
 class PidRecord:
@@ -98,6 +107,7 @@ class PidRecord:
     exe: str            # must still appear in /proc/<pid>/cmdline for the record to be trusted
     log: str
     started_at: float
+    settings: str = ""  # digest of the command it runs (`ServiceSpec.settings`); "" in records that predate it
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,16 @@ class UpOptions:
     optuna_port: int = DEFAULT_PORTS["optuna"]
     mlflow_uri: str = "sqlite:///mlruns.db"
     mlflow_artifacts: str = "mlartifacts"
-    optuna_storage: str = OPTUNA_STORAGE_DEFAULT
+    optuna_storage: str = field(default_factory=lambda: default_stores()[1])
     only: tuple[str, ...] = SERVICES
     timeout_s: float = 180.0
+
+
+def default_stores() -> tuple[str, str]:
+    """(MLflow store, Optuna storage) the runs and sweeps of this environment write: the services show those."""
+    fields = TrackingConfig.model_fields
+    mlflow = os.environ.get("MLFLOW_TRACKING_URI") or fields["mlflow_uri"].default
+    return mlflow, sweep_storage(os.environ.get("TIDAL_DB_URL") or fields["db_url"].default)
 
 
 def _url_host(host: str) -> str:
@@ -301,7 +318,7 @@ def _spawn(spec: ServiceSpec, state: Path) -> PidRecord:
         proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True, close_fds=True)
     rec = PidRecord(spec.name, proc.pid, spec.host, spec.port, spec.url, spec.health_url, spec.argv[0],
-                    str(log_path), time.time())
+                    str(log_path), time.time(), spec.settings)
     _pid_path(state, spec.name).write_text(json.dumps(asdict(rec), indent=1))
     return rec
 
@@ -346,14 +363,18 @@ def up(opts: UpOptions, log: Log = print) -> tuple[list[PidRecord], dict[str, st
     state.mkdir(parents=True, exist_ok=True)
     running: list[PidRecord] = []
     spawned: list[PidRecord] = []
-    for spec in build_specs(opts):
+    specs = build_specs(opts)
+    for spec in specs:   # before anything starts: a running service asked for other settings is refused
+        rec = read_record(state, spec.name)
+        if rec is not None and trusted(rec) and (
+                (rec.host, rec.port) != (spec.host, spec.port) or (rec.settings and rec.settings != spec.settings)):
+            raise TidalError(spec.name, f"pid {rec.pid} on {rec.host}:{rec.port}",
+                             "is already running with other settings (store, port or host) than this `tidal up` asks",
+                             f"`tidal down --only {spec.name}`, then `tidal up` again with these settings")
+    for spec in specs:
         rec = read_record(state, spec.name)
         if rec is not None and trusted(rec):
-            if (rec.host, rec.port) != (spec.host, spec.port):
-                log(f"  {spec.name} already running on {rec.host}:{rec.port} (asked {spec.host}:{spec.port}); "
-                    "`tidal down` first to change its options")
-            else:
-                log(f"  {spec.name} already running (pid {rec.pid})")
+            log(f"  {spec.name} already running (pid {rec.pid})")
             running.append(rec)
             continue
         if rec is not None:
@@ -460,11 +481,15 @@ def up_main(argv: list[str]) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     for name in SERVICES:
         ap.add_argument(f"--{name}-port", type=_port, default=DEFAULT_PORTS[name], help=f"{name} port")
-    ap.add_argument("--mlflow-uri", default=fields["mlflow_uri"].default,
-                    help="MLflow backend store (tracking.mlflow_uri of your runs)")
+    mlflow_store, optuna_store = default_stores()
+    ap.add_argument("--mlflow-uri", default=mlflow_store,
+                    help="MLflow backend store (tracking.mlflow_uri of your runs; default $MLFLOW_TRACKING_URI or "
+                         f"{fields['mlflow_uri'].default})")
     ap.add_argument("--mlflow-artifacts", default=fields["mlflow_artifacts"].default,
                     help="default artifact root for experiments the server creates")
-    ap.add_argument("--optuna-storage", default=OPTUNA_STORAGE_DEFAULT, help="Optuna storage URL")
+    ap.add_argument("--optuna-storage", default=optuna_store,
+                    help="Optuna storage URL (default: where `tidal sweep` writes: $TIDAL_OPTUNA_STORAGE, else "
+                         f"the platform database, $TIDAL_DB_URL or {fields['db_url'].default})")
     ap.add_argument("--only", type=_only, default=SERVICES, help="comma list of services (default: all)")
     ap.add_argument("--state-dir", type=Path, default=None,
                     help="pid files and logs (default $TIDAL_HOME/services or ./.tidal/services)")

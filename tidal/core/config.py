@@ -13,6 +13,7 @@ Every failure to load is a `ConfigError` naming the dotted field, the value and 
 from __future__ import annotations
 
 import difflib
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -701,3 +702,9 @@ def flatten(cfg: TidalConfig) -> dict[str, object]:
 
     walk("", public_dump(cfg))
     return out
+
+
+def sweep_storage(db_url: str, storage: str | None = None) -> str:
+    """Where Optuna studies live, for `tidal sweep` and the dashboard `tidal up` starts alike: the explicit URL,
+    else $TIDAL_OPTUNA_STORAGE, else the platform database (`tracking.db_url`)."""
+    return storage or os.environ.get("TIDAL_OPTUNA_STORAGE") or db_url
