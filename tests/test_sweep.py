@@ -141,3 +141,29 @@ def test_real_sweeps_need_a_config_and_the_cli_exits_2_with_the_fix(tmp_path, ca
     err = capsys.readouterr().err
     assert "real.config" in err and "experiments/rlinf_dynamic.yaml" in err
     assert cli_main(["sweep", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_shipped_policy_sweep_draws_20_distinct_valid_trials_with_named_metrics(tmp_path, monkeypatch):
+    """experiments/sweep_policy.yaml on the simulator: 20 trials, no two with the same settings, RLinf's flags
+    only under `rlinf` and the tidal knobs only under `tidal`, the study's metrics named with their units."""
+    import optuna
+    monkeypatch.delenv("TIDAL_OPTUNA_STORAGE", raising=False)
+    out = tmp_path / "report.json"
+    space = str(REPO / "experiments" / "sweep_policy.yaml")
+    assert cli_main(["sweep", space, "--trials", "20", "--json", str(out), *_tracking(tmp_path)]) == 0
+    assert json.loads(out.read_text())["n_trials"] == 20
+    study = optuna.load_study(study_name="policy-flags-sim", storage=f"sqlite:///{tmp_path}/tidal.db")
+    assert study.metric_names == ["step_time_s", "reshards"]
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 20
+    settings = [json.dumps(t.params, sort_keys=True) for t in done]
+    assert len(set(settings)) == 20
+    rlinf_keys = {"cluster.use_pre_process_policy", "cluster.use_wait_before_last_iter_policy",
+                  "scheduler.pre_process_threshold"}
+    tidal_keys = {"scheduler.lend_actor", "scheduler.grow_on_return", "scheduler.return_on_generated"}
+    for t in done:
+        policy, keys = t.params["scheduler.policy"], set(t.params) - {"scheduler.policy"}
+        assert keys <= {"rlinf": rlinf_keys, "tidal": tidal_keys, "static": set()}[policy], t.params
+    for t in study.trials:   # a draw that repeated an earlier trial was set aside, naming which
+        if t.state == optuna.trial.TrialState.PRUNED:
+            assert t.user_attrs["duplicate_of"] in {d.number for d in study.trials}

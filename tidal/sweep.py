@@ -18,7 +18,9 @@ conditional on keys drawn before it (a threshold only matters for the policy tha
 
 One trial::
 
-    ask      -> params (TPE, seeded)                  Optuna study in the platform database (RDB storage)
+    ask      -> params (TPE, seeded), never the settings of an earlier trial of the study (a repeat is told
+                PRUNED with `duplicate_of` and drawn again)      Optuna study in the platform database
+                (RDB storage), its metrics named with their units (`METRIC_NAMES`: step_time_s, reshards, ...)
     evaluate -> simulator: simulate(spec with params, policy, devices, steps, seed)   (milliseconds)
                 real:      a whole training run (run_training), database rows and all   (a minute or more)
     record   -> MLflow run nested under the sweep's run (params, objective values); its id is the trial's
@@ -39,6 +41,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast, overload
@@ -59,13 +62,20 @@ from tidal.tracking import MlflowSink
 Direction = Literal["minimize", "maximize"]
 OBJECTIVES: dict[str, Direction] = {"step_time": "minimize", "reshards": "minimize", "migrations": "minimize",
                                     "idle": "minimize", "accuracy": "maximize"}
+#: objective -> the study's metric name, unit included (what optuna-dashboard shows on its axes)
+METRIC_NAMES = {"step_time": "step_time_s", "reshards": "reshards", "migrations": "migrations",
+                "idle": "idle_fraction", "accuracy": "heldout_accuracy"}
 REAL_ONLY = ("accuracy",)
+#: draws of the sampler a trial may take to find settings no earlier trial of the study had
+MAX_REDRAWS = 200
 POLICY_KEY = "scheduler.policy"
 #: config keys the built-in `rlinf-example` workload understands -> its PolicyParams field
 SIM_KEYS = {"cluster.use_pre_process_policy": "use_pre_process_policy",
             "cluster.use_wait_before_last_iter_policy": "use_wait_before_last_iter_policy",
             "scheduler.pre_process_threshold": "pre_process_threshold",
-            "rollout.max_running_requests": "max_running_requests"}
+            "rollout.max_running_requests": "max_running_requests",
+            "scheduler.lend_actor": "lend_actor", "scheduler.grow_on_return": "grow_on_return",
+            "scheduler.return_on_generated": "return_on_generated", "scheduler.margin_frac": "margin_frac"}
 BUILTIN = "rlinf-example"
 
 log = logging.getLogger("tidal.sweep")
@@ -255,6 +265,10 @@ def draw(space: SweepSpace, trial: Any) -> dict[str, Any]:
     return drawn
 
 
+def _settings_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
 def as_overrides(params: dict[str, Any]) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in params.items()]
 
@@ -374,6 +388,9 @@ class Sweep:
         sampler = optuna.samplers.TPESampler(seed=space.seed + done)
         self.study = optuna.create_study(study_name=self.study_name, storage=rdb, directions=space.directions,
                                          sampler=sampler, load_if_exists=True)
+        with warnings.catch_warnings():   # stable since Optuna 3.2, still flagged experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self.study.set_metric_names([METRIC_NAMES[o] for o in space.objectives])
         self.study.set_user_attr("objectives", list(space.objectives))
         self.study.set_user_attr("space", space.path)
         self._trials: dict[int, Any] = {}
@@ -385,9 +402,23 @@ class Sweep:
             {"optuna.study": self.study_name, "optuna.storage": _masked(self.storage)})
 
     def ask(self) -> TrialSpec:
-        trial = self.study.ask()
-        self._trials[trial.number] = trial
-        return TrialSpec(trial.number, draw(self.space, trial))
+        """The next trial, with settings no earlier trial of the study had: a draw that repeats one is told
+        PRUNED (user attribute `duplicate_of`) and the sampler draws again."""
+        import optuna
+        seen = {_settings_key(t.params): t.number for t in self.study.get_trials(deepcopy=False)
+                if t.state != optuna.trial.TrialState.PRUNED}
+        for _ in range(MAX_REDRAWS):
+            trial = self.study.ask()
+            params = draw(self.space, trial)
+            earlier = seen.get(_settings_key(params))
+            if earlier is None:
+                self._trials[trial.number] = trial
+                return TrialSpec(trial.number, params)
+            trial.set_user_attr("duplicate_of", earlier)
+            self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        raise TidalError("--trials", len(seen), f"leaves no untried settings in {self.space.path} "
+                         f"({MAX_REDRAWS} draws repeated earlier trials)",
+                         "ask fewer trials, widen the space, or start a new study with --study")
 
     def evaluate(self, spec: TrialSpec) -> TrialResult:
         """Run the trial, record it in MLflow, tell Optuna. A config the trial's settings make invalid fails the
