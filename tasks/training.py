@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks import registry
@@ -128,14 +128,26 @@ def checkpoint(key: str) -> str:
 
 @task(name="record-step", cache_policy=NO_CACHE)
 def record_step(key: str) -> dict[str, float]:
-    """The step's metrics and events to MLflow, its rows to the database."""
-    return _live(key).run.record()
+    """The step's metrics and events to MLflow, its rows to the database; a warning the step raised goes to the
+    flow run's log (tidal.pipeline.run_warnings)."""
+    run = _live(key).run
+    out = run.record()
+    _log_warnings(run)
+    return out
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)
 def finish_run(key: str) -> dict:
     """Timeline, events and summary files; returns the summary (JSON-able)."""
-    return _live(key).run.finish().to_json()
+    run = _live(key).run
+    summary = run.finish().to_json()
+    _log_warnings(run)
+    return summary
+
+
+def _log_warnings(run: TrainingRun) -> None:
+    for w in run.drain_warnings():
+        get_run_logger().warning("%s", w.message)
 
 
 @task(name="close-run", cache_policy=NO_CACHE)

@@ -107,6 +107,7 @@ def main(argv: list[str]) -> int:
     try:
         summary = run_training(cfg, out_dir, tracking.sink, tracking.recorder, on_step, resume_from=args.resume,
                                checked=checked,
+                               on_warning=lambda w: console.print(f"[yellow]warning:[/yellow] {w.message}"),
                                log_fn=lambda p: console.print(f"  warm start iter {p.iter}: loss {p.loss:.3f} "
                                                               f"held-out {p.heldout_accuracy:.3f}"))
         status = "FINISHED"
@@ -132,6 +133,8 @@ def main(argv: list[str]) -> int:
     t.add_row("time per phase (device-s)", ", ".join(f"{k} {v:.1f}" for k, v in summary.phase_seconds.items()))
     t.add_row("device idle fraction", f"{summary.device_idle_fraction:.2f}")
     t.add_row("reshards, migrations", f"{summary.reshards}, {summary.migrations}")
+    for w in summary.warnings:
+        t.add_row(f"warning: {w['kind']}", w["message"])
     if "train" in summary.data:   # data files: what the length filter kept
         t.add_row("prompts kept, too long", ", ".join(f"{k} {v['kept']}, {v['too_long']}"
                                                       for k, v in summary.data.items() if isinstance(v, dict)))
@@ -143,5 +146,5 @@ def main(argv: list[str]) -> int:
             "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
             "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
             "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
-            "data": summary.data})
+            "data": summary.data, "warnings": summary.warnings})
     return 0

@@ -40,6 +40,7 @@ from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm
 from tidal.pipeline.checkpointing import resume, save
 from tidal.pipeline.driver import Pipeline
 from tidal.pipeline.preflight import Preflight, preflight
+from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.tracking import NullSink
 from tidal.workers.roles import RunSpec
 from tidal.workers.runtime import WorkerGroup
@@ -74,6 +75,8 @@ class RunSummary:
     final_weights_sha: str = ""
     data: dict = field(default_factory=dict)
     """Where the prompts came from; for data files, prompts kept and filtered as too long (train and val)."""
+    warnings: list[dict] = field(default_factory=list)
+    """`tidal.pipeline.run_warnings`: what the run raised, each kind once ({kind, message})."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -159,6 +162,9 @@ class TrainingRun:
             sink = NullSink()
             sink.start_run(cfg.run.name, flatten(cfg))
         self.cfg, self.out_dir, self.sink, self.recorder, self.log_fn = cfg, Path(out_dir), sink, recorder, log_fn
+        self.run_warnings = RunWarnings()
+        self.warnings: list[RunWarning] = []     # every warning raised (the summary's)
+        self._pending_warnings: list[RunWarning] = []   # raised since the last `drain_warnings`
         self.pipe: Pipeline | None = None        # set by `open`
         self.group: WorkerGroup | None = None   # set by `open`, None again after `close`
         self.evals: list[tuple[int, float]] = []
@@ -186,6 +192,7 @@ class TrainingRun:
         else:
             weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok,
                                                     Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
+            self._warn(self.run_warnings.after_warm_start(self.ws_meta, cfg.warm_start.stop_at_accuracy))
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
         self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
         self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
@@ -265,6 +272,7 @@ class TrainingRun:
             self.phase[k] = self.phase.get(k, 0.0) + v
             m[f"phase/{k}_s"] = v
         self.sink.log_metrics(m, step)
+        self._warn(self.run_warnings.after_step(step, m))
         for ev in res.events:
             self.sink.log_event(ev["kind"], ev)
             self.n_reshard += ev["kind"] == "reshard"
@@ -300,6 +308,7 @@ class TrainingRun:
     def finish(self) -> RunSummary:
         """Timeline picture, events, summary (the workers stay up until `close`)."""
         pipe, cfg, out = self._pipe, self.cfg, self.out_dir
+        self._warn(self.run_warnings.at_finish(self.rewards))
         if self.recorder:
             self.recorder.transitions(pipe.ledger.history)
         pipe._close_ownership()
@@ -312,9 +321,23 @@ class TrainingRun:
                              self.evals[-1][1], self.rewards, self.evals, self.phase, idle, self.step_s,
                              self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
                              {k: v for k, v in self.ws_meta.items() if k != "history"},
-                             weights_sha(self.final_weights), self.inputs.source.summary())
+                             weights_sha(self.final_weights), self.inputs.source.summary(),
+                             [asdict(w) for w in self.warnings])
         (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
         return summary
+
+    def _warn(self, new: list[RunWarning]) -> None:
+        """A warning goes to this module's logger, the MLflow run (tag `warning.<kind>`) and the summary; callers
+        that show progress take it with `drain_warnings` (the CLI prints it, a flow logs it to Prefect)."""
+        for w in new:
+            log.warning("%s", w.message)
+            self.sink.set_tag(f"warning.{w.kind}", w.message)
+            self.warnings.append(w)
+            self._pending_warnings.append(w)
+
+    def drain_warnings(self) -> list[RunWarning]:
+        out, self._pending_warnings = self._pending_warnings, []
+        return out
 
     def close(self) -> None:
         if self.group is not None:
@@ -324,7 +347,8 @@ class TrainingRun:
 
 def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                  on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None,
-                 resume_from: str | Path | None = None, checked: Preflight | None = None) -> RunSummary:
+                 resume_from: str | Path | None = None, checked: Preflight | None = None,
+                 on_warning: Callable[[RunWarning], None] | None = None) -> RunSummary:
     """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
     Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
@@ -336,9 +360,16 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
             m = run.step()
             if on_step:
                 on_step(run.next_step - 1, m)
+            for w in run.drain_warnings():
+                if on_warning:
+                    on_warning(w)
             if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
                 run.checkpoint()
         run.checkpoint()
-        return run.finish()
+        summary = run.finish()
+        for w in run.drain_warnings():
+            if on_warning:
+                on_warning(w)
+        return summary
     finally:
         run.close()
