@@ -24,10 +24,10 @@ def test_each_kind_is_raised_once_and_only_when_it_holds():
 def test_a_run_that_learns_nothing_says_so(tmp_path):
     """A random-init model on the built-in task earns reward 0 in every group: every step has zero advantage
     and the reward never moves. The run says so once each: to `on_warning`, as MLflow tags, in the summary."""
+    from tests.test_token_shapes import ONE_DEVICE
     from tidal.core.config import build_config
     from tidal.pipeline.run import run_training
     from tidal.tracking import NullSink
-    from tests.test_token_shapes import ONE_DEVICE
     cfg = build_config(ONE_DEVICE, [f"run.output_dir={tmp_path}", "run.name=flat", "rollout.temperature=0"])
     sink = NullSink()
     sink.start_run("flat", {})

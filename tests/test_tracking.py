@@ -199,3 +199,16 @@ def test_null_sink_keeps_values():
 def test_library_import_does_not_pull_mlflow():
     code = "import sys, tidal.tracking; s = tidal.tracking.NullSink(); assert 'mlflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_mlflow_run_names_carry_the_policy_and_the_runs_time():
+    """Two runs of one config under two policies (or twice) are told apart in MLflow's run list."""
+    from pathlib import Path
+
+    from tidal.core.config import build_config
+    from tidal.pipeline.tracked_run import mlflow_run_name
+    cfg = build_config({"run": {"name": "rlinf-dynamic"}}, [])
+    folder = Path("runs/rlinf-dynamic-20261203-090102")
+    assert mlflow_run_name(cfg, folder, "tidal") == "rlinf-dynamic-tidal-20261203-090102"
+    assert mlflow_run_name(cfg, folder, "rlinf") == "rlinf-dynamic-rlinf-20261203-090102"
+    assert mlflow_run_name(cfg, Path("elsewhere"), "static") == "rlinf-dynamic-static-elsewhere"

@@ -102,6 +102,14 @@ class Heartbeat:
         self._thread.join(timeout=10)
 
 
+def mlflow_run_name(cfg: TidalConfig, out_dir: Path, policy: str) -> str:
+    """`<run.name>-<policy>-<time>` (the time of the run's folder, `run_dir`): runs of one config under two
+    policies, or twice, are told apart in MLflow's run list."""
+    folder = Path(out_dir).name
+    stamp = folder[len(cfg.run.name) + 1:] if folder.startswith(f"{cfg.run.name}-") else folder
+    return f"{cfg.run.name}-{policy}-{stamp}"
+
+
 @dataclass
 class RunTracking:
     """The sink and recorder of one run, and the ids that link its MLflow run and its database row."""
@@ -130,8 +138,9 @@ class RunTracking:
             db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir)).id
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
-        mlflow_id = sink.start_run(cfg.run.name, flatten(cfg), {"policy": policy, "tidal.db_run_id": str(db_id),
-                                                               **(tags or {})}, parent_run_id=parent_run_id)
+        mlflow_id = sink.start_run(mlflow_run_name(cfg, out_dir, policy), flatten(cfg),
+                                   {"policy": policy, "tidal.db_run_id": str(db_id), "tidal.run_dir": str(out_dir),
+                                    **(tags or {})}, parent_run_id=parent_run_id)
         with session_scope(engine) as s:
             repo.attach_mlflow_run(s, db_id, mlflow_id)
         tracking = cls(sink, DbRecorder(engine, db_id, policy), engine, db_id, mlflow_id, owns)
