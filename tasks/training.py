@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 
 from tasks import registry
 from tasks.requests import TrainingRequest
@@ -72,6 +73,12 @@ def _live(key: str) -> _Live:
 
 
 @task(name="open-run", cache_policy=NO_CACHE)
+def prefect_links() -> dict[str, str]:
+    """The flow run this task belongs to, as MLflow tags: its id and its page in the Prefect UI (when known)."""
+    links = {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_url": str(flow_run.ui_url or "")}
+    return {k: v for k, v in links.items() if v}
+
+
 def open_run(request: TrainingRequest) -> OpenedRun:
     """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
     from tidal.pipeline.preflight import preflight
@@ -79,10 +86,11 @@ def open_run(request: TrainingRequest) -> OpenedRun:
     cfg = load_run_config(request.config, request.overrides)
     checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
     out = run_dir(cfg)
-    tracking = RunTracking.open(cfg, out) if request.track else RunTracking.null(cfg)
+    tracking = RunTracking.open(cfg, out, tags=prefect_links()) if request.track else RunTracking.null(cfg)
+    logger = get_run_logger()   # the flow run's log in the Prefect UI: the warm start's progress shows there
     run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
-                      log_fn=lambda p: log.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,
-                                                p.heldout_accuracy))
+                      log_fn=lambda p: logger.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,
+                                                   p.heldout_accuracy))
     try:
         run.open(checked=checked)
     except BaseException:

@@ -235,6 +235,10 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         client = mlflow.tracking.MlflowClient(tracking_uri=ml_uri)
         mr = client.get_run(run.mlflow_run_id)
         assert mr.info.status == "FINISHED" and mr.data.tags["tidal.db_run_id"] == str(run.id)
+        # linked to its flow run, and named apart from a run of the same config under another policy
+        assert mr.data.tags["prefect.flow_run_id"] == fr["id"]
+        assert mr.data.tags["prefect.flow_run_url"].endswith(fr["id"])
+        assert mr.info.run_name.startswith("rest-run-rlinf-")
         for key in ("grpo/reward_mean", "step/seconds", "sync/seconds", "eval/heldout_accuracy"):
             assert key in mr.data.metrics, key
         assert len(client.get_metric_history(mr.info.run_id, "step/seconds")) == 2
