@@ -31,10 +31,12 @@ Two modes (`EngineConfig.batch_invariant`, default: on for CPU, off for CUDA):
   `numerics` (decode rows, whether rows gather their slots, dtype, device type, TP size, max_seq_len, mode;
   same torch build and thread count).
 - step-wide (CUDA): every row of a step reads the longest active row's bucketed span (one captured CUDA graph
-  per span, all in one memory pool), and waiting prompts prefill together in right-padded batches of up to
-  PREFILL_TOKENS tokens. Keys past a row's position are masked; a GEMM's round-off can depend on how many
-  prompts share a prefill, so tokens equal a batch-invariant run's only up to round-off (a near-tie can flip).
-  KV migration between engines of equal numerics stays exact: the moved KV is the source's, bit for bit.
+  per span and sampler variant, all in one memory pool), and waiting prompts prefill together in right-padded
+  batches of up to PREFILL_TOKENS tokens. Measured on an H200 in bf16 (tests/test_generation_cuda.py): a row's
+  tokens and log-probs do not depend on the span of the steps it ran in (masked key blocks add exact zeros),
+  and KV migration between engines of equal numerics continues a request bit for bit; a batched prefill's
+  round-off depends on which prompts share it, so a request's tokens equal a one-at-a-time prefill's only up to
+  round-off (a near-tie can flip).
 
 Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
 with KV; `commit_export` forgets them, `cancel_export` unfreezes them. `import_state` queues them first in
