@@ -59,7 +59,8 @@ def test_run_params_metrics_events_artifacts(store, tmp_path):
                           "flag": True}, step=step)
     sink.log_event("reshard", {"step": 2, "bytes": 4096, "seconds": 0.25, "from": "tp1dp2", "to": "tp1dp4"})
     sink.log_event("reshard", {"bytes": 8192, "reshard/seconds": 0.5})  # no step: the last logged step (3)
-    sink.log_event("scheduler", {"action": "grow_actor", "devices": [2, 3], "reason": "rollout drained"})
+    sink.log_event("scheduler", {"action": "grow_actor", "devices": [2, 3], "reason": "rollout drained",
+                                 "device": 3, "time": 12.5, "version": 4})
     png = tmp_path / "timeline.png"
     png.write_bytes(b"\x89PNG fake")
     sink.log_artifact(png)
@@ -85,6 +86,8 @@ def test_run_params_metrics_events_artifacts(store, tmp_path):
     assert run.data.metrics["events/reshard"] == 2.0 and run.data.metrics["events/scheduler"] == 1.0
     assert "scheduler/action" not in run.data.metrics  # text and lists stay in events.json
     assert "scheduler/devices" not in run.data.metrics
+    # ids, timestamps and versions are not measurements: events.json keeps them, the metrics do not
+    assert not {"scheduler/device", "scheduler/time", "scheduler/version"} & set(run.data.metrics)
 
     arts = {a.path for a in client.list_artifacts(run_id)}
     assert arts == {"events.json", "timeline.png"}

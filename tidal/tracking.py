@@ -20,8 +20,10 @@ stack, `end_run` pops it, so after a trial ends the sweep's own metrics go to th
       start_run("trial-0", parent=P)   -> C0    stack [P, C0]   log_metrics -> C0
       end_run()                                 stack [P]       log_metrics -> P
 
-Events: `log_event(kind, record)` writes each numeric field of the record as the metric `kind/field` (at the
-record's `step` if it has one, else at the last step given to `log_metrics`), counts events per kind
+Events: `log_event(kind, record)` writes each numeric field of the record that is a measurement (its name
+ends in a unit or a quantity: `MEASURES`, e.g. `seconds`, `bytes`, `tokens`; ids, layouts, versions and
+timestamps are not metrics) as the metric `kind/field` (at the record's `step` if it has one, else at the last
+step given to `log_metrics`), counts events per kind
 (`events/kind`), and keeps the whole record for the run's `events.json` artifact: a JSON list of
 `{"kind", "time", "step", "record"}`, rewritten when the run ends and at most every `flush_every_s` while it runs
 (so a crashed run still shows its events up to the last flush).
@@ -188,7 +190,7 @@ class _EventsMixin:
         state.counts[kind] = state.counts.get(kind, 0) + 1
         metrics: dict[str, float] = {f"events/{kind}": float(state.counts[kind])}
         for k, v in record.items():
-            if k == "step" or isinstance(v, bool) or not isinstance(v, numbers.Real):
+            if k == "step" or isinstance(v, bool) or not isinstance(v, numbers.Real) or not is_measure(str(k)):
                 continue
             name = k if str(k).startswith(f"{kind}/") else f"{kind}/{k}"
             metrics[name] = float(v)
@@ -197,6 +199,16 @@ class _EventsMixin:
         state.events.append(ev)
         state.dirty = True
         return ev, metrics, metric_step
+
+
+#: endings of an event field that is a measurement (a metric); other numbers (device ids, layouts, versions,
+#: iter numbers, timestamps) stay in events.json only
+MEASURES = ("seconds", "_s", "bytes", "_sent", "_moved", "tokens", "requests", "groups", "rate", "fraction",
+            "_frac", "resident", "peak", "allocated")
+
+
+def is_measure(field: str) -> bool:
+    return field.rsplit("/", 1)[-1].endswith(MEASURES)
 
 
 def events_json(events: list[Event]) -> str:
