@@ -133,6 +133,8 @@ def test_nested_runs_and_compare(store):
     assert params == {"actor.lr"}  # only what differs
     assert by_key[("param", "actor.lr")] == ("0.0001", "0.0003")
     assert by_key[("metric", "eval/accuracy")] == pytest.approx((0.2, 0.4))  # final values
+    stats = next(r.stats for r in rows if r.key == "eval/accuracy")   # and over the steps: mean, min, max
+    assert stats[0] == pytest.approx((0.15, 0.1, 0.2)) and stats[1] == pytest.approx((0.3, 0.2, 0.4))
     assert all(isinstance(r, CompareRow) for r in rows)
     all_rows = compare_runs(children, uri, all_params=True)
     assert len([r for r in all_rows if r.section == "param"]) == len(flatten(cfg))

@@ -411,6 +411,9 @@ class CompareRow:
     section: str
     key: str
     values: tuple[object, ...]
+    stats: tuple[tuple[float, float, float] | None, ...] = ()
+    """Metrics: per run (mean, min, max) over every logged step, None where the run logged it once or never:
+    a final value alone can mislead (one slow last step hides a fast run)."""
 
 
 def _check_store(uri: str) -> None:
@@ -449,7 +452,11 @@ def compare_runs(run_ids: list[str], uri: str, all_params: bool = False) -> list
         if all_params or len(runs) == 1 or len(set(vals)) > 1:
             rows.append(CompareRow("param", key, vals))
     for key in sorted(set().union(*(r.data.metrics for r in runs))):
-        rows.append(CompareRow("metric", key, tuple(r.data.metrics.get(key) for r in runs)))
+        stats = []
+        for r in runs:
+            hist = [m.value for m in client.get_metric_history(r.info.run_id, key)] if key in r.data.metrics else []
+            stats.append((sum(hist) / len(hist), min(hist), max(hist)) if len(hist) > 1 else None)
+        rows.append(CompareRow("metric", key, tuple(r.data.metrics.get(key) for r in runs), tuple(stats)))
     return rows
 
 
@@ -477,6 +484,8 @@ def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = 
         section = row.section
         cells = [_fmt(v) for v in row.values]
         distinct = len(set(cells)) > 1
+        cells = [c if not st else f"{c}  (mean {_fmt(st[0])}, {_fmt(st[1])}..{_fmt(st[2])})"
+                 for c, st in zip(cells, row.stats or (None,) * len(cells))]
         table.add_row(row.section, row.key, *[f"[bold]{c}[/]" if distinct and row.section == "metric" else c
                                               for c in cells])
     console.print(table)
@@ -487,7 +496,8 @@ def compare_main(argv: list[str]) -> int:
 
     default_uri = os.environ.get("MLFLOW_TRACKING_URI") or TrackingConfig.model_fields["mlflow_uri"].default
     ap = argparse.ArgumentParser(prog="tidal compare",
-                                 description="Side-by-side table of MLflow runs: params that differ, final metrics.")
+                                 description="Side-by-side table of MLflow runs: params that differ, each metric's "
+                                             "final value with its mean and min..max over the logged steps.")
     ap.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run ids")
     ap.add_argument("--uri", default=default_uri,
                     help=f"tracking URI (default: $MLFLOW_TRACKING_URI or {default_uri})")
