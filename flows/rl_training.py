@@ -52,7 +52,7 @@ def rl_step(run: OpenedRun, step: int) -> dict[str, float]:
     return metrics
 
 
-@flow(name="rl-training", flow_run_name="{request.config}")
+@flow(name="rl-training")   # no flow_run_name: the name given in the UI's form (or Prefect's own) stays
 def rl_training(request: TrainingRequest = TrainingRequest()) -> dict:
     """Train with GRPO on the request's config; returns the run summary."""
     run = open_run(request)

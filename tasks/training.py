@@ -75,7 +75,8 @@ def _live(key: str) -> _Live:
 @task(name="open-run", cache_policy=NO_CACHE)
 def prefect_links() -> dict[str, str]:
     """The flow run this task belongs to, as MLflow tags: its id and its page in the Prefect UI (when known)."""
-    links = {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_url": str(flow_run.ui_url or "")}
+    links = {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_name": str(flow_run.name or ""),
+             "prefect.flow_run_url": str(flow_run.ui_url or "")}
     return {k: v for k, v in links.items() if v}
 
 

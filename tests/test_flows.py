@@ -164,7 +164,8 @@ def _run_deployment(api: str, name: str, parameters: dict, timeout_s: float, ser
     dep = _wait(f"deployment {name} registered", lambda: _http("GET", f"{api}/deployments/name/{name}/{name}"),
                 180, proc=serve_proc, log=serve_log)
     assert "request" in dep["parameter_openapi_schema"]["properties"]   # the UI's form
-    run = _http("POST", f"{api}/deployments/{dep['id']}/create_flow_run", {"parameters": parameters})
+    run = _http("POST", f"{api}/deployments/{dep['id']}/create_flow_run",
+                {"parameters": parameters, "name": f"{name}-by-test"})
 
     def final():
         fr = _http("GET", f"{api}/flow_runs/{run['id']}")
@@ -237,6 +238,7 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         assert mr.info.status == "FINISHED" and mr.data.tags["tidal.db_run_id"] == str(run.id)
         # linked to its flow run, and named apart from a run of the same config under another policy
         assert mr.data.tags["prefect.flow_run_id"] == fr["id"]
+        assert fr["name"] == mr.data.tags["prefect.flow_run_name"] == "rl-training-by-test"   # the given name stays
         assert mr.data.tags["prefect.flow_run_url"].endswith(fr["id"])
         assert mr.info.run_name.startswith("rest-run-rlinf-")
         for key in ("grpo/reward_mean", "step/seconds", "sync/seconds", "eval/heldout_accuracy"):
