@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -329,21 +329,23 @@ class Transformer(nn.Module):
         b, t, dim = h.shape[0], h.shape[1] - 1, h.shape[2]
         rows = max(64, LOGPROB_CHUNK_ELEMENTS // max(1, self.embed_tokens.weight.shape[0]))
         if b * t <= rows:
-            out = vocab_parallel_logprobs(self.logits_local(h)[:, :-1], targets, self.tp_group, self.vocab_lo,
-                                          with_entropy)
-            return out if with_entropy else (out, None)
+            return self._logprobs(h, targets, with_entropy, drop_last=True)
         h_N, t_N = h[:, :-1].reshape(b * t, dim), targets.reshape(b * t)
         grad = torch.is_grad_enabled() and h_N.requires_grad
         out = [checkpoint(self._logprobs, h_N[lo:lo + rows], t_N[lo:lo + rows], with_entropy, use_reentrant=False)
                if grad else self._logprobs(h_N[lo:lo + rows], t_N[lo:lo + rows], with_entropy)
                for lo in range(0, b * t, rows)]
         lp = torch.cat([o[0] for o in out]).view(b, t)
-        return lp, torch.cat([o[1] for o in out]).view(b, t) if with_entropy else None
+        return lp, torch.cat([cast(torch.Tensor, o[1]) for o in out]).view(b, t) if with_entropy else None
 
-    def _logprobs(self, h: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-        if with_entropy:
-            return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo, True)
-        return vocab_parallel_logprobs(self.logits_local(h), targets, self.tp_group, self.vocab_lo), None
+    def _logprobs(self, h: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+                  drop_last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy or None) of `targets` from hidden states `h` (`drop_last`: h has one more
+        position than targets, whose logits are computed and dropped, as the unchunked path always did)."""
+        logits = self.logits_local(h)
+        out = vocab_parallel_logprobs(logits[:, :-1] if drop_last else logits, targets, self.tp_group,
+                                      self.vocab_lo, with_entropy)
+        return out if with_entropy else (out, None)
 
     # ---- weights ------------------------------------------------------------------------------------
     def specs(self) -> dict[str, ParamSpec]:

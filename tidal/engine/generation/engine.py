@@ -177,7 +177,8 @@ class NativeEngine(GenerationEngine):
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
         self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
                                  self.dtype, self.device)
-        self._row_slot = torch.tensor([min(r, width) for r in range(self.rows)], device=self.device)
+        self._row_slot_list = [min(r, width) for r in range(self.rows)]   # row -> slot (padding rows: the dummy)
+        self._row_slot = torch.tensor(self._row_slot_list, device=self.device)
         self.status = EngineStatus.READY
         self._param_shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
         self._offload: dict[str, torch.Tensor] | None = None
@@ -421,8 +422,7 @@ class NativeEngine(GenerationEngine):
         by_span: dict[int, list[int]] = {}
         for r in range(self.rows):
             by_span.setdefault(padded_len(pos[r] + 1, self.args.max_seq_len), []).append(r)
-        slot_of = self._row_slot.tolist()
-        return [RowGroup(rows, [slot_of[r] for r in rows], [pos[r] for r in rows], span, self.device)
+        return [RowGroup(rows, [self._row_slot_list[r] for r in rows], [pos[r] for r in rows], span, self.device)
                 for span, rows in sorted(by_span.items())]
 
     def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool, *,
