@@ -353,6 +353,7 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
     Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
+    tell = on_warning or (lambda w: None)   # the run logs, tags and keeps every warning itself
     try:
         run.open(resume_from=resume_from, checked=checked)
         every = cfg.run.checkpoint_every
@@ -361,15 +362,13 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
             if on_step:
                 on_step(run.next_step - 1, m)
             for w in run.drain_warnings():
-                if on_warning:
-                    on_warning(w)
+                tell(w)
             if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
                 run.checkpoint()
         run.checkpoint()
         summary = run.finish()
         for w in run.drain_warnings():
-            if on_warning:
-                on_warning(w)
+            tell(w)
         return summary
     finally:
         run.close()
