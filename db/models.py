@@ -105,6 +105,8 @@ class Run(Base):
     #: when the driver last said it is alive; a running run whose heartbeat is long past is `lost`
     heartbeat_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    #: the Prefect flow run that drove it (`rl-training`); None for a run `tidal train` drove without `--flow`
+    prefect_flow_run_id: Mapped[str | None] = mapped_column(String(64), index=True)
     output_dir: Mapped[str | None] = mapped_column(Text)
 
 

@@ -84,11 +84,15 @@ def get_run(session: Session, run_id: int) -> Run:
 
 
 def add_run(session: Session, *, name: str, config: Mapping[str, Any], output_dir: str | None = None,
-            mlflow_run_id: str | None = None, started_at: dt.datetime | None = None) -> Run:
-    """Start a run (status "running"). `config` is the resolved config as a JSON object."""
+            mlflow_run_id: str | None = None, prefect_flow_run_id: str | None = None,
+            started_at: dt.datetime | None = None) -> Run:
+    """Start a run (status "running"). `config` is the resolved config as a JSON object; `prefect_flow_run_id`:
+    the flow run that drives it, if a flow does."""
     run = Run(name=check_str("run.name", name, max_len=200), config=check_json_object("run.config", config),
               status="running", started_at=_now() if started_at is None else _aware("run.started_at", started_at),
               mlflow_run_id=check_str("run.mlflow_run_id", mlflow_run_id, max_len=64, optional=True),
+              prefect_flow_run_id=check_str("run.prefect_flow_run_id", prefect_flow_run_id, max_len=64,
+                                            optional=True),
               output_dir=check_str("run.output_dir", output_dir, optional=True))
     session.add(run)
     session.flush()
@@ -137,11 +141,14 @@ def mark_lost(session: Session, *, stale_after_s: float, now: dt.datetime | None
     return lost
 
 
-def list_runs(session: Session, *, status: str | None = None) -> list[Run]:
-    """All runs (optionally of one status), oldest first."""
+def list_runs(session: Session, *, status: str | None = None, prefect_flow_run_id: str | None = None) -> list[Run]:
+    """All runs, oldest first; optionally only those of one status, or the one a Prefect flow run drove."""
     query = select(Run).order_by(Run.id)
     if status is not None:
         query = query.where(Run.status == check_one_of("status", status, RUN_STATUSES))
+    if prefect_flow_run_id is not None:
+        flow_run_id = check_str("prefect_flow_run_id", prefect_flow_run_id, max_len=64)
+        query = query.where(Run.prefect_flow_run_id == flow_run_id)
     return list(session.scalars(query))
 
 

@@ -33,6 +33,7 @@ from tasks.requests import TrainingRequest
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
 
 if TYPE_CHECKING:
+    from tidal.core.config import TidalConfig
     from tidal.pipeline.run import TrainingRun
 
 log = logging.getLogger("tidal.tasks")
@@ -80,6 +81,12 @@ def prefect_links() -> dict[str, str]:
     return {k: v for k, v in links.items() if v}
 
 
+def open_tracking(cfg: TidalConfig, out: Path) -> RunTracking:
+    """The run's database row and MLflow run, each holding the other's id and this flow run's id."""
+    links = prefect_links()
+    return RunTracking.open(cfg, out, tags=links, prefect_flow_run_id=links.get("prefect.flow_run_id"))
+
+
 def open_run(request: TrainingRequest) -> OpenedRun:
     """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
     from tidal.pipeline.preflight import preflight
@@ -87,7 +94,7 @@ def open_run(request: TrainingRequest) -> OpenedRun:
     cfg = load_run_config(request.config, request.overrides)
     checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
     out = run_dir(cfg)
-    tracking = RunTracking.open(cfg, out, tags=prefect_links()) if request.track else RunTracking.null(cfg)
+    tracking = open_tracking(cfg, out) if request.track else RunTracking.null(cfg)
     logger = get_run_logger()   # the flow run's log in the Prefect UI: the warm start's progress shows there
     run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
                       log_fn=lambda p: logger.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,

@@ -133,6 +133,31 @@ def test_concurrent_upgrades_migrate_once(db_url):
     eng.dispose()
 
 
+def test_the_flow_run_revision_migrates_both_ways_keeping_the_rows(db_url):
+    """0004 adds `runs.prefect_flow_run_id` (indexed) to a database that holds runs, and takes it away again."""
+    upgrade(db_url, "0003")
+    eng = make_engine(db_url)
+    try:
+        with eng.begin() as conn:
+            conn.execute(text("INSERT INTO runs (name, config, status, started_at, mlflow_run_id) "
+                              "VALUES ('before', '{}', 'running', :t, 'm1')"), {"t": dt.datetime.now(dt.UTC)})
+        upgrade(db_url)
+        assert current_revision(eng) == head_revision() and schema_diff(eng) == []
+        assert "ix_runs_prefect_flow_run_id" in {ix["name"] for ix in inspect(eng).get_indexes("runs")}
+        with session_scope(eng) as s:
+            (before,) = list_runs(s)
+            assert (before.name, before.mlflow_run_id, before.prefect_flow_run_id) == ("before", "m1", None)
+            before.prefect_flow_run_id = "f" * 36
+        downgrade(db_url, "0003")
+        assert "prefect_flow_run_id" not in {c["name"] for c in inspect(eng).get_columns("runs")}
+        with eng.connect() as conn:
+            assert conn.execute(text("SELECT name, mlflow_run_id FROM runs")).all() == [("before", "m1")]
+        upgrade(db_url)
+        assert schema_diff(eng) == []
+    finally:
+        eng.dispose()
+
+
 # --- repository round trips -------------------------------------------------------------------------------------
 
 
@@ -219,6 +244,23 @@ def test_round_trip_of_every_repository_function(engine):
             ("action", None, 5.75, "tidal", "move_devices", [1], "applied")]
         assert [e.kind for e in list_scheduler_events(s, run.id, kind="action")] == ["action"]
         assert [e.policy for e in list_scheduler_events(s, other.id)] == ["static"]
+
+
+def test_a_run_row_holds_its_flow_run_and_mlflow_run_ids(engine):
+    flow_run_id = str(uuid.uuid4())
+    with session_scope(engine) as s:
+        run = add_run(s, name="served", config={}, prefect_flow_run_id=flow_run_id)
+        add_run(s, name="by-cli", config={})
+    with session_scope(engine) as s:
+        attach_mlflow_run(s, run.id, "b" * 32)
+    with session_scope(engine) as s:
+        (got,) = list_runs(s, prefect_flow_run_id=flow_run_id)
+        assert (got.id, got.name, got.prefect_flow_run_id, got.mlflow_run_id) == (run.id, "served", flow_run_id,
+                                                                                  "b" * 32)
+        assert list_runs(s, prefect_flow_run_id=str(uuid.uuid4())) == []
+        assert [r.prefect_flow_run_id for r in list_runs(s)] == [flow_run_id, None]
+        with pytest.raises(InvalidRecord, match="run.prefect_flow_run_id"):
+            add_run(s, name="x", config={}, prefect_flow_run_id="x" * 65)
 
 
 def test_session_scope_rolls_back_the_whole_unit_on_error(engine):

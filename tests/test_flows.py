@@ -220,6 +220,7 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         with session_scope(engine) as s:
             (run,) = repo.list_runs(s)
             assert run.status == "finished" and run.name == "rest-run" and run.mlflow_run_id
+            assert run.prefect_flow_run_id == fr["id"]   # the row links both: its flow run and its MLflow run
             db_steps = repo.list_steps(s, run.id)
             reshards = repo.list_reshards(s, run.id)
             decisions = repo.list_scheduler_events(s, run.id)

@@ -124,8 +124,10 @@ class RunTracking:
 
     @classmethod
     def open(cls, cfg: TidalConfig, out_dir: Path, *, sink: Any = None, parent_run_id: str | None = None,
-             tags: dict[str, str] | None = None) -> RunTracking:
-        """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row)."""
+             tags: dict[str, str] | None = None, prefect_flow_run_id: str | None = None) -> RunTracking:
+        """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row).
+        `prefect_flow_run_id`: the flow run driving this run (a flow's tasks pass it): the row holds it beside the
+        MLflow run's id, and the MLflow run holds it as the tag `prefect.flow_run_id`."""
         from db import repository as repo
         from db.migrate import open_database
         from db.session import session_scope
@@ -135,11 +137,13 @@ class RunTracking:
         with session_scope(engine) as s:
             for run in repo.mark_lost(s, stale_after_s=LOST_AFTER_S):   # drivers that died without a word
                 log.warning("run %d (%s) marked lost: no heartbeat since %s", run.id, run.name, run.ended_at)
-            db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir)).id
+            db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir),
+                                 prefect_flow_run_id=prefect_flow_run_id).id
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
         mlflow_id = sink.start_run(mlflow_run_name(cfg, out_dir, policy), flatten(cfg),
                                    {"policy": policy, "tidal.db_run_id": str(db_id), "tidal.run_dir": str(out_dir),
+                                    **({"prefect.flow_run_id": prefect_flow_run_id} if prefect_flow_run_id else {}),
                                     **(tags or {})}, parent_run_id=parent_run_id)
         with session_scope(engine) as s:
             repo.attach_mlflow_run(s, db_id, mlflow_id)
