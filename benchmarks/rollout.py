@@ -6,8 +6,8 @@ and migration cost (KV move vs re-prefill).
     python benchmarks/rollout.py --device cuda --model qwen2.5-1.5b --batch 64,256 --prompt-len 256 \\
         --new-tokens 1024 --repeats 2 --no-migration --json out.json    # Qwen2.5-1.5B shape, decode-bound
 
-Throughput (`throughput` in the JSON: one entry per `--batch` size, run one after the other in one process; the
-top level repeats the first batch's `native_s`, `native_tokens_per_s`, `hf_*` and `speedup_vs_hf`): the same model
+Throughput (`throughput` in the JSON: one entry per `--batch` size and `--kernels` variant, run one after the other
+in one process; the top level repeats the first entry's figures): the same model
 (our weights copied into `transformers.LlamaForCausalLM`; our parameter names follow HF Llama; `max_seq_len` =
 prompt_len + new_tokens), the same prompts (equal length, no padding), greedy, exactly `new_tokens` tokens each (no
 stop tokens). One engine per batch size (`max_running_requests` = the batch), warmed by a 3-token run of the whole
@@ -17,6 +17,12 @@ batch (which captures its CUDA graphs: the decode graph and the prefill graph of
 - `prefill_s`: every request added and admitted (`engine.admit()`: one prefill per request, sampling its first token);
 - `ms_per_decode_step`: the `engine.step()` loop until no work is left, per step (`decode_steps` = new_tokens - 1);
 - `native_s`: both; `native_tokens_per_s` = batch x new_tokens / native_s. Each is the median of the repeats.
+
+Kernels (`kernels`): `fused` is the CUDA engine's default (packed q/k/v and gate/up GEMMs, elementwise stages
+compiled by torch.compile: `tidal.engine.generation.fused`), `eager` the same engine launching torch's own kernels;
+`speedup_vs_eager` = eager ms per step / fused ms per step at the same batch, measured side by side. HF `generate`
+runs once per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
+per step.
 
 Memory-bandwidth bound: `copy_bandwidth_GBps` is a device-to-device copy (`dst.copy_(src)` of a 2 GiB bf16 tensor,
 CUDA events, median of 20 after warm-up; bytes read + bytes written; on CPU 256 MiB fp32 on one thread, wall
@@ -145,12 +151,21 @@ def decode_profile(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, 
         sync(engine.device)
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = sum(e.device_time_total for e in kernels) if kernels and hasattr(kernels[0], "device_time_total") \
-        else sum(e.cuda_time_total for e in kernels)
+
+    def device_us(e) -> float:
+        return e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(device_us(e))
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     while engine.has_work():
         engine.step()
-    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "device_busy_ms_per_step": busy_us / steps / 1e3,
-            "wall_ms_per_step_profiled": wall / steps * 1e3}
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps,
+            "device_busy_ms_per_step": sum(map(device_us, kernels)) / steps / 1e3,
+            "wall_ms_per_step_profiled": wall / steps * 1e3,
+            "top_kernels": [{"name": name[:120], "per_step": len(t) / steps, "us_per_step": sum(t) / steps}
+                            for name, t in top]}
 
 
 def copy_bandwidth(device) -> float:
@@ -235,9 +250,9 @@ def throughput(a, device, dtype, report):
         except ImportError:
             hf_note = "transformers is not installed: HF comparison skipped"
     rows = []
-    for batch in a.batches:
+    for batch, kernels in ((b, k) for b in a.batches for k in a.kernels):
         ids = prompts(args, batch, a.prompt_len)
-        engine = NativeEngine(m, EngineConfig(max_running_requests=batch))
+        engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels == "fused"))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
         native_generate(engine, ids, a.new_tokens, "warm")
         runs, tokens = [], None
@@ -254,13 +269,13 @@ def throughput(a, device, dtype, report):
         ms_per_step = decode_s / steps * 1e3
         kv_bytes = mean_kv_bytes_per_step(args, batch, a.prompt_len, a.new_tokens, dtype)
         bound_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
-        row = {"batch": batch, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
+        row = {"batch": batch, "kernels": kernels, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
                "ms_per_decode_step": ms_per_step, "native_s": native_s,
                "native_tokens_per_s": batch * a.new_tokens / native_s, "mean_kv_bytes_per_step": kv_bytes,
                "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step,
                "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile}
         rows.append(row)
-        if hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
+        if kernels != a.kernels[0] or hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
                        hf_note=hf_note or ("--no-hf: HF generate skipped" if a.no_hf else
                                            f"batch above {HF_MAX_BATCH}: HF generate skipped (--hf-all runs it)"))
@@ -274,13 +289,19 @@ def throughput(a, device, dtype, report):
             row["hf_tokens_per_s"] = batch * a.new_tokens / row["hf_s"]
             row["speedup_vs_hf"] = row["native_tokens_per_s"] / row["hf_tokens_per_s"]
             row["hf_first_token_agreement"] = sum(x[0] == y[0] for x, y in zip(tokens, hf_tokens)) / batch
-        print(f"batch {batch}: {row['native_tokens_per_s']:.0f} tokens/s, prefill {prefill_s:.2f} s, "
+        print(f"batch {batch} ({kernels} kernels): {row['native_tokens_per_s']:.0f} tokens/s, "
+              f"prefill {prefill_s:.2f} s, "
               f"{ms_per_step:.2f} ms/decode step (bound {bound_ms:.2f} ms, ratio {row['bound_ratio']:.2f})"
               + (f", {row['speedup_vs_hf']:.2f}x HF generate" if row["speedup_vs_hf"] else ""), flush=True)
     del hf
+    for r in rows:
+        eager = next((e for e in rows if e["batch"] == r["batch"] and e["kernels"] == "eager"), None)
+        if r["kernels"] == "fused" and eager is not None:
+            r["speedup_vs_eager"] = eager["ms_per_decode_step"] / r["ms_per_decode_step"]
     report["throughput"] = rows
     first = rows[0]  # the top-level keys of a single-batch run
-    report.update({k: first[k] for k in ("native_s", "native_tokens_per_s", "hf_s", "hf_tokens_per_s",
+    report.update({k: first[k] for k in ("kernels", "ms_per_decode_step", "bound_ratio", "speedup_vs_eager",
+                                         "native_s", "native_tokens_per_s", "hf_s", "hf_tokens_per_s",
                                          "speedup_vs_hf", "hf_first_token_agreement", "hf_note") if k in first})
 
 
@@ -388,6 +409,13 @@ def batches(text: str) -> list[int]:
     return out
 
 
+def kernel_variants(text: str) -> list[str]:
+    out = text.split(",")
+    if not out or any(k not in ("fused", "eager") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: give fused, eager or fused,eager")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and batch (CPU smoke run, < 2 min)")
@@ -406,12 +434,16 @@ def main(argv=None):
     p.add_argument("--hf-all", action="store_true", help=f"run HF generate for batches above {HF_MAX_BATCH} too")
     p.add_argument("--no-migration", action="store_true", help="skip the migration section")
     p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")
+    p.add_argument("--kernels", type=kernel_variants, default=None, metavar="K[,K...]",
+                   help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
+                        "CUDA with Triton) and/or eager (default: fused,eager on CUDA, eager on CPU)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     a.model = QWEN25_1_5B if a.model == "qwen2.5-1.5b" else GPU_MODEL if gpu and not a.quick else CPU_MODEL
     a.batches = a.batch or [8 if a.quick or not gpu else 64]
+    a.kernels = a.kernels or (["fused", "eager"] if gpu else ["eager"])
     a.prompt_len = a.prompt_len or (16 if a.quick else 128)
     a.new_tokens = a.new_tokens or (32 if a.quick else 256)
     a.repeats = a.repeats or (1 if a.quick else 3)

@@ -26,6 +26,7 @@ key spans of their own). Positions are explicit per token so ragged batches work
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -133,10 +134,9 @@ class RMSNorm(nn.Module):
         self.eps, self.grad_group = eps, grad_group
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp(self.weight, self.grad_group) * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
+        return (kernels or EAGER).rms_norm(x, copy_to_tp(self.weight, self.grad_group), self.eps)
 
 
 def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
@@ -174,6 +174,65 @@ def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tenso
     return x_BHTD * cos + rotated * sin
 
 
+# ---- the elementwise stages, as functions of tensors ---------------------------------------------------------
+# A forward takes them as `Kernels` (default `EAGER`: what the actor, the scorers and CPU engines run); a
+# generation engine on CUDA passes fused versions of the same math (`tidal.engine.generation.fused`).
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in fp32, scaled in the input dtype (Hugging Face Llama/Qwen's order of roundings)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum and its norm: (x + y, rms_norm(x + y))."""
+    h = x + y
+    return h, rms_norm(h, weight, eps)
+
+
+def rope_qk(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope(q_BHTD, cos_BTD, sin_BTD), apply_rope(k_BHTD, cos_BTD, sin_BTD)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise stages a forward runs (see above), and whether it uses packed projections where a layer
+    has them (`Transformer.pack_projections`). One forward's choice: a scorer sharing an engine's model computes
+    with `EAGER` and the separate projections whatever the engine runs."""
+
+    packed: bool = False
+    rms_norm: Callable[..., torch.Tensor] = rms_norm
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
+    rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_qk
+    silu_mul: Callable[..., torch.Tensor] = silu_mul
+
+
+EAGER = Kernels()
+
+
+def _pack(linears: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding `linears`' rows in order; each linear's parameters become views of it, so a
+    weight update (`param.copy_`) writes the packed tensor too."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([cast(torch.Tensor, lin.bias).detach() for lin in linears]) if linears[0].bias is not None \
+        else None
+    lo = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = weight[lo:lo + n]
+        if lin.bias is not None and bias is not None:
+            lin.bias.data = bias[lo:lo + n]
+        lo += n
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, group, dtype, device):
         super().__init__()
@@ -189,16 +248,22 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, args.norm_eps, dtype, device, grad_group=group)
             self.k_norm = RMSNorm(self.d, args.norm_eps, dtype, device, grad_group=group)
         self.qk_norm = args.qk_norm
+        #: q/k/v weight (and bias) packed into one GEMM (`Transformer.pack_projections`), else None
+        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def forward(self, x, cos, sin, mask_BTS, kv_cache, layer):
+    def forward(self, x, cos, sin, mask_BTS, kv_cache, layer, kernels: Kernels = EAGER):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.d)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.d)
+        if kernels.packed and self.packed is not None:
+            qkv = torch.nn.functional.linear(x, *self.packed)
+            q, k, v = qkv.split([self.n_heads * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.view(b, t, self.n_heads, self.d), k.view(b, t, self.n_kv, self.d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = v.view(b, t, self.n_kv, self.d).transpose(1, 2)
+        q, k = kernels.rope_qk(q, k, cos, sin)
         attend = getattr(kv_cache, "attend", None)
         if attend is not None:   # a decode step: the cache writes the new K/V and attends over what each row needs
             out = attend(layer, q, k, v)
@@ -226,9 +291,15 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, f, group, dtype, device)
         self.up_proj = ColumnParallelLinear(h, f, group, dtype, device)
         self.down_proj = RowParallelLinear(f, h, group, dtype, device)
+        #: gate/up weight packed into one GEMM (`Transformer.pack_projections`), else None
+        self.packed: torch.Tensor | None = None
 
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, kernels: Kernels = EAGER):
+        if kernels.packed and self.packed is not None:
+            gate, up = torch.nn.functional.linear(x, self.packed).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up))
 
 
 class Block(nn.Module):
@@ -239,9 +310,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_eps, dtype, device)
         self.mlp = MLP(args, group, dtype, device)
 
-    def forward(self, x, cos, sin, mask, kv_cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, kv_cache, layer, kernels: Kernels = EAGER):
+        attn = self.self_attn(self.input_layernorm(x, kernels), cos, sin, mask, kv_cache, layer, kernels)
+        norm = self.post_attention_layernorm   # replicated weight (no TP gradient hook): the fused residual + norm
+        x, h = kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
+        return x + self.mlp(h, kernels)
 
 
 def compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -284,7 +357,18 @@ class Transformer(nn.Module):
     def vocab_lo(self) -> int:
         return self.embed_tokens.vocab_lo
 
-    def hidden(self, ids_BT, positions_BT=None, attn_mask_BTS=None, kv_cache: KVCache | None = None):
+    @torch.no_grad()
+    def pack_projections(self, packed: bool = True) -> None:
+        """Inference: q/k/v and gate/up of every layer as one GEMM each (their parameters become views of the
+        packed weights, so `param.copy_` updates both). `packed=False` drops the packed weights (before the
+        parameters are freed or replaced)."""
+        for layer in cast(list[Block], list(self.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.packed = _pack([attn.q_proj, attn.k_proj, attn.v_proj]) if packed else None
+            mlp.packed = _pack([mlp.gate_proj, mlp.up_proj])[0] if packed else None
+
+    def hidden(self, ids_BT, positions_BT=None, attn_mask_BTS=None, kv_cache: KVCache | None = None,
+               kernels: Kernels = EAGER):
         if positions_BT is None:
             positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         x = self.embed_tokens(ids_BT)
@@ -295,17 +379,18 @@ class Transformer(nn.Module):
             if recompute:   # keep each layer's input only; its activations are recomputed in the backward
                 x = checkpoint(layer, x, cos, sin, attn_mask_BTS, None, i, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_mask_BTS, kv_cache, i)
-        return self.norm(x)
+                x = layer(x, cos, sin, attn_mask_BTS, kv_cache, i, kernels)
+        return self.norm(x, kernels)
 
     def logits_local(self, h_BTH: torch.Tensor) -> torch.Tensor:
         """Vocab-sharded logits [B, T, V_local] (this rank's vocab range)."""
         w = self.embed_tokens.weight if self.args.tie_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(copy_to_tp(h_BTH, self.tp_group), w)
 
-    def forward(self, ids_BT, positions_BT=None, attn_mask_BTS=None, kv_cache: KVCache | None = None):
+    def forward(self, ids_BT, positions_BT=None, attn_mask_BTS=None, kv_cache: KVCache | None = None,
+                kernels: Kernels = EAGER):
         """Vocab-sharded logits of every position."""
-        return self.logits_local(self.hidden(ids_BT, positions_BT, attn_mask_BTS, kv_cache))
+        return self.logits_local(self.hidden(ids_BT, positions_BT, attn_mask_BTS, kv_cache, kernels))
 
     def full_logits(self, logits_local: torch.Tensor) -> torch.Tensor:
         return gather_vocab(logits_local, self.tp_group, self.args.vocab_size)

@@ -64,7 +64,7 @@ from typing import Any, Literal, cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.generation import sampler
+from tidal.engine.generation import fused, sampler
 from tidal.engine.generation.kv_cache import RowGroup, SlotKVCache
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
@@ -76,7 +76,7 @@ from tidal.engine.generation.protocol import (
     check_request_ids,
 )
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
-from tidal.engine.model import Transformer
+from tidal.engine.model import EAGER, Transformer
 from tidal.engine.shapes import padded_len
 from tidal.engine.tp import group_size
 
@@ -99,6 +99,10 @@ class EngineConfig:
     """True: a request's tokens do not depend on what shares its batch (each decode row reads its own key span,
     prompts prefill one at a time). False: one key span per decode step (one CUDA graph per span) and batched
     prefill: faster, equal only up to round-off. None: True on CPU, False on CUDA."""
+    fused_kernels: bool | None = None
+    """Packed q/k/v and gate/up GEMMs and compiled elementwise stages (`tidal.engine.generation.fused`): fewer
+    launches per step, other round-off than eager. None: on in the step-wide mode on CUDA where Triton is
+    installed. True elsewhere is refused (it needs CUDA and Triton)."""
     vocab_limit: int | None = None
     """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
     rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
@@ -171,9 +175,17 @@ class NativeEngine(GenerationEngine):
         # 64-slot and a 16-slot engine, both 64 rows), so KV moves only between engines on the same path
         # decode key spans and prefill batching (see module doc and `EngineConfig.batch_invariant`)
         self._row_spans = config.batch_invariant if config.batch_invariant is not None else self.device.type == "cpu"
+        can_fuse = fused.available(self.device)
+        if config.fused_kernels and not can_fuse:
+            raise TidalError("fused_kernels", True, f"needs a CUDA device with Triton (this engine is on "
+                             f"{self.device})", "leave it None (on where it can run) or set False")
+        self._fused = config.fused_kernels if config.fused_kernels is not None else can_fuse and not self._row_spans
+        self._kernels = fused.compiled_kernels() if self._fused else EAGER
+        if self._fused:
+            model.pack_projections()
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
-                         f"span={'row' if self._row_spans else 'step'}")
+                         f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)}")
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
         self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
                                  self.dtype, self.device)
@@ -327,7 +339,7 @@ class NativeEngine(GenerationEngine):
         self.prefill_tokens += len(jobs) * width
         slots = torch.tensor([cast(int, live.slot) for live, _ in jobs], device=self.device)
         pos_BT = torch.arange(width, device=self.device).expand(len(jobs), width)
-        h = self.model.hidden(ids_BT.to(self.device), pos_BT, None, self.cache.prefill_writer(slots))
+        h = self.model.hidden(ids_BT.to(self.device), pos_BT, None, self.cache.prefill_writer(slots), self._kernels)
         last = h[torch.arange(len(jobs), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         logits = self.model.full_logits(self.model.logits_local(last[:, None]))[:, -1, :self._vocab].float()
         return list(logits.split(1))
@@ -345,7 +357,7 @@ class NativeEngine(GenerationEngine):
 
     def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
         pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
-        h = self.model.hidden(ids_1T, pos_1T, None, writer)
+        h = self.model.hidden(ids_1T, pos_1T, None, writer, self._kernels)
         return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1, :self._vocab].float()
 
     def _graph_prefill(self, ids_1T: torch.Tensor, slot: int) -> torch.Tensor:
@@ -429,7 +441,7 @@ class NativeEngine(GenerationEngine):
                         span: int | None = None, groups: list[RowGroup] | None = None):
         """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
         decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups)
-        logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder)
+        logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R, filtered)
         return tok, sampler.logprobs(logits, tok)
@@ -620,6 +632,8 @@ class NativeEngine(GenerationEngine):
         self._weights_kept = keep_weights
         params = {} if keep_weights else dict(self.model.named_parameters())
         self._offload = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if offload else None
+        if params and self._fused:
+            self.model.pack_projections(False)   # the packed weights go with the parameters
         for p in params.values():
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.cache.free()
@@ -641,6 +655,8 @@ class NativeEngine(GenerationEngine):
             for name, p in self.model.named_parameters():
                 p.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
             self._load(weights if weights is not None else cast(Mapping[str, torch.Tensor], self._offload))  # checked
+            if self._fused:
+                self.model.pack_projections()
         self._offload, self._weights_kept = None, False
         if version is not None:
             self._version = version

@@ -140,15 +140,26 @@ class _Decoder:
             raise ValueError("a decode step takes either one span or row groups")
         self.cache, self.positions, self.span, self.groups = cache, positions_R, span, groups
         self.gather = row_slot_R is not None
-        self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=positions_R.device)
+        device = positions_R.device
+        self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=device)
         if span is not None:
-            keys = torch.arange(span, device=positions_R.device)
-            self.mask = (keys[None, :] <= positions_R[:, None])[:, None, None, :]
+            keys = torch.arange(span, device=device)
+            visible = (keys[None, :] <= positions_R[:, None])[:, None, None, :]
+            # additive, in the cache dtype, once per step: SDPA would convert a boolean mask the same way (zeros,
+            # -inf where masked) in every layer's call
+            self.mask = torch.zeros(visible.shape, dtype=cache.dtype, device=device).masked_fill_(~visible,
+                                                                                                 float("-inf"))
+        # where each row's new K/V goes in a layer's slab viewed as [slots * H_kv * S, D]: one index_copy_ per
+        # tensor and layer, these indices computed once per step
+        heads = torch.arange(cache.num_kv_heads, device=device)
+        self.write_rows = ((self.slots[:, None] * cache.num_kv_heads + heads[None, :]) * cache.max_seq_len
+                           + positions_R[:, None]).reshape(-1)
 
     def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor) -> torch.Tensor:
         k, v = self.cache.k[layer], self.cache.v[layer]
-        k[self.slots, :, self.positions] = k_RK1D[:, :, 0]  # padding rows collide in the dummy slot: garbage
-        v[self.slots, :, self.positions] = v_RK1D[:, :, 0]
+        d = self.cache.head_dim   # padding rows collide in the dummy slot: garbage, never read unmasked
+        k.view(-1, d).index_copy_(0, self.write_rows, k_RK1D.reshape(-1, d))
+        v.view(-1, d).index_copy_(0, self.write_rows, v_RK1D.reshape(-1, d))
         if self.groups is None:
             span = cast(int, self.span)
             if self.gather:
