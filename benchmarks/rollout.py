@@ -45,11 +45,10 @@ slot), in process; `kv_move_wire_s` adds the cross-process wire format (safetens
 context (the cheapest re-prefill, so the ratio is conservative; the exact native "replay" mode adds 7 decode steps).
 `ratio` = kv_move_s / reprefill_s (goal <= 0.2). Each number is the median of `--repeats` runs.
 
-Attention probe (CUDA only, `--no-probe` skips it; `attention` in the JSON): one decode-shaped attention call of
-this model (first batch's rows x heads x 1 query over the full `max_seq_len` slot, boolean mask) timed with CUDA
-events, as the engine calls it (`enable_gqa=True`) and with the KV heads expanded first (`repeat_interleave`, the
-CPU path); and which SDPA backends accept the fused GQA + mask call (a backend that refuses it leaves the math
-fallback).
+Attention probe (CUDA only, `--no-probe` skips it; `attention` in the JSON): the engine's decode attention call
+(`decode_attention`, the first batch's rows over the mean decode context's key bucket, additive mask) timed with
+CUDA events under torch's default choice and each SDPA backend that accepts it, beside `kv_read_bound_us`, the
+time to read its K and V once at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ from tidal.core.provenance import commit
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
 from tidal.engine.generation.migration import states_from_bytes, states_to_bytes
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
+from tidal.engine.shapes import padded_len
 
 GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
                  intermediate_size=2816)
@@ -344,26 +344,23 @@ def migration(a, device, dtype, report):
 
 
 def attention_probe(a, device, dtype, report):
-    """Decode attention per layer call: fused GQA vs expanded KV, and the SDPA backends that take the fused call."""
+    """The engine's decode attention call (`decode_attention`: GQA folded into query rows, the additive mask it
+    builds once per step) at the first batch and the mean decode context, under each SDPA backend that takes it,
+    against the time to read its K and V once at the measured copy bandwidth."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    F = torch.nn.functional
+
+    from tidal.engine.generation.kv_cache import decode_attention
     m = a.model
     heads, kv, d = m["num_heads"], m["num_kv_heads"], m["hidden_size"] // m["num_heads"]
-    s_len, rows = a.prompt_len + a.new_tokens, a.batches[0]
+    rows = a.batches[0]
+    span = padded_len(a.prompt_len + a.new_tokens // 2)
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(rows, heads, 1, d, device=device, dtype=dtype, generator=g)
-    k = torch.randn(rows, kv, s_len, d, device=device, dtype=dtype, generator=g)
-    v = torch.randn(rows, kv, s_len, d, device=device, dtype=dtype, generator=g)
-    mask = (torch.arange(s_len, device=device)[None, :] < torch.randint(1, s_len, (rows, 1), device=device,
-                                                                         generator=g))[:, None, None, :]
-
-    def fused():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-    def expanded():
-        r = heads // kv
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1),
-                                              attn_mask=mask)
+    k = torch.randn(rows, kv, span, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(rows, kv, span, d, device=device, dtype=dtype, generator=g)
+    visible = (torch.arange(span, device=device)[None, :] < torch.randint(span // 2, span, (rows, 1), device=device,
+                                                                          generator=g))[:, None, None, :]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
     def timed(fn, n=200):
         for _ in range(10):
@@ -376,20 +373,20 @@ def attention_probe(a, device, dtype, report):
         torch.cuda.synchronize()
         return start.elapsed_time(end) / n * 1e3  # microseconds per call
 
-    err = ((fused().float() - expanded().float()).norm() / expanded().float().norm()).item()
-    backends = {}
-    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+    ref = decode_attention(q, k, v, mask).float()
+    backends: dict[str, dict] = {"default": {"us": timed(lambda: decode_attention(q, k, v, mask))}}
+    for name in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"):
         try:
             with sdpa_kernel(getattr(SDPBackend, name)):
-                fused()
-            backends[name] = True
-        except RuntimeError:
-            backends[name] = False
-    fused_us = timed(fused)
-    report["attention"] = {"shape": f"q {rows}x{heads}x1x{d}, kv {rows}x{kv}x{s_len}x{d}, bool mask",
-                           "fused_gqa_us": fused_us, "expanded_kv_us": timed(expanded),
-                           "rel_diff": err, "backends_accepting_fused_gqa_mask": backends,
-                           "per_decode_step_ms_fused": fused_us * m["num_layers"] / 1e3}
+                out = decode_attention(q, k, v, mask).float()
+                backends[name] = {"us": timed(lambda: decode_attention(q, k, v, mask)),
+                                  "rel_diff": ((out - ref).norm() / ref.norm()).item()}
+        except RuntimeError as e:
+            backends[name] = {"refused": str(e).splitlines()[0][:160]}
+    kv_bytes = 2 * k.numel() * k.element_size()
+    report["attention"] = {"shape": f"q {rows}x{heads}x1x{d}, kv {rows}x{kv}x{span}x{d}, additive mask",
+                           "kv_read_bound_us": kv_bytes / (copy_bandwidth(device) * 1e9) * 1e6,
+                           "backends": backends}
 
 
 def machine(device):

@@ -14,6 +14,7 @@ from tidal.engine.generation import (
     Request,
     SamplingParams,
     UnknownRequestError,
+    sampler,
 )
 from tidal.engine.generation.sampler import sample
 from tidal.engine.generation.weights import actor_shards_from_global, rollout_shard
@@ -128,6 +129,19 @@ def test_sampler_respects_top_k_top_p_and_greedy():
         assert tok[1].item() in top3
         seen.add(tok[3].item())
     assert len(seen) > 20  # high temperature spreads over the vocab
+
+
+def test_the_blocked_inverse_cdf_draws_what_the_whole_row_scan_draws():
+    """`sample` finds the token for uniform u in two levels (blocks of the vocab, then inside one): the same token
+    as the inverse CDF over one whole-row cumulative sum, but where u falls within round-off of a boundary."""
+    g = torch.Generator().manual_seed(1)
+    for v in (7, 128, 1000, 4099):
+        probs = torch.softmax(torch.randn(512, v, generator=g) * 4, dim=-1)
+        probs[:, v // 3] = 0.0   # a token that can never be drawn
+        u = torch.rand(512, generator=g)
+        got = sampler._inverse_cdf_blocked(probs, u)
+        want = sampler._inverse_cdf(probs.cumsum(dim=-1), u)
+        assert (got == want).float().mean() > 0.995 and bool((probs.gather(1, got[:, None]) > 0).all())
 
 
 def test_kv_budget_limits_slots_and_continuous_batching_admits_as_slots_free():
