@@ -131,16 +131,16 @@ class PolicyRun:
              # seconds the driver spent applying the policy's actions (it hands out no work meanwhile)
              "action_s": sum(e.get("seconds", 0.0) for e in ev if e["kind"] == "action"),
              "reward_mean": m.get("grpo/reward_mean", 0.0),
-             "response_len_mean": m.get("grpo/response_len_mean", m.get("grpo/response_tokens_mean", 0.0)),
+             "response_len_mean": m.get("grpo/response_tokens_mean", 0.0),
              # the devices' own speed in this step: median seconds per engine pump inside the rollout instances
              "pump_s": m.get("rollout/pump_s_median", 0.0),
              # rollout instances holding work: seconds generating, in call overhead, and with no call to run
-             "rollout_busy_s": m.get("rollout/busy_s", 0.0),
-             "rollout_call_overhead_s": m.get("rollout/call_overhead_s", 0.0),
-             "rollout_gap_s": m.get("rollout/gap_s", 0.0),
+             "rollout_busy_s": m.get("rollout/busy_instance_s", 0.0),
+             "rollout_call_overhead_s": m.get("rollout/call_overhead_instance_s", 0.0),
+             "rollout_gap_s": m.get("rollout/gap_instance_s", 0.0),
              # garbage-collector pauses: the driver's (sum, longest) and the rollout instances' (sum)
              "driver_gc_s": m.get("driver/gc_s", 0.0), "driver_gc_max_s": m.get("driver/gc_max_s", 0.0),
-             "rollout_gc_s": m.get("rollout/gc_s", 0.0)}
+             "rollout_gc_s": m.get("rollout/gc_instance_s", 0.0)}
         s["pumps"] = s["seconds"] / s["pump_s"] if s["pump_s"] else 0.0   # step time in pumps: drift removed
         self.steps.append(s)
         print(f"  [{self.policy}] step {s['step']}: {res.seconds:.2f}s idle {s['idle_fraction']:.2f} "

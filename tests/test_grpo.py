@@ -306,9 +306,9 @@ def test_step_metrics_by_hand():
     assert m["grpo/reward_mean"] == 0.75
     assert m["grpo/zero_adv_group_frac"] == 0.5
     assert m["grpo/truncated_frac"] == 0.25
-    assert m["grpo/response_len_mean"] == 1.5
+    assert m["grpo/response_tokens_mean"] == 1.5
     assert m["grpo/rollout_vs_old_logprob_absdiff"] == pytest.approx(0.5 / 6)
-    assert m["grpo/policy_lag_mean"] == 0.5
+    assert m["grpo/policy_lag_steps_mean"] == 0.5
     assert m["grpo/adv_std"] == pytest.approx(math.sqrt(0.5), rel=1e-5)  # advantages (1, -1, 0, 0)
 
 

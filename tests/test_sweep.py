@@ -73,9 +73,22 @@ def test_sweep_on_the_simulator_reports_best_and_pareto_and_stores_every_trial(t
     for t in done:
         run = client.get_run(t.user_attrs["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == report["mlflow_parent_run_id"]
-        assert run.data.tags["optuna.trial"] == str(t.number)
-        assert run.data.metrics["sweep/step_time"] == pytest.approx(t.values[0])
+        # tagged for `tidal compare --sweep flags-sim --group-by policy`
+        assert run.data.tags["tidal.sweep"] == "flags-sim" and run.data.tags["tidal.trial"] == str(t.number)
+        assert run.data.tags["tidal.policy"] == t.params["scheduler.policy"]
+        assert run.data.metrics["sweep/step_time_s"] == pytest.approx(t.values[0])
         assert run.data.metrics["sweep/reshards"] == t.values[1]
+        assert "mlflow_run_url" not in t.user_attrs   # a local store has no run page
+    parent = client.get_run(report["mlflow_parent_run_id"])
+    assert "tidal.sweep" not in parent.data.tags   # the sweep's trials are what `--sweep` compares
+    assert parent.data.metrics["sweep/trial_count"] == 8
+    assert set(parent.data.metrics) == {"sweep/trial_count", "best/step_time_s", "best/reshards"}
+    from tidal.tracking import compare_groups, select_runs
+    trials = select_runs(f"sqlite:///{tmp_path}/mlruns.db", sweep="flags-sim")
+    assert sorted(trials) == sorted(t.user_attrs["mlflow_run_id"] for t in done)
+    names, rows = compare_groups(trials, f"sqlite:///{tmp_path}/mlruns.db", "policy")
+    assert set(names) == {t.params["scheduler.policy"] for t in done}
+    assert sum(rows[0].values) == 8   # runs per policy
     # Optuna's tables sit beside the platform's: the platform schema is still exactly at head.
     from db.migrate import open_database, schema_diff
     engine = open_database(f"sqlite:///{tmp_path}/tidal.db")

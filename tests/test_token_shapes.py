@@ -137,6 +137,6 @@ def test_doubling_max_seq_len_leaves_a_runs_work_and_result_unchanged(tmp_path):
     work64, end64 = _pipeline_run(tmp_path, 64)
     work128, end128 = _pipeline_run(tmp_path, 128)
     assert work64 == work128
-    assert all(w["work/actor_tokens"] > 0 and w["work/inference_tokens"] > 0 and w["work/rollout_keys_read"] > 0
+    assert all(w["work/actor_tokens"] > 0 and w["work/inference_tokens"] > 0 and w["work/rollout_kv_read_tokens"] > 0
                for w in work64)
     assert end64.final_weights_sha == end128.final_weights_sha

@@ -12,7 +12,20 @@ import pytest
 
 from tidal.core.config import build_config, flatten
 from tidal.core.errors import TidalError
-from tidal.tracking import CompareRow, MetricsSink, MlflowSink, NullSink, compare_runs, sanitize_key, tracked_run
+from tidal.tracking import (
+    EVENT_COLUMNS,
+    EVENTS_TABLE,
+    CompareRow,
+    MetricsSink,
+    MlflowSink,
+    NullSink,
+    compare_groups,
+    compare_runs,
+    run_url,
+    sanitize_key,
+    select_runs,
+    tracked_run,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +62,26 @@ def test_sanitize_key_length_and_path_rule():
     assert len(out) <= 250 and posixpath.normpath(out) == out and not out.endswith("/")
 
 
-def test_run_params_metrics_events_artifacts(store, tmp_path):
+def _table(client, run_id, tmp_path):
+    return json.loads(Path(client.download_artifacts(run_id, EVENTS_TABLE, str(tmp_path))).read_text())
+
+
+def test_run_params_metrics_events_artifacts(store, tmp_path, monkeypatch):
     root, uri, cfg, sink = store
     assert isinstance(sink, MetricsSink)
     params = flatten(cfg)
-    run_id = sink.start_run("train", params, tags={"policy": "tidal"})
+    run_id = sink.start_run("train", params, tags={"tidal.policy": "tidal"})
     for step in range(1, 4):
         sink.log_metrics({"train/loss": 1.0 / step, "sched/idle_gpu_s": 0.5 * step, "bad key!": step,
                           "flag": True}, step=step)
-    sink.log_event("reshard", {"step": 2, "bytes": 4096, "seconds": 0.25, "from": "tp1dp2", "to": "tp1dp4"})
-    sink.log_event("reshard", {"bytes": 8192, "reshard/seconds": 0.5})  # no step: the last logged step (3)
-    sink.log_event("scheduler", {"action": "grow_actor", "devices": [2, 3], "reason": "rollout drained",
-                                 "device": 3, "time": 12.5, "version": 4})
+    # a placement change between steps: on MLflow's wall-time axis at its own time
+    sink.log_metrics({"devices/actor": 6}, step=2, timestamp=1764412345.25)
+    sink.log_event("reshard", {"step": 2, "iter": 1, "time": 7.5, "bytes": 4096, "seconds": 0.25,
+                               "from": "tp=1,dp=2", "to": "tp=1,dp=4", "devices": [0, 1, 2, 3],
+                               "component": "actor", "phases_s": {"transfer": 0.1}})
+    sink.log_event("reshard", {"bytes": 8192, "seconds": 0.5})  # no step, no time
+    sink.log_event("action", {"step": 3, "what": "ReleaseInference", "devices": [6, 7], "reason": "rollout drained",
+                              "ok": False, "version": 4, "rate": float("nan")})
     png = tmp_path / "timeline.png"
     png.write_bytes(b"\x89PNG fake")
     sink.log_artifact(png)
@@ -71,7 +92,7 @@ def test_run_params_metrics_events_artifacts(store, tmp_path):
     client = _client(uri)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "train"
-    assert run.data.tags["policy"] == "tidal" and run.data.tags["phase"] == "done"
+    assert run.data.tags["tidal.policy"] == "tidal" and run.data.tags["phase"] == "done"
     assert run.data.params["actor.lr"] == str(cfg.actor.lr)
     assert run.data.params["cluster.component_placement.actor"] == cfg.cluster.component_placement["actor"]
     assert run.data.params["actor.betas"] == "[0.9, 0.999]"
@@ -80,24 +101,31 @@ def test_run_params_metrics_events_artifacts(store, tmp_path):
     assert sorted((m.step, m.value) for m in hist) == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
     assert [m.value for m in client.get_metric_history(run_id, "bad key_")] == [1.0, 2.0, 3.0]
     assert run.data.metrics["flag"] == 1.0
-    rb = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "reshard/bytes"))
-    assert rb == [(2, 4096.0), (3, 8192.0)]
-    assert [m.value for m in client.get_metric_history(run_id, "reshard/seconds")] == [0.25, 0.5]
-    assert run.data.metrics["events/reshard"] == 2.0 and run.data.metrics["events/scheduler"] == 1.0
-    assert "scheduler/action" not in run.data.metrics  # text and lists stay in events.json
-    assert "scheduler/devices" not in run.data.metrics
-    # ids, timestamps and versions are not measurements: events.json keeps them, the metrics do not
-    assert not {"scheduler/device", "scheduler/time", "scheduler/version"} & set(run.data.metrics)
+    [dev] = client.get_metric_history(run_id, "devices/actor")
+    assert (dev.value, dev.step, dev.timestamp) == (6.0, 2, 1764412345250)
+    # events write no metrics: a per-event metric would put several values on one step
+    assert set(run.data.metrics) == {"train/loss", "sched/idle_gpu_s", "bad key_", "flag", "devices/actor"}
 
-    arts = {a.path for a in client.list_artifacts(run_id)}
-    assert arts == {"events.json", "timeline.png"}
-    # Artifacts landed under the configured location, not the cwd.
-    local = Path(client.download_artifacts(run_id, "events.json", str(tmp_path)))
-    events = json.loads(local.read_text())
-    assert [e["kind"] for e in events] == ["reshard", "reshard", "scheduler"]
-    assert events[0]["step"] == 2 and events[0]["record"]["from"] == "tp1dp2"
-    assert events[1]["step"] is None
-    assert events[2]["record"]["devices"] == [2, 3]
+    assert {a.path for a in client.list_artifacts(run_id)} == {EVENTS_TABLE, "timeline.png"}
+    table = _table(client, run_id, tmp_path)
+    assert table["columns"] == list(EVENT_COLUMNS)
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [r["kind"] for r in rows] == ["reshard", "reshard", "action"]
+    first = rows[0]
+    assert (first["t_s"], first["step"], first["iter"], first["component"], first["devices"], first["from"],
+            first["to"], first["seconds"], first["bytes"]) == (7.5, 2, 1, "actor", "0,1,2,3", "tp=1,dp=2",
+                                                               "tp=1,dp=4", 0.25, 4096.0)
+    assert json.loads(first["detail"]) == {"phases_s": {"transfer": 0.1}}   # what has no column of its own
+    assert rows[1]["step"] is None and rows[1]["iter"] is None and 0 <= rows[1]["t_s"] < 600  # since run start
+    last = rows[2]
+    assert (last["what"], last["devices"], last["ok"], last["reason"]) == ("ReleaseInference", "6,7", False,
+                                                                          "rollout drained")
+    assert json.loads(last["detail"]) == {"version": 4, "rate": None}   # strict JSON: NaN -> null
+    # an MLflow table: listed by the run's tag, read back by MLflow's own reader, runs side by side
+    assert {"path": EVENTS_TABLE, "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)   # load_table searches runs through mlflow's global URI
+    df = client.load_table(sink.experiment_id, EVENTS_TABLE, run_ids=[run_id], extra_columns=["run_id"])
+    assert list(df["kind"]) == ["reshard", "reshard", "action"] and set(df["run_id"]) == {run_id}
     assert (root / "artifacts").is_dir()
     assert run.info.artifact_uri.startswith((root / "artifacts").resolve().as_uri())
 
@@ -108,7 +136,8 @@ def test_nested_runs_and_compare(store):
     children = []
     for i, lr in enumerate((1e-4, 3e-4)):
         params = flatten(build_config({}, [f"actor.lr={lr}"]))
-        child = sink.start_run(f"trial-{i}", params, parent_run_id=parent)
+        child = sink.start_run(f"trial-{i}", params, {"tidal.sweep": "lr", "tidal.trial": str(i)},
+                               parent_run_id=parent)
         assert sink.run_id == child
         sink.log_metrics({"eval/accuracy": 0.1 * (i + 1)}, step=0)
         sink.log_metrics({"eval/accuracy": 0.2 * (i + 1)}, step=1)
@@ -129,6 +158,8 @@ def test_nested_runs_and_compare(store):
     assert by_key[("run", "name")] == ("trial-0", "trial-1")
     assert by_key[("run", "status")] == ("FINISHED", "FINISHED")
     assert by_key[("run", "parent")] == (parent, parent)
+    assert by_key[("run", "sweep")] == ("lr", "lr") and by_key[("run", "trial")] == ("0", "1")
+    assert ("run", "policy") not in by_key   # no run has the tag
     params = {k for s, k in by_key if s == "param"}
     assert params == {"actor.lr"}  # only what differs
     assert by_key[("param", "actor.lr")] == ("0.0001", "0.0003")
@@ -164,7 +195,7 @@ def test_tracked_run_marks_failure_and_bad_metric(store):
         raise ZeroDivisionError("boom")
     run = _client(uri).get_run(rid)
     assert run.info.status == "FAILED"
-    assert {a.path for a in _client(uri).list_artifacts(rid)} == {"events.json"}  # flushed on failure too
+    assert {a.path for a in _client(uri).list_artifacts(rid)} == {EVENTS_TABLE}  # flushed on failure too
     with tracked_run(sink, "typed", {}), pytest.raises(TypeError, match="non-numeric"):
         sink.log_metrics({"train/policy": "grpo"}, step=0)
     with pytest.raises(ValueError, match="run status"):
@@ -179,8 +210,7 @@ def test_periodic_flush(tmp_path):
     rid = sink.start_run("live", {})
     sink.log_event("reshard", {"step": 0, "bytes": 1})
     # Written while the run is still open: a crashed driver leaves its events behind.
-    local = Path(_client(uri).download_artifacts(rid, "events.json", str(tmp_path)))
-    assert len(json.loads(local.read_text())) == 1
+    assert len(_table(_client(uri), rid, tmp_path)["data"]) == 1
     sink.close()
     assert _client(uri).get_run(rid).info.status == "KILLED"
 
@@ -189,14 +219,14 @@ def test_null_sink_keeps_values():
     sink = NullSink()
     assert isinstance(sink, MetricsSink)
     p = sink.start_run("r", {"a.b": 1})
-    sink.log_metrics({"reshard/bytes": 10}, step=1)
+    sink.log_metrics({"reshard/total_bytes": 10}, step=1)
+    sink.log_metrics({"devices/actor": 4}, step=1, timestamp=12.5)
     sink.log_event("reshard", {"bytes": 20, "rate": float("nan"), "at": {"x": float("inf")}})
+    assert [r[3] for r in sink.table()["data"]] == ["reshard"]
     c = sink.start_run("c", {}, parent_run_id=p)
     sink.end_run()
     sink.end_run("KILLED")
-    assert sink.runs[p]["metrics"][:3] == [("reshard/bytes", 10.0, 1), ("events/reshard", 1.0, 1),
-                                           ("reshard/bytes", 20.0, 1)]
-    assert sink.runs[p]["metrics"][3][0] == "reshard/rate"  # NaN is still a metric value
+    assert sink.runs[p]["metrics"] == [("reshard/total_bytes", 10.0, 1), ("devices/actor", 4.0, 1, 12.5)]
     assert sink.runs[p]["status"] == "KILLED" and sink.runs[c]["parent"] == p
     assert sink.runs[p]["events"][0].record == {"bytes": 20, "rate": None, "at": {"x": None}}  # strict JSON
 
@@ -217,3 +247,54 @@ def test_mlflow_run_names_carry_the_policy_and_the_runs_time():
     assert mlflow_run_name(cfg, folder, "tidal") == "rlinf-dynamic-tidal-20261203-090102"
     assert mlflow_run_name(cfg, folder, "rlinf") == "rlinf-dynamic-rlinf-20261203-090102"
     assert mlflow_run_name(cfg, Path("elsewhere"), "static") == "rlinf-dynamic-static-elsewhere"
+
+
+def test_compare_groups_runs_by_policy_and_by_sweep(tmp_path):
+    """Runs of two policies and two sweeps' trials, chosen by experiment or by sweep and grouped by their tags:
+    per group the number of runs, the params that differ, each metric's final value averaged over the runs and
+    its mean, min and max over every step of every run."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    sink = MlflowSink(uri, "policies", str(tmp_path / "art"))
+    ids = {}
+    for name, policy, sweep, times in (("a", "rlinf", "s1", [4.0, 2.0]), ("b", "rlinf", "s1", [6.0, 4.0]),
+                                       ("c", "tidal", "s2", [3.0, 1.0]), ("d", "static", None, [5.0])):
+        tags = {"tidal.policy": policy, **({"tidal.sweep": sweep, "tidal.trial": name} if sweep else {})}
+        ids[name] = sink.start_run(name, {"scheduler.policy": policy, "seed": name}, tags)
+        for step, t in enumerate(times):
+            sink.log_metrics({"step/time_s": t}, step)
+        sink.end_run()
+    assert select_runs(uri, experiment="policies") == [ids[n] for n in "abcd"]
+    assert select_runs(uri, sweep="s1") == [ids["a"], ids["b"]]
+    assert select_runs(uri, ["x"]) == ["x"]
+
+    names, rows = compare_groups(select_runs(uri, experiment="policies"), uri, "policy")
+    assert names == ["rlinf", "static", "tidal"]
+    by_key = {(r.section, r.key): r for r in rows}
+    assert by_key[("run", "runs")].values == (2, 1, 1)
+    assert by_key[("param", "scheduler.policy")].values == ("rlinf", "static", "tidal")
+    assert by_key[("param", "seed")].values == ("<2 values>", "d", "c")
+    t = by_key[("metric", "step/time_s")]
+    assert t.values == pytest.approx((3.0, 5.0, 1.0))        # final values, averaged over the group's runs
+    assert t.stats[0] == pytest.approx((4.0, 2.0, 6.0))      # every step of both rlinf runs
+    assert t.stats[1] is None and t.stats[2] == pytest.approx((2.0, 1.0, 3.0))
+    names, rows = compare_groups(list(ids.values()), uri, "sweep")
+    assert names == ["s1", "s2", "(none)"]
+    assert rows[0].values == (2, 1, 1)
+
+    out = subprocess.run([sys.executable, "-m", "tidal.cli.main", "compare", "--experiment", "policies",
+                          "--group-by", "policy", "--uri", uri], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rlinf" in out.stdout and "static" in out.stdout and "step/time_s" in out.stdout
+    with pytest.raises(TidalError, match="--group-by"):
+        compare_groups(list(ids.values()), uri, "color")
+    with pytest.raises(TidalError, match="--experiment.*no such experiment"):
+        select_runs(uri, experiment="nope")
+    with pytest.raises(TidalError, match="--sweep.*matches no run"):
+        select_runs(uri, sweep="nope")
+    with pytest.raises(TidalError, match="no runs chosen"):
+        select_runs(uri)
+
+
+def test_run_url_names_a_servers_run_page_only():
+    assert run_url("http://127.0.0.1:5000/", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+    assert run_url("sqlite:///mlruns.db", "3", "abc") is None

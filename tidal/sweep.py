@@ -23,8 +23,10 @@ One trial::
                 (RDB storage), its metrics named with their units (`METRIC_NAMES`: step_time_s, reshards, ...)
     evaluate -> simulator: simulate(spec with params, policy, devices, steps, seed)   (milliseconds)
                 real:      a whole training run (run_training), database rows and all   (a minute or more)
-    record   -> MLflow run nested under the sweep's run (params, objective values); its id is the trial's
-                user attribute `mlflow_run_id` (real runs: the training run itself, with `db_run_id` too)
+    record   -> MLflow run nested under the sweep's run (params, objective values `sweep/<metric name>`,
+                tags `tidal.sweep` = study, `tidal.trial` = number, `tidal.policy`); its id is the trial's user
+                attribute `mlflow_run_id`, with a tracking server its page `mlflow_run_url` (real runs: the
+                training run itself, with `db_run_id` too)
     tell     -> objective values (or FAIL with the error, for a combination the config refuses)
 
 Storage: `--storage URL`, else `$TIDAL_OPTUNA_STORAGE`, else `tracking.db_url` (Optuna creates its own
@@ -55,7 +57,7 @@ from scheduler.workload import rlinf_example
 from tidal.core.bounded_yaml import load_yaml, read_text
 from tidal.core.config import TidalConfig, build_config, flatten, sweep_storage
 from tidal.core.errors import TidalError
-from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, run_dir
+from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, policy_name, run_dir
 from tidal.tracking import MlflowSink
 
 #: objective -> direction (real runs only: accuracy)
@@ -289,6 +291,13 @@ def simulate_trial(space: SweepSpace, params: dict[str, Any]) -> dict[str, float
             "migrations": float(sum(s.migrations for s in res.steps)), "idle": res.idle_fraction}
 
 
+def sim_policy(space: SweepSpace, params: dict[str, Any]) -> str:
+    """The scheduler policy a simulated trial runs (its `tidal.policy` tag)."""
+    if space.workload == BUILTIN:
+        return str(params.get(POLICY_KEY, "tidal"))
+    return policy_name(load_run_config(space.workload, [*space.sim_overrides, *as_overrides(params)]))
+
+
 def real_trial(space: SweepSpace, params: dict[str, Any], overrides: list[str], name: str, sink: Any,
                parent_run_id: str, tags: dict[str, str]) -> tuple[dict[str, float], str | None, int | None]:
     """A whole training run with the settings, tracked as a child of the sweep's MLflow run.
@@ -395,6 +404,8 @@ class Sweep:
         self.study.set_user_attr("space", space.path)
         self._trials: dict[int, Any] = {}
         self.sink = MlflowSink.from_config(self.cfg.tracking)
+        # one parent run per invocation: its trials are its MLflow children (tag `tidal.sweep` on the trials only,
+        # so `tidal compare --sweep` compares trials)
         self.parent_run_id = self.sink.start_run(
             f"sweep-{self.study_name}",
             {"sweep.space": space.path, "sweep.real": real, "sweep.objectives": list(space.objectives),
@@ -426,17 +437,18 @@ class Sweep:
         import optuna
         trial = self._trials.pop(spec.number)
         name = f"{self.study_name}-trial-{spec.number}"
-        tags = {"optuna.study": self.study_name, "optuna.trial": str(spec.number)}
+        tags = {"tidal.sweep": self.study_name, "tidal.trial": str(spec.number)}
         try:
             if self.real:
                 values, run_id, db_id = real_trial(self.space, spec.params, self.overrides, name, self.sink,
                                                    self.parent_run_id, tags)
                 trial.set_user_attr("db_run_id", db_id)
             else:
+                tags["tidal.policy"] = sim_policy(self.space, spec.params)
                 run_id = self.sink.start_run(name, spec.params, tags, parent_run_id=self.parent_run_id)
                 try:
                     values = simulate_trial(self.space, spec.params)
-                    self.sink.log_metrics({f"sweep/{k}": v for k, v in values.items()}, 0)
+                    self.sink.log_metrics({f"sweep/{METRIC_NAMES[k]}": v for k, v in values.items()}, 0)
                     self.sink.end_run("FINISHED")
                 except BaseException:
                     self.sink.end_run("FAILED")
@@ -451,6 +463,9 @@ class Sweep:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
         trial.set_user_attr("mlflow_run_id", run_id)
+        url = self.sink.run_url(run_id) if run_id else None
+        if url:
+            trial.set_user_attr("mlflow_run_url", url)
         trial.set_user_attr("metrics", values)
         self.study.tell(trial, [values[o] for o in self.space.objectives])
         return TrialResult(spec.number, spec.params, "COMPLETE", values, run_id)
@@ -471,8 +486,8 @@ class Sweep:
                    "mlflow_run_id": t.user_attrs.get("mlflow_run_id")} for t in front]
         best = pareto[0]
         values = dict(best["values"])
-        self.sink.log_metrics({f"best/{k}": v for k, v in values.items()} | {"sweep/n_trials": len(complete)},
-                              len(complete))
+        self.sink.log_metrics({f"best/{METRIC_NAMES[k]}": v for k, v in values.items()}
+                              | {"sweep/trial_count": len(complete)}, len(complete))
         return SweepReport(self.study_name, _masked(self.storage), objs, self.space.directions, len(complete),
                            failed, best["number"], best["params"], values, best["mlflow_run_id"], pareto,
                            self.parent_run_id)

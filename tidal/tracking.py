@@ -1,14 +1,15 @@
 """The one metrics sink: components return metric dicts, this module writes them to MLflow.
 
-Library code never imports mlflow. A component returns plain values (`{"reshard/bytes": 1.2e9,
-"reshard/seconds": 0.4}`) or typed event records; the flow hands them to a `MetricsSink`:
+Library code never imports mlflow. A component returns plain values (`{"reshard/total_bytes": 1.2e9,
+"step/time_s": 4.1}`) or typed event records; the flow hands them to a `MetricsSink`:
 
     sink = MlflowSink.from_config(cfg.tracking)          # sqlite:///mlruns.db, no server needed
-    run_id = sink.start_run(cfg.run.name, flatten(cfg), tags={"policy": "tidal"})
+    run_id = sink.start_run(cfg.run.name, flatten(cfg), tags={"tidal.policy": "tidal"})
     sink.log_metrics({"train/loss": 0.7, "sched/idle_gpu_s": 3.1}, step=1)
-    sink.log_event("reshard", {"step": 1, "bytes": 1.2e9, "from": "tp1dp2", "to": "tp1dp4"})
+    sink.log_metrics({"devices/actor": 6}, step=1, timestamp=1764412345.2)   # at a wall time of its own
+    sink.log_event("reshard", {"step": 1, "seconds": 0.4, "from": "tp=1,dp=2", "to": "tp=1,dp=4"})
     sink.log_artifact("runs/x/timeline.png")
-    sink.end_run("FINISHED")                              # also writes events.json
+    sink.end_run("FINISHED")                              # also writes events_table.json
 
     NullSink()                                            # tests: writes nowhere, keeps values in memory
 
@@ -20,13 +21,24 @@ stack, `end_run` pops it, so after a trial ends the sweep's own metrics go to th
       start_run("trial-0", parent=P)   -> C0    stack [P, C0]   log_metrics -> C0
       end_run()                                 stack [P]       log_metrics -> P
 
-Events: `log_event(kind, record)` writes each numeric field of the record that is a measurement (its name
-ends in a unit or a quantity: `MEASURES`, e.g. `seconds`, `bytes`, `tokens`; ids, layouts, versions and
-timestamps are not metrics) as the metric `kind/field` (at the record's `step` if it has one, else at the last
-step given to `log_metrics`), counts events per kind
-(`events/kind`), and keeps the whole record for the run's `events.json` artifact: a JSON list of
-`{"kind", "time", "step", "record"}`, rewritten when the run ends and at most every `flush_every_s` while it runs
-(so a crashed run still shows its events up to the last flush).
+Metric names state their unit (`_s` wall seconds, `_device_s` seconds summed over devices, `_bytes`,
+`_tokens`, `_per_s`) or are dimensionless by name (reward, accuracy, fraction, count); docs/platform.md lists
+every metric a run logs. `timestamp` (unix seconds) places a value on MLflow's wall-time axis: a series that
+changes between steps (the devices each component holds) reads true on the "Time" x-axis.
+
+Events: `log_event(kind, record)` writes no metric. A step holds several events of a kind (reshards, actions),
+so a metric per event field would put several values on one step (a sawtooth in MLflow's step charts); the
+caller logs per-step aggregates instead (`tidal.pipeline.run_metrics.step_event_metrics`: `reshard/count`,
+`reshard/total_s`, ...). Each record becomes one row of the run's events table, `events_table.json`, an MLflow
+table (`MlflowClient.load_table(experiment_id, "events_table.json", run_ids)` reads it, runs side by side):
+
+    t_s   step  iter  kind     component  what        devices  from               to                 seconds  bytes
+    7.79  1     0     reshard  actor                  0        tp=1,dp=2,devices=0-1  tp=1,dp=1,devices=0  0.033  118848
+    (then ok, reason, and detail: the record's other fields as JSON; ids, layouts, versions stay there)
+
+`t_s` is the record's `time` (the pipeline's clock: seconds since the run started) or, for a record without
+one, seconds since its MLflow run started. The table is rewritten when the run ends and at most every
+`flush_every_s` while it runs (so a crashed run still shows its events up to the last flush).
 
 Names: MLflow accepts metric, param and tag keys made of letters, digits, `_ - . space : /` that are not
 path-like (`a//b`, `./a`, `a/..`), up to 250 characters. `sanitize_key` maps any key onto that set
@@ -37,6 +49,10 @@ directory, made absolute) so files land where the config says, not in the curren
 `http(s)://` tracking server a plain directory is left to the server (its `--artifacts-destination`).
 An experiment that already exists keeps the location it was created with (MLflow cannot move it); the sink
 exposes it as `artifact_root`.
+
+Compare: `tidal compare RUN...` (or `--experiment NAME [--group-by policy|sweep]`) reads runs back: each
+metric's final value with its mean and min..max over the steps, and with `--group-by` the mean of those per
+group of runs (tags `tidal.policy`, `tidal.sweep`; a sweep's trials also carry `tidal.trial`).
 
 Telemetry: `MLFLOW_DISABLE_TELEMETRY=true` is set before mlflow is first imported here (mlflow reads it at
 each call, so setting it before use suffices); an explicit value in the environment is left alone.
@@ -73,7 +89,7 @@ MAX_KEY_LEN = 250            # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_PARAMS_PER_BATCH = 100   # MAX_PARAMS_TAGS_PER_BATCH
 MAX_METRICS_PER_BATCH = 1000
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
-EVENTS_ARTIFACT = "events.json"
+EVENTS_TABLE = "events_table.json"
 _BAD_CHARS = re.compile(r"[^\w.\- :/]")
 
 
@@ -113,7 +129,7 @@ def _jsonable(obj: object) -> object:
 
 
 def _strict_json(obj: Any) -> Any:
-    """NaN/inf -> None: events.json stays standard JSON (browsers' JSON.parse rejects NaN)."""
+    """NaN/inf -> None: the events table stays standard JSON (browsers' JSON.parse rejects NaN)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
@@ -131,7 +147,7 @@ def _param_value(value: object) -> str:
 
 @dataclass(frozen=True)
 class Event:
-    """One entry of `events.json`."""
+    """One event as logged: a row of the events table."""
 
     kind: str
     time: float            # unix seconds when logged
@@ -146,7 +162,7 @@ class MetricsSink(Protocol):
     def start_run(self, name: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
                   parent_run_id: str | None = None) -> str: ...
 
-    def log_metrics(self, metrics: Mapping[str, object], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, object], step: int, timestamp: float | None = None) -> None: ...
 
     def log_event(self, kind: str, record: Mapping[str, object]) -> None: ...
 
@@ -160,15 +176,54 @@ class MetricsSink(Protocol):
 @dataclass
 class _RunState:
     run_id: str
+    started: float = field(default_factory=time.time)   # unix seconds: `t_s` of records without a `time`
     events: list[Event] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
-    last_step: int = 0
     last_flush: float = field(default_factory=time.monotonic)
     dirty: bool = False
+    tagged: bool = False   # the run's `mlflow.loggedArtifacts` tag lists the events table
+
+
+#: columns of the events table, in order; a record's other fields go to `detail` (JSON)
+EVENT_COLUMNS = ("t_s", "step", "iter", "kind", "component", "what", "devices", "from", "to", "seconds", "bytes",
+                 "ok", "reason", "detail")
+_NOT_DETAIL = frozenset(EVENT_COLUMNS) | {"time"}
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _text(v: object) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def event_row(ev: Event, started: float) -> list[Any]:
+    """`ev` as a row of EVENT_COLUMNS (`started`: unix seconds of its run's start, for a record without `time`)."""
+    rec = ev.record
+    t = _number(rec.get("time"))
+    it = rec.get("iter")
+    ok = rec.get("ok")
+    detail = {k: v for k, v in rec.items() if k not in _NOT_DETAIL}
+    return [round(t if t is not None else ev.time - started, 4), ev.step,
+            int(it) if isinstance(it, numbers.Integral) and not isinstance(it, bool) else None, ev.kind,
+            _text(rec.get("component")), _text(rec.get("what")), _text(rec.get("devices")), _text(rec.get("from")),
+            _text(rec.get("to")), _number(rec.get("seconds")), _number(rec.get("bytes")),
+            ok if isinstance(ok, bool) else None, _text(rec.get("reason")),
+            json.dumps(detail, sort_keys=True, allow_nan=False) if detail else ""]
+
+
+def events_table(events: list[Event], started: float) -> str:
+    """The events table as MLflow stores a table: pandas' split orient, `{"columns": [...], "data": [[...]]}`."""
+    return json.dumps({"columns": list(EVENT_COLUMNS), "data": [event_row(e, started) for e in events]},
+                      allow_nan=False)
 
 
 class _EventsMixin:
-    """Event bookkeeping shared by both sinks: metrics derived from a record, the JSON list."""
+    """Event bookkeeping shared by both sinks."""
 
     _stack: list[_RunState]  # both sinks keep `_stack`, the open runs (innermost last)
 
@@ -182,41 +237,20 @@ class _EventsMixin:
         return self._stack[-1]
 
     @staticmethod
-    def _event_metrics(state: _RunState, kind: str, record: Mapping[str, object]) -> tuple[Event, dict, int]:
+    def _add_event(state: _RunState, kind: str, record: Mapping[str, object]) -> Event:
         raw_step = record.get("step")
         step = int(raw_step) if isinstance(raw_step, numbers.Integral) and not isinstance(raw_step, bool) \
             else None
-        metric_step = state.last_step if step is None else step
-        state.counts[kind] = state.counts.get(kind, 0) + 1
-        metrics: dict[str, float] = {f"events/{kind}": float(state.counts[kind])}
-        for k, v in record.items():
-            if k == "step" or isinstance(v, bool) or not isinstance(v, numbers.Real) or not is_measure(str(k)):
-                continue
-            name = k if str(k).startswith(f"{kind}/") else f"{kind}/{k}"
-            metrics[name] = float(v)
         rec = _strict_json(json.loads(json.dumps(dict(record), default=_jsonable)))  # detached, JSON-safe copy
         ev = Event(kind=kind, time=time.time(), step=step, record=rec)
         state.events.append(ev)
         state.dirty = True
-        return ev, metrics, metric_step
-
-
-#: endings of an event field that is a measurement (a metric); other numbers (device ids, layouts, versions,
-#: iter numbers, timestamps) stay in events.json only
-MEASURES = ("seconds", "_s", "bytes", "_sent", "_moved", "tokens", "requests", "groups", "rate", "fraction",
-            "_frac", "resident", "peak", "allocated")
-
-
-def is_measure(field: str) -> bool:
-    return field.rsplit("/", 1)[-1].endswith(MEASURES)
-
-
-def events_json(events: list[Event]) -> str:
-    return json.dumps([asdict(e) for e in events], indent=1, default=_jsonable, allow_nan=False)
+        return ev
 
 
 class NullSink(_EventsMixin):
-    """Writes nothing anywhere; keeps what it was given in memory so tests can assert on it."""
+    """Writes nothing anywhere; keeps what it was given in memory so tests can assert on it. A metric is kept
+    as (name, value, step), or (name, value, step, timestamp) when logged with one."""
 
     def __init__(self) -> None:
         self.runs: dict[str, dict[str, Any]] = {}
@@ -230,18 +264,20 @@ class NullSink(_EventsMixin):
         self._stack.append(_RunState(run_id))
         return run_id
 
-    def log_metrics(self, metrics, step) -> None:
+    def log_metrics(self, metrics, step, timestamp=None) -> None:
         top = self._top()
-        top.last_step = int(step)
         for k, v in metrics.items():
-            self.runs[top.run_id]["metrics"].append((sanitize_key(k), _metric_value(k, v), int(step)))
+            row = (sanitize_key(k), _metric_value(k, v), int(step))
+            self.runs[top.run_id]["metrics"].append(row if timestamp is None else (*row, float(timestamp)))
 
     def log_event(self, kind, record) -> None:
         top = self._top()
-        ev, metrics, step = self._event_metrics(top, kind, record)
-        self.runs[top.run_id]["events"].append(ev)
-        for k, v in metrics.items():
-            self.runs[top.run_id]["metrics"].append((sanitize_key(k), v, step))
+        self.runs[top.run_id]["events"].append(self._add_event(top, sanitize_key(kind), record))
+
+    def table(self) -> dict[str, Any]:
+        """The current run's events table, as `events_table.json` would hold it."""
+        top = self._top()
+        return json.loads(events_table(top.events, top.started))
 
     def log_artifact(self, path, artifact_path=None) -> None:
         self.runs[self._top().run_id]["artifacts"].append((str(path), artifact_path))
@@ -276,6 +312,11 @@ def artifact_location(uri: str, artifacts: str | None) -> str | None:
     return Path(artifacts).expanduser().resolve().as_uri()
 
 
+def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The run's page in the MLflow UI of an `http(s)://` tracking server (None for a local store)."""
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" if _is_server(uri) else None
+
+
 class MlflowSink(_EventsMixin):
     """`MetricsSink` over an MLflow tracking store (sqlite:///... needs no server). Thread-safe."""
 
@@ -301,6 +342,9 @@ class MlflowSink(_EventsMixin):
     def client(self) -> MlflowClient:
         return self._client
 
+    def run_url(self, run_id: str) -> str | None:
+        return run_url(self.uri, self.experiment_id, run_id)
+
     def start_run(self, name: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
                   parent_run_id: str | None = None) -> str:
         from mlflow.entities import Param
@@ -322,34 +366,40 @@ class MlflowSink(_EventsMixin):
             self._stack.append(_RunState(run_id))
         return run_id
 
-    def _write_metrics(self, run_id: str, metrics: Mapping[str, float], step: int) -> None:
+    def _write_metrics(self, run_id: str, metrics: Mapping[str, float], step: int,
+                       timestamp: float | None = None) -> None:
         from mlflow.entities import Metric
-        now = int(time.time() * 1000)
-        items = [Metric(sanitize_key(k), v, now, int(step)) for k, v in metrics.items()]
+        ms = int((time.time() if timestamp is None else timestamp) * 1000)
+        items = [Metric(sanitize_key(k), v, ms, int(step)) for k, v in metrics.items()]
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             self._client.log_batch(run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
 
-    def log_metrics(self, metrics: Mapping[str, object], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, object], step: int, timestamp: float | None = None) -> None:
+        """`metrics` at `step`, stamped `timestamp` (unix seconds; default now): MLflow's "Time" axis."""
         values = {k: _metric_value(k, v) for k, v in metrics.items()}
         with self._lock:
-            top = self._top()
-            top.last_step = int(step)
-            self._write_metrics(top.run_id, values, step)
+            self._write_metrics(self._top().run_id, values, step, timestamp)
 
     def log_event(self, kind: str, record: Mapping[str, object]) -> None:
         with self._lock:
             top = self._top()
-            _, metrics, step = self._event_metrics(top, sanitize_key(kind), record)
-            self._write_metrics(top.run_id, metrics, step)
+            self._add_event(top, sanitize_key(kind), record)
             if time.monotonic() - top.last_flush >= self.flush_every_s:
                 self._flush(top)
 
     def _flush(self, state: _RunState) -> None:
-        self._client.log_text(state.run_id, events_json(state.events), EVENTS_ARTIFACT)
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+        self._client.log_text(state.run_id, events_table(state.events, state.started), EVENTS_TABLE)
+        if not state.tagged:   # the tag that makes MLflow list the file as a table (what `log_table` sets)
+            tables = json.loads(self._client.get_run(state.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+            entry = {"path": EVENTS_TABLE, "type": "table"}
+            if entry not in tables:
+                self._client.set_tag(state.run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*tables, entry]))
+            state.tagged = True
         state.last_flush, state.dirty = time.monotonic(), False
 
     def flush(self) -> None:
-        """Write the current run's events.json now."""
+        """Write the current run's events table now."""
         with self._lock:
             self._flush(self._top())
 
@@ -404,16 +454,25 @@ def tracked_run(sink: MetricsSink, name: str, params: Mapping[str, object], tags
 
 # ---- compare ---------------------------------------------------------------------------------------------------
 
+#: `--group-by` choice -> the run tag it groups by (set by `RunTracking.open` and `tidal sweep`)
+GROUP_TAGS = {"policy": "tidal.policy", "sweep": "tidal.sweep"}
+#: run tags shown in the "run" section where a run has them: (row name, tag)
+RUN_TAGS = (("policy", "tidal.policy"), ("sweep", "tidal.sweep"), ("trial", "tidal.trial"))
+NO_GROUP = "(none)"
+MAX_RUNS = 1000
+
+
 @dataclass(frozen=True)
 class CompareRow:
-    """One row of `tidal compare`: section is "run", "param" or "metric"; one value per run (None: absent)."""
+    """One row of `tidal compare`: section is "run", "param" or "metric"; one value per column (a run, or a group
+    of runs; None: absent)."""
 
     section: str
     key: str
     values: tuple[object, ...]
     stats: tuple[tuple[float, float, float] | None, ...] = ()
-    """Metrics: per run (mean, min, max) over every logged step, None where the run logged it once or never:
-    a final value alone can mislead (one slow last step hides a fast run)."""
+    """Metrics: per column (mean, min, max) over every logged step (of every run of a group), None where a single
+    value was logged or none: a final value alone can mislead (one slow last step hides a fast run)."""
 
 
 def _check_store(uri: str) -> None:
@@ -424,13 +483,44 @@ def _check_store(uri: str) -> None:
                              "pass --uri sqlite:///path/to/mlruns.db (tracking.mlflow_uri of the runs)")
 
 
-def compare_runs(run_ids: list[str], uri: str, all_params: bool = False) -> list[CompareRow]:
-    """Rows for a side-by-side table: run info, params that differ (all with `all_params` or one run), and
-    each metric's final value (MLflow's latest by step)."""
+def _client(uri: str) -> MlflowClient:
+    _check_store(uri)
+    return _import_mlflow_client()(tracking_uri=uri)
+
+
+def select_runs(uri: str, run_ids: list[str] | tuple[str, ...] = (), experiment: str | None = None,
+                sweep: str | None = None) -> list[str]:
+    """Run ids to compare: `run_ids` as given, else the runs of `experiment` (every experiment when None) that
+    carry the tag `tidal.sweep` = `sweep` (any run when None), oldest first."""
+    if run_ids:
+        return list(run_ids)
+    if experiment is None and sweep is None:
+        raise TidalError("RUN", "", "no runs chosen", "pass MLflow run ids, or --experiment NAME and/or --sweep STUDY")
+    client = _client(uri)
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            names = sorted(e.name for e in client.search_experiments())
+            raise TidalError("--experiment", experiment, f"no such experiment in {uri}",
+                             f"use one of {names}" if names else "log a run first (tidal train)")
+        exp_ids = [exp.experiment_id]
+    else:
+        exp_ids = [e.experiment_id for e in client.search_experiments()]
+    if sweep is not None and "'" in sweep:
+        raise TidalError("--sweep", sweep, "holds a quote, which MLflow's filter cannot match",
+                         "pass the study name tidal sweep printed")
+    sweep_filter = f"tags.`tidal.sweep` = '{sweep}'" if sweep is not None else ""
+    runs = client.search_runs(exp_ids, sweep_filter, max_results=MAX_RUNS, order_by=["attributes.start_time ASC"])
+    if not runs:
+        raise TidalError("--sweep" if sweep is not None else "--experiment", sweep if sweep is not None
+                         else experiment, f"matches no run in {uri}", "check the name (MLflow UI, or tidal sweep's "
+                         "output: its study name)")
+    return [r.info.run_id for r in runs]
+
+
+def _get_runs(client: MlflowClient, run_ids: list[str], uri: str) -> list[Any]:
     if not run_ids:
         raise TidalError("RUN", "", "no run ids given", "pass one or more MLflow run ids")
-    _check_store(uri)
-    client = _import_mlflow_client()(tracking_uri=uri)
     from mlflow.exceptions import MlflowException
     runs = []
     for rid in run_ids:
@@ -439,25 +529,73 @@ def compare_runs(run_ids: list[str], uri: str, all_params: bool = False) -> list
         except MlflowException:
             raise TidalError("RUN", rid, f"no such run in {uri}",
                              "copy the run id from the MLflow UI or `tidal train`'s output") from None
-    rows: list[CompareRow] = []
-    for key, get in (("name", lambda r: r.info.run_name), ("status", lambda r: r.info.status),
-                     ("parent", lambda r: r.data.tags.get("mlflow.parentRunId")),
-                     ("duration_s", lambda r: None if r.info.end_time is None or r.info.start_time is None
-                      else round((r.info.end_time - r.info.start_time) / 1000.0, 1))):
-        rows.append(CompareRow("run", key, tuple(get(r) for r in runs)))
-    if not any(rows[2].values):
-        rows.pop(2)
+    return runs
+
+
+def _history(client: MlflowClient, run: Any, key: str) -> list[float]:
+    return [m.value for m in client.get_metric_history(run.info.run_id, key)] if key in run.data.metrics else []
+
+
+def _stats(values: list[float]) -> tuple[float, float, float] | None:
+    return (sum(values) / len(values), min(values), max(values)) if len(values) > 1 else None
+
+
+def _duration_s(r: Any) -> float | None:
+    if r.info.end_time is None or r.info.start_time is None:
+        return None
+    return round((r.info.end_time - r.info.start_time) / 1000.0, 1)
+
+
+def compare_runs(run_ids: list[str], uri: str, all_params: bool = False) -> list[CompareRow]:
+    """Rows for a side-by-side table: run info and tags (policy, sweep, trial), params that differ (all with
+    `all_params` or one run), and each metric's final value (MLflow's latest by step) with its stats."""
+    client = _client(uri)
+    runs = _get_runs(client, run_ids, uri)
+    rows = [CompareRow("run", "name", tuple(r.info.run_name for r in runs)),
+            CompareRow("run", "status", tuple(r.info.status for r in runs))]
+    for key, tag in (("parent", "mlflow.parentRunId"), *RUN_TAGS):
+        vals = tuple(r.data.tags.get(tag) for r in runs)
+        if any(vals):
+            rows.append(CompareRow("run", key, vals))
+    rows.append(CompareRow("run", "duration_s", tuple(_duration_s(r) for r in runs)))
     for key in sorted(set().union(*(r.data.params for r in runs))):
         vals = tuple(r.data.params.get(key) for r in runs)
         if all_params or len(runs) == 1 or len(set(vals)) > 1:
             rows.append(CompareRow("param", key, vals))
     for key in sorted(set().union(*(r.data.metrics for r in runs))):
-        stats = []
-        for r in runs:
-            hist = [m.value for m in client.get_metric_history(r.info.run_id, key)] if key in r.data.metrics else []
-            stats.append((sum(hist) / len(hist), min(hist), max(hist)) if len(hist) > 1 else None)
-        rows.append(CompareRow("metric", key, tuple(r.data.metrics.get(key) for r in runs), tuple(stats)))
+        stats = tuple(_stats(_history(client, r, key)) for r in runs)
+        rows.append(CompareRow("metric", key, tuple(r.data.metrics.get(key) for r in runs), stats))
     return rows
+
+
+def compare_groups(run_ids: list[str], uri: str, by: str) -> tuple[list[str], list[CompareRow]]:
+    """Runs grouped by `by` (GROUP_TAGS: policy, sweep); returns (group names, rows). Per group: its number of
+    runs; each param that differs between groups (a group whose runs differ shows how many values they hold);
+    each metric's final value averaged over the group's runs, with the mean, min and max over every step of
+    every run of the group. Runs without the tag form the group NO_GROUP."""
+    if by not in GROUP_TAGS:
+        raise TidalError("--group-by", by, "is not a grouping", f"use one of {', '.join(GROUP_TAGS)}")
+    client = _client(uri)
+    groups: dict[str, list[Any]] = {}
+    for r in _get_runs(client, run_ids, uri):
+        groups.setdefault(r.data.tags.get(GROUP_TAGS[by]) or NO_GROUP, []).append(r)
+    names = sorted(groups, key=lambda g: (g == NO_GROUP, g))
+    members = [groups[g] for g in names]
+    rows = [CompareRow("run", "runs", tuple(len(m) for m in members)),
+            CompareRow("run", "finished", tuple(sum(r.info.status == "FINISHED" for r in m) for m in members))]
+    for key in sorted(set().union(*(r.data.params for m in members for r in m))):
+        per = [{r.data.params.get(key) for r in m} for m in members]
+        vals = tuple(next(iter(v)) if len(v) == 1 else f"<{len(v)} values>" for v in per)
+        if len(set(vals)) > 1:
+            rows.append(CompareRow("param", key, vals))
+    for key in sorted(set().union(*(r.data.metrics for m in members for r in m))):
+        finals, stats = [], []
+        for m in members:
+            have = [r for r in m if key in r.data.metrics]
+            finals.append(sum(r.data.metrics[key] for r in have) / len(have) if have else None)
+            stats.append(_stats([v for r in have for v in _history(client, r, key)]))
+        rows.append(CompareRow("metric", key, tuple(finals), tuple(stats)))
+    return names, rows
 
 
 def _fmt(v: object) -> str:
@@ -470,13 +608,15 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
-def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = None) -> None:
+def print_comparison(columns: list[str], rows: list[CompareRow], console: Any = None, title: str = "runs compared",
+                     ) -> None:
+    """`columns`: run ids (shown by their first 8 characters) or group names."""
     console = console or Console()
-    table = Table(title="runs compared", show_lines=False)
+    table = Table(title=title, show_lines=False)
     table.add_column("", style="dim")
     table.add_column("key")
-    for rid in run_ids:
-        table.add_column(rid[:8], justify="right")
+    for col in columns:
+        table.add_column(col[:8] if len(col) == 32 and col.isalnum() else col, justify="right")
     section = None
     for row in rows:
         if section is not None and row.section != section:
@@ -492,17 +632,28 @@ def print_comparison(run_ids: list[str], rows: list[CompareRow], console: Any = 
 
 
 def compare_main(argv: list[str]) -> int:
-    """`tidal compare RUN... [--uri URI] [--all-params]`."""
+    """`tidal compare [RUN...] [--experiment NAME] [--sweep STUDY] [--group-by policy|sweep] [--uri URI]
+    [--all-params]`."""
 
     default_uri = os.environ.get("MLFLOW_TRACKING_URI") or TrackingConfig.model_fields["mlflow_uri"].default
     ap = argparse.ArgumentParser(prog="tidal compare",
-                                 description="Side-by-side table of MLflow runs: params that differ, each metric's "
-                                             "final value with its mean and min..max over the logged steps.")
-    ap.add_argument("runs", nargs="+", metavar="RUN", help="MLflow run ids")
+                                 description="Side-by-side table of MLflow runs (or of groups of runs): params that "
+                                             "differ, each metric's final value with its mean and min..max over the "
+                                             "logged steps.")
+    ap.add_argument("runs", nargs="*", metavar="RUN", help="MLflow run ids (or choose runs with --experiment/--sweep)")
+    ap.add_argument("--experiment", help="compare the runs of this MLflow experiment (tracking.experiment)")
+    ap.add_argument("--sweep", metavar="STUDY", help="compare the trials of this sweep (tag tidal.sweep: the "
+                                                     "Optuna study name tidal sweep prints)")
+    ap.add_argument("--group-by", choices=sorted(GROUP_TAGS),
+                    help="one column per policy (tag tidal.policy) or per sweep (tag tidal.sweep), averaging its runs")
     ap.add_argument("--uri", default=default_uri,
                     help=f"tracking URI (default: $MLFLOW_TRACKING_URI or {default_uri})")
     ap.add_argument("--all-params", action="store_true", help="show every param, not only those that differ")
     args = ap.parse_args(argv)
-    rows = compare_runs(args.runs, args.uri, all_params=args.all_params)
-    print_comparison(args.runs, rows)
+    run_ids = select_runs(args.uri, args.runs, args.experiment, args.sweep)
+    if args.group_by:
+        names, rows = compare_groups(run_ids, args.uri, args.group_by)
+        print_comparison(names, rows, title=f"{len(run_ids)} runs by {args.group_by} (means over each group's runs)")
+    else:
+        print_comparison(run_ids, compare_runs(run_ids, args.uri, all_params=args.all_params))
     return 0

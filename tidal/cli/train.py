@@ -99,9 +99,9 @@ def main(argv: list[str]) -> int:
     def on_step(step: int, m: dict) -> None:
         ev = f" heldout {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
         console.print(f"step {step + 1:>3}/{cfg.run.num_steps}  reward {m.get('grpo/reward_mean', 0):.3f}{ev}  "
-                      f"{m['step/seconds']:.1f}s  idle {m['step/idle_fraction']:.2f}  "
-                      f"actor {m.get('phase/actor_s', 0):.1f}s rollout {m.get('phase/rollout_s', 0):.1f}s "
-                      f"inference {m.get('phase/inference_s', 0):.1f}s")
+                      f"{m['step/time_s']:.1f}s  idle {m['step/idle_fraction']:.2f}  "
+                      f"actor {m.get('phase/actor_device_s', 0):.1f} rollout {m.get('phase/rollout_device_s', 0):.1f} "
+                      f"inference {m.get('phase/inference_device_s', 0):.1f} device-s")
 
     status = "FAILED"
     try:

@@ -185,8 +185,8 @@ class ActorConfig(Section):
         "stop",
         description="An iter whose global gradient norm or loss is NaN or infinite is never applied: `stop` ends the "
                     "run with the iter, the rank and the last good checkpoint named; `skip` drops that update (the "
-                    "weights, Adam moments and LR schedule stay as they were; `actor/nonfinite_skipped` counts it) and "
-                    "trains on.")
+                    "weights, Adam moments and LR schedule stay as they were; the step's metric "
+                    "`actor/nonfinite_skipped_frac` is the share of its iters skipped) and trains on.")
     micro_batch_size: int = Field(
         8, ge=1, le=1 << 16,
         description="Sequences per micro-batch; the actor's DP ranks pull micro-batches from the iter's shared queue "

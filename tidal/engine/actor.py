@@ -115,7 +115,7 @@ class IterReport:
 
     def metrics(self) -> dict[str, float]:
         out = {"actor/loss": self.loss, "actor/grad_norm": self.grad_norm, "actor/lr": self.lr,
-               "actor/iter_s": self.seconds, "actor/nonfinite_skipped": float(self.skipped)}
+               "actor/iter_s": self.seconds, "actor/nonfinite_skipped_frac": float(self.skipped)}
         out.update({f"actor/iter_{k}_s": v for k, v in self.phases.items()})
         return out
 

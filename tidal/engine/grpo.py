@@ -334,9 +334,9 @@ def step_metrics(groups: Sequence[ScoredGroup], eps: float = ADV_EPS) -> dict[st
         "grpo/reward_std": float(rewards.std(correction=0)),
         "grpo/adv_std": float(advs.std(correction=0)),
         "grpo/zero_adv_group_frac": sum(len(set(g.rewards)) == 1 for g in groups) / len(groups),
-        "grpo/response_len_mean": float(lengths.mean()),
+        "grpo/response_tokens_mean": float(lengths.mean()),
         "grpo/truncated_frac": reasons.count("length") / len(reasons),
         # Sampler vs inference numerics (and temperature when != 1): large values mean a skewed ratio.
         "grpo/rollout_vs_old_logprob_absdiff": float(drift.mean()) if drift.numel() else 0.0,
-        "grpo/policy_lag_mean": sum(g.step - g.policy_version for g in groups) / len(groups),
+        "grpo/policy_lag_steps_mean": sum(g.step - g.policy_version for g in groups) / len(groups),
     }

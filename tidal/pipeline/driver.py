@@ -304,15 +304,16 @@ class Pipeline:
                 else:                        # sum-style: each rank's share of the iter's value
                     metrics[k] = metrics.get(k, 0.0) + v
         seconds = self.clock() - t_start
-        metrics["step/seconds"] = seconds
+        metrics["step/time_s"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
         if st.pump_samples:
             metrics["rollout/pump_s_median"] = statistics.median(st.pump_samples)
         # where rollout instances holding work spent their time: generating, in call overhead, waiting for a call
-        metrics["rollout/busy_s"] = st.rollout_busy_s
-        metrics["rollout/call_overhead_s"] = st.rollout_call_s - st.rollout_busy_s
-        metrics["rollout/gap_s"] = st.rollout_gap_s
-        metrics["rollout/gc_s"] = st.rollout_gc_s
+        # (seconds summed over the instances: `_instance_s`)
+        metrics["rollout/busy_instance_s"] = st.rollout_busy_s
+        metrics["rollout/call_overhead_instance_s"] = st.rollout_call_s - st.rollout_busy_s
+        metrics["rollout/gap_instance_s"] = st.rollout_gap_s
+        metrics["rollout/gc_instance_s"] = st.rollout_gc_s
         metrics["reward/timeouts"] = float(st.reward_timeouts)
         metrics.update(st.work)
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
@@ -482,7 +483,7 @@ class Pipeline:
         st.rollout_busy_s += report.busy_s
         st.rollout_gc_s += report.gc_s
         st.reward_timeouts += report.reward_timeouts
-        _add(st.work, "work/rollout_keys_read", report.call_keys_read)
+        _add(st.work, "work/rollout_kv_read_tokens", report.call_keys_read)
         _add(st.work, "work/rollout_prefill_tokens", report.call_prefill_tokens)
         st.rollout_call_s += now - t0
         if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):

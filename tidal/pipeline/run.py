@@ -40,6 +40,7 @@ from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm
 from tidal.pipeline.checkpointing import resume, save
 from tidal.pipeline.driver import Pipeline
 from tidal.pipeline.preflight import Preflight, preflight
+from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.tracking import NullSink
 from tidal.workers.roles import RunSpec
@@ -173,6 +174,7 @@ class TrainingRun:
         self.phase: dict[str, float] = {}
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
+        self.n_moves_logged = 0   # placement changes (`placement_changes`) already sent to the sink
 
     def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None) -> TrainingRun:
         """Inputs, warm start, workers, the pipeline (and the resumed state). `checked`: this config's `preflight`,
@@ -232,6 +234,7 @@ class TrainingRun:
     def run_step(self, sync: bool = True) -> dict:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
         new weights also reach rollout and inference. Its metrics are written by `record`."""
+        self._pipe.timeline.mark_step(self.next_step, self._pipe.clock())
         try:
             self._res = self._pipe.run_step(self.next_step, sync=sync)
         except TrainingError as err:   # a non-finite update (actor.on_nonfinite: stop): say where to resume
@@ -247,7 +250,7 @@ class TrainingRun:
         n_events, t0 = len(self._pipe.cluster.events), time.monotonic()
         self._pipe.sync_weights(self.next_step)
         self._res.events.extend(self._pipe.cluster.events[n_events:])
-        m = {"sync/seconds": time.monotonic() - t0, "sync/version": float(self._pipe.version)}
+        m = {"sync/time_s": time.monotonic() - t0}
         self._extra.update(m)
         return m
 
@@ -270,17 +273,31 @@ class TrainingRun:
         self.step_s.append(res.seconds)
         for k, v in res.phase_seconds.items():
             self.phase[k] = self.phase.get(k, 0.0) + v
-            m[f"phase/{k}_s"] = v
+            m[f"phase/{k}_device_s"] = v   # busy seconds summed over the component's devices
+        m.update(step_event_metrics(res.events))
         self.sink.log_metrics(m, step)
+        self._log_placement(step)
         self._warn(self.run_warnings.after_step(step, m))
         for ev in res.events:
-            self.sink.log_event(ev["kind"], ev)
+            self.sink.log_event(ev["kind"], table_fields(ev))
             self.n_reshard += ev["kind"] == "reshard"
             self.n_migr += ev["kind"] == "migration"
         if self.recorder:
             self.recorder.step(step, res, m)
         self.next_step += 1
         return m
+
+    def _log_placement(self, step: int) -> None:
+        """`devices/<owner>` at each placement change since the last call, each stamped with its wall time."""
+        moves = placement_changes(self._pipe.ledger.history, self.cfg.placement.num_devices)
+        origin = self.origin()
+        for t, counts in moves[self.n_moves_logged:]:
+            self.sink.log_metrics({f"devices/{owner}": n for owner, n in counts.items()}, step, timestamp=origin + t)
+        self.n_moves_logged = len(moves)
+
+    def origin(self) -> float:
+        """Unix time of the pipeline clock's zero, the run's start (event `time`s and the timeline count from it)."""
+        return time.time() - self._pipe.clock()
 
     def checkpoint(self, dir: str | Path | None = None) -> Path:
         """Save a checkpoint generation after the steps run so far (default dir: <run folder>/checkpoints), and
@@ -314,7 +331,8 @@ class TrainingRun:
         pipe._close_ownership()
         idle = pipe.timeline.idle_fraction()
         self.final_weights = pipe.global_weights()
-        pipe.timeline.draw(out / "timeline.png", f"{cfg.run.name}: {self.policy_name} policy, idle {idle:.2f}")
+        pipe.timeline.draw(out / "timeline.png", f"{cfg.run.name}: {self.policy_name} policy, idle {idle:.2f}",
+                           origin=self.origin())
         (out / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
         (out / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
         summary = RunSummary(cfg.run.name, self.next_step, time.monotonic() - self.t_run, self.evals[0][1],

@@ -3,12 +3,14 @@
 Every component reports busy intervals `(device, role, what, t0, t1)`; ownership spans come from the device
 ledger's history. From them: the device idle fraction (busy device-seconds / owned device-seconds, using the
 actual device count over time, not the initial one) and a picture (one row per device, colored by role,
-solid where busy, pale where the role holds the device but does nothing).
+solid where busy, pale where the role holds the device but does nothing; a dashed line labelled "step N" where
+step N starts; the x axis in seconds since the run's start, that start's UTC time in its label).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f",
                "shared": "#9467bd"}
@@ -29,6 +31,10 @@ class Timeline:
 
     busy: list[Span] = field(default_factory=list)
     owned: list[Span] = field(default_factory=list)
+    steps: list[tuple[int, float]] = field(default_factory=list)   #: (RL step, the time it started)
+
+    def mark_step(self, step: int, t: float) -> None:
+        self.steps.append((step, t))
 
     def add_busy(self, devices, role: str, what: str, t0: float, t1: float) -> None:
         self.busy.extend(Span(d, role, what, t0, t1) for d in devices if t1 > t0)
@@ -61,9 +67,19 @@ class Timeline:
         return out
 
     def to_json(self) -> dict:
-        return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned]}
+        return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned],
+                "steps": [{"step": n, "t0": t} for n, t in self.steps]}
 
-    def draw(self, path, title: str = "") -> None:
+    def draw(self, path, title: str = "", origin: float | None = None) -> None:
+        """The picture (`figure`) as a PNG at `path`."""
+        import matplotlib.pyplot as plt
+        fig = self.figure(title, origin)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    def figure(self, title: str = "", origin: float | None = None):
+        """The picture as a matplotlib Figure. `origin`: unix time of t = 0 (the run's start), named in the x
+        axis' label."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -80,10 +96,20 @@ class Timeline:
         ax.set_yticks(devices)
         ax.set_yticklabels([f"dev {d}" for d in devices])
         ax.invert_yaxis()
-        ax.set_xlabel("seconds")
+        for step, t in self.steps:
+            ax.axvline(t, color="k", linestyle="--", linewidth=0.8, alpha=0.6)
+            ax.annotate(f"step {step}", (t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                        textcoords="offset points", fontsize=7, rotation=90, va="top")
+        ax.set_xlabel(axis_label(origin))
         ax.set_title(title or f"device timeline (idle fraction {self.idle_fraction():.2f})")
         ax.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLORS.items()], loc="upper right",
                   fontsize=8, ncol=4)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
+
+def axis_label(origin: float | None) -> str:
+    """The x axis' label: seconds since the run's start, at UTC time `origin` (unix seconds) when known."""
+    if origin is None:
+        return "seconds since run start"
+    at = datetime.fromtimestamp(origin, tz=UTC).isoformat(timespec="seconds")
+    return f"seconds since run start ({at})"

@@ -125,7 +125,9 @@ class RunTracking:
     @classmethod
     def open(cls, cfg: TidalConfig, out_dir: Path, *, sink: Any = None, parent_run_id: str | None = None,
              tags: dict[str, str] | None = None, prefect_flow_run_id: str | None = None) -> RunTracking:
-        """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row).
+        """Database row first (its id goes into the MLflow tags), then the MLflow run (its id into the row). The
+        run's tags: `tidal.policy` (what `tidal compare --group-by policy` groups by), `tidal.db_run_id`,
+        `tidal.run_dir`, and `tags` (a sweep's trial: `tidal.sweep`, `tidal.trial`).
         `prefect_flow_run_id`: the flow run driving this run (a flow's tasks pass it): the row holds it beside the
         MLflow run's id, and the MLflow run holds it as the tag `prefect.flow_run_id`."""
         from db import repository as repo
@@ -142,7 +144,8 @@ class RunTracking:
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
         mlflow_id = sink.start_run(mlflow_run_name(cfg, out_dir, policy), flatten(cfg),
-                                   {"policy": policy, "tidal.db_run_id": str(db_id), "tidal.run_dir": str(out_dir),
+                                   {"tidal.policy": policy, "tidal.db_run_id": str(db_id),
+                                    "tidal.run_dir": str(out_dir),
                                     **({"prefect.flow_run_id": prefect_flow_run_id} if prefect_flow_run_id else {}),
                                     **(tags or {})}, parent_run_id=parent_run_id)
         with session_scope(engine) as s:

@@ -74,7 +74,7 @@ class ReshardReport:
 
     def metrics(self) -> dict[str, float]:
         out = {"reshard/ok": float(self.ok), "reshard/bytes": float(self.bytes_moved),
-               "reshard/seconds": self.seconds, "reshard/bytes_sent": float(self.bytes_sent)}
+               "reshard/time_s": self.seconds, "reshard/sent_bytes": float(self.bytes_sent)}
         out.update({f"reshard/{k}_s": v for k, v in self.phase_seconds.items()})
         return out
 

@@ -1,0 +1,131 @@
+"""What a run logs besides its components' metrics: per-step event aggregates, the events table's columns, and
+the devices each component holds over time. Pure functions of the pipeline's event dicts (`Cluster.record`)
+and the device ledger's history; `TrainingRun.record` hands their results to the metrics sink.
+
+Per step (`step_event_metrics`), for each event kind of the step, and for reshards, migrations and actions also
+in a step without one (zero), so their charts have a point at every step::
+
+    <kind>/count            events of the kind in the step
+    <kind>/total_s          their `seconds`, summed (wall seconds; a migration wave's moves, which ran at
+                            once and each carry the wave's seconds, count a share each)
+    <kind>/total_bytes      their bytes moved (`bytes`, `bytes_moved` or `kv_bytes`), summed
+    <kind>/total_tokens     their `tokens`, summed; likewise `requests`, `groups` (counts)
+
+An event's other fields (ids, layouts, versions, timestamps, per-event phases) are never metrics: they are
+columns or `detail` of the events table (`table_fields`, `tidal.tracking.EVENT_COLUMNS`).
+
+Placement (`placement_changes`): after each batch of ledger transitions (one `DeviceLedger` move), the number of
+devices each owner holds. The run logs `devices/<owner>` for the owners whose count changed, stamped with the
+transition's wall time, so MLflow's "Time" axis shows the placement over the run::
+
+    t=5.9  placement         devices/actor 2, devices/rollout 4, devices/inference 2
+    t=7.50 inference release devices/inference 0, devices/moving 2
+    t=7.51 freed             devices/moving 0, devices/free 2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tidal.core.devices import Owner, Transition
+
+#: event field -> the per-step total it adds to (`<kind>/<total>`)
+TOTALS = {"seconds": "total_s", "bytes": "total_bytes", "bytes_moved": "total_bytes", "kv_bytes": "total_bytes",
+          "tokens": "total_tokens", "requests": "total_requests", "groups": "total_groups"}
+#: kinds whose count and totals are logged at every step, zero in a step without one
+ALWAYS = {"reshard": ("count", "total_s", "total_bytes"), "migration": ("count", "total_s", "total_bytes"),
+          "action": ("count", "total_s")}
+
+#: event kind -> the component it concerns (the events table's `component`)
+KIND_COMPONENT = {"reshard": "actor", "iter": "actor", "handover": "actor", "groups": "actor",
+                  "checkpoint": "actor", "resume": "actor", "export_hf": "actor", "return_lent": "actor",
+                  "migration": "rollout", "weight_sync": "rollout+inference", "restore": "rollout+inference",
+                  "decision": "scheduler", "learn": "scheduler", "scheduler_paused": "scheduler"}
+#: action -> (component it changes, devices from, devices to): where the action's devices go
+ACTION_MOVES = {"ReleaseRollout": ("rollout", "rollout", "free"),
+                "ReleaseInference": ("inference", "inference", "free"),
+                "ReshardActor": ("actor", "actor", "actor"),
+                "LendToRollout": ("actor", "actor", "rollout"),
+                "ReturnFromRollout": ("actor", "rollout", "actor"),
+                "StartRollout": ("rollout", "free", "rollout"),
+                "LendInference": ("inference", "inference", "rollout"),
+                "ReturnToInference": ("inference", "rollout", "inference"),
+                "MigrateRequests": ("rollout", "rollout", "rollout"),
+                "MigrateBatch": ("rollout", "rollout", "rollout")}
+
+
+def step_event_metrics(events: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """One value per metric for the step whose events these are (see module doc)."""
+    out: dict[str, float] = {f"{kind}/{agg}": 0.0 for kind, aggs in ALWAYS.items() for agg in aggs}
+    for ev in events:
+        kind = str(ev["kind"])
+        out[f"{kind}/count"] = out.get(f"{kind}/count", 0.0) + 1.0
+        for name, total in TOTALS.items():
+            v = ev.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if name == "seconds" and isinstance(ev.get("wave"), int) and ev["wave"] > 1:
+                    v = v / ev["wave"]   # the moves of a wave ran at once, each event carries the wave's seconds
+                out[f"{kind}/{total}"] = out.get(f"{kind}/{total}", 0.0) + float(v)
+    return out
+
+
+def _devices_text(devices: Sequence[int]) -> str:
+    return ",".join(str(d) for d in devices)
+
+
+def table_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
+    """`ev` with the events table's columns filled in: `component`, `what`, `devices`, `from`, `to`, `bytes`,
+    `reason` (the fields they come from leave the record, so `detail` does not repeat them)."""
+    rec = dict(ev)
+    kind = str(rec.get("kind"))
+    col: dict[str, Any] = {"component": KIND_COMPONENT.get(kind, "")}
+    for name in ("bytes_moved", "kv_bytes"):
+        if name in rec and "bytes" not in rec:
+            col["bytes"] = rec.pop(name)
+    if kind == "reshard":
+        col["from"], col["to"] = rec.pop("from_layout", ""), rec.pop("to_layout", "")
+    elif kind == "migration":
+        col["from"], col["to"] = f"instance {rec.pop('src', '?')}", f"instance {rec.pop('dst', '?')}"
+        col["what"] = rec.pop("mode", "")
+    elif kind == "action":
+        name = str(rec.pop("action", ""))
+        col["component"], col["from"], col["to"] = ACTION_MOVES.get(name, ("", "", ""))
+        col["what"] = name
+    elif kind == "decision":
+        col["what"] = rec.pop("trigger", "")
+        col["reason"] = "; ".join(rec.pop("actions", []))
+    elif kind == "handover":
+        col["what"] = rec.pop("direction", "")
+    elif kind == "return_lent":
+        col["from"], col["to"] = "rollout", "actor"
+    elif kind == "restore":
+        back = {role: rec.pop(role, []) for role in ("rollout", "inference")}
+        col["devices"] = sorted(d for ds in back.values() for d in ds)
+        col["from"], col["to"] = "free", "+".join(role for role, ds in back.items() if ds)
+    elif kind == "weight_sync":
+        col["devices"] = sorted(set(rec.get("local", [])) | set(rec.get("remote", [])))
+    if isinstance(rec.get("devices"), (list, tuple)):
+        col["devices"] = rec.pop("devices")
+    if isinstance(col.get("devices"), (list, tuple)):
+        col["devices"] = _devices_text(col["devices"])
+    return {**rec, **col}
+
+
+def placement_changes(history: Sequence[Transition], num_devices: int) -> list[tuple[float, dict[str, int]]]:
+    """For each move in `history` (its transitions that share a time), the owners whose device count it changed
+    and their new counts: [(time, {owner: count}), ...]. The ledger starts with `num_devices` devices FREE."""
+    now = {Owner.FREE.value: num_devices}
+    out: list[tuple[float, dict[str, int]]] = []
+    i = 0
+    while i < len(history):
+        before, t = dict(now), history[i].time
+        while i < len(history) and history[i].time == t:
+            tr = history[i]
+            now[tr.src.value] = now.get(tr.src.value, 0) - 1
+            now[tr.dst.value] = now.get(tr.dst.value, 0) + 1
+            i += 1
+        changed = {k: v for k, v in now.items() if before.get(k) != v}
+        if changed:
+            out.append((t, changed))
+    return out
