@@ -9,7 +9,9 @@
               evaluate                              held-out accuracy of those weights (when due)
               record_step                           metrics, events -> MLflow; rows -> database
               checkpoint                            a resumable checkpoint generation (when due)
+          report_step(run, step, metrics)        a line in this flow run's log; its progress artifact
       finish_run(run)                            timeline.png, events.json, summary.json
+      report_run(run, summary)                   markdown artifact: summary table, the MLflow run's address
       close_run(run, status)                     workers down; MLflow run and database row end as FINISHED/FAILED
 
 The live `TrainingRun` (and its Ray workers) stays in this flow run's process; tasks get its registry key.
@@ -30,6 +32,8 @@ from tasks.training import (
     finish_run,
     open_run,
     record_step,
+    report_run,
+    report_step,
     run_step,
     sync_weights,
 )
@@ -59,8 +63,9 @@ def rl_training(request: TrainingRequest = TrainingRequest()) -> dict:
     status = "FAILED"
     try:
         for step in range(run.num_steps):
-            rl_step(run, step)
+            report_step(run, step, rl_step(run, step))
         summary = finish_run(run.key)
+        report_run(run, summary)
         status = "FINISHED"
         return {**summary, "db_run_id": run.db_run_id, "mlflow_run_id": run.mlflow_run_id}
     except KeyboardInterrupt:

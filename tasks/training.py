@@ -23,14 +23,18 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from uuid import UUID
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from tasks import registry
+from tasks.reporting import artifact_key, mlflow_run_markdown, progress_percent, step_line, summary_markdown
 from tasks.requests import TrainingRequest
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+from tidal.tracking import MlflowSink
 
 if TYPE_CHECKING:
     from tidal.core.config import TidalConfig
@@ -50,6 +54,7 @@ class OpenedRun:
     output_dir: str
     db_run_id: int | None
     mlflow_run_id: str | None
+    progress_artifact_id: str | None = None   #: the flow run's progress artifact (steps done, in percent)
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,29 @@ def open_run(request: TrainingRequest) -> OpenedRun:
         tracking.close("FAILED")
         raise
     key = registry.put("run", _Live(run, tracking))
+    progress = create_progress_artifact(0.0, key=artifact_key(cfg.run.name, "progress"),
+                                        description=f"{cfg.run.name}: RL steps done of {cfg.run.num_steps}")
     return OpenedRun(key, cfg.run.name, cfg.run.num_steps, policy_name(cfg), str(out), tracking.db_run_id,
-                     tracking.mlflow_run_id)
+                     tracking.mlflow_run_id, str(progress))
+
+
+def report_step(run: OpenedRun, step: int, metrics: dict[str, float]) -> None:
+    """After step `step`: one line in this flow run's log (`tasks.reporting.step_line`) and the progress artifact
+    at the steps done. Called from the flow, so the line is the flow run's own, not a subflow's or a task's."""
+    get_run_logger().info("%s", step_line(step, run.num_steps, metrics))
+    if run.progress_artifact_id is not None:
+        update_progress_artifact(UUID(run.progress_artifact_id), progress_percent(step + 1, run.num_steps))
+
+
+def report_run(run: OpenedRun, summary: dict) -> str:
+    """The run's summary table and the way to its MLflow run, as this flow run's markdown artifact (key
+    `<run name>-summary`); returns the markdown."""
+    sink = _live(run.key).tracking.sink
+    uri, exp = (sink.uri, sink.experiment_id) if isinstance(sink, MlflowSink) else (None, None)
+    text = summary_markdown(summary, mlflow_run_markdown(uri, exp, run.mlflow_run_id))
+    create_markdown_artifact(text, key=artifact_key(run.name, "summary"),
+                             description=f"{run.name}: summary of the run and its MLflow run")
+    return text
 
 
 @task(name="run-step", cache_policy=NO_CACHE)
@@ -119,7 +145,7 @@ def run_step(key: str, step: int) -> StepOutcome:
     m = run.run_step(sync=False)
     every = run.cfg.run.checkpoint_every
     last = step == run.cfg.run.num_steps - 1
-    return StepOutcome(step, float(m["step/seconds"]), float(m.get("grpo/reward_mean", 0.0)), run.eval_due(),
+    return StepOutcome(step, float(m["step/time_s"]), float(m.get("grpo/reward_mean", 0.0)), run.eval_due(),
                        last or (every > 0 and (step + 1) % every == 0))
 
 

@@ -1,4 +1,5 @@
-"""The platform as a flow run shows it: the database row links the flow run and the MLflow run.
+"""The platform as a flow run shows it: the database row links the flow run and the MLflow run; the flow run's log
+holds a line per RL step, its artifacts the run's progress and, at the end, its summary and MLflow address.
 
 Flows run in this process on a temporary local Prefect server (Prefect's own test harness: a real server and
 database, nothing mocked); what the flow wrote is read back through the Prefect API, MLflow's client and the
@@ -7,10 +8,14 @@ platform database.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -65,3 +70,72 @@ def test_the_run_row_holds_the_flow_run_and_the_mlflow_run(local_prefect, tmp_pa
     engine.dispose()
     tags = MlflowClient(tracking_uri=cfg.tracking.mlflow_uri).get_run(mlflow_run_id).data.tags
     assert tags["prefect.flow_run_id"] == flow_run_id and tags["tidal.db_run_id"] == str(db_run_id)
+
+
+#: a dynamic placement on 4 CPU virtual devices small enough for seconds per step; rlinf reshards the actor
+TINY = {"run": {"name": "tiny_flow", "num_steps": 2, "eval_every": 1},
+        "cluster": {"num_nodes": 1, "num_devices_per_node": 4, "auto_scheduler": True,
+                    "component_placement": {"actor": "0", "rollout": "1-2", "inference": "3"}},
+        "scheduler": {"policy": "rlinf"},
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
+                  "max_seq_len": 32},
+        "actor": {"micro_batch_size": 16}, "rollout": {"max_new_tokens": 8},
+        "algorithm": {"group_size": 4, "n_minibatches": 2},
+        "data": {"task": "addition", "rollout_batch_size": 8, "eval_size": 16}, "warm_start": {"iters": 20}}
+
+
+def _read(flow_run_id: str):
+    """The flow run's log lines (its own, not its subflows') and its artifacts, through the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            ids = [uuid.UUID(flow_run_id)]
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+            arts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+            return [lg.message for lg in logs], {a.key: a for a in arts}
+    return asyncio.run(read())
+
+
+def test_a_flow_run_shows_each_step_its_progress_and_the_summary(local_prefect, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from db import list_runs, open_database, session_scope
+    from flows.rl_training import rl_training
+    from tasks.requests import TrainingRequest
+    for var in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    overrides = [*_tracking(tmp_path)[:-1], "run.name=tiny_flow"]
+    state = rl_training(TrainingRequest(config=str(config), overrides=overrides), return_state=True)
+    summary = state.result()
+    flow_run_id = str(state.state_details.flow_run_id)
+
+    deadline = time.monotonic() + 60   # logs reach the server in batches, a moment after the flow ends
+    lines, arts = _read(flow_run_id)
+    while sum(line.startswith("step ") for line in lines) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+        lines, arts = _read(flow_run_id)
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in steps] == ["step 1/2", "step 2/2"], lines
+    for line in steps:   # reward, held-out (evaluated every step), time, phases, moves
+        assert "reward " in line and "held-out " in line and "generate " in line and "sync " in line
+    assert sum(int(line.split("| ")[-1].split(" reshard")[0]) for line in steps) == summary["reshards"] > 0
+
+    assert arts["tiny-flow-progress"].type == "progress" and arts["tiny-flow-progress"].data == 100.0
+    md = arts["tiny-flow-summary"]
+    assert md.type == "markdown" and "| steps | 2 |" in md.data and f"| reshards | {summary['reshards']} |" in md.data
+    assert f"`{summary['mlflow_run_id']}`" in md.data and "mlflow ui --backend-store-uri sqlite:///" in md.data
+
+    engine = open_database(f"sqlite:///{tmp_path}/tidal.db")
+    with session_scope(engine) as s:
+        (row,) = list_runs(s, prefect_flow_run_id=flow_run_id)
+        assert (row.id, row.mlflow_run_id, row.status) == (summary["db_run_id"], summary["mlflow_run_id"],
+                                                           "finished")
+    engine.dispose()
+    history = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db").get_metric_history(
+        summary["mlflow_run_id"], "reshard/count")
+    assert sum(m.value for m in history) == summary["reshards"]
