@@ -1,6 +1,6 @@
 """`rl-training`: one flow run = one training run; each RL step is a subflow run.
 
-    rl_training(request)                         request: config path + overrides (a form in the Prefect UI)
+    rl_training(request)                         request: config path, typed fields, overrides (a form in the UI)
       run = open_run(request)                    config, database row, MLflow run, warm start, workers
       for step in range(run.num_steps):
           rl_step(run, step)                     subflow "rl-step", flow run name step-N:

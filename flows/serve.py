@@ -3,7 +3,8 @@
     tidal up && source .tidal/services/env      # a Prefect server on 127.0.0.1:4200 (or compose's)
     tidal serve                                 # deployments rl-training/rl-training, policy-sweep/policy-sweep,
                                                 #             benchmark/benchmark; Ctrl-C stops serving
-    prefect deployment run rl-training/rl-training -p request='{"config": "experiments/rlinf_dynamic.yaml"}'
+    prefect deployment run rl-training/rl-training -p request='{"config": "experiments/rlinf_dynamic.yaml",
+                                                               "policy": "rlinf", "num_steps": 2}'
     curl -X POST $PREFECT_API_URL/deployments/<id>/create_flow_run -H 'content-type: application/json' \
          -d '{"parameters": {"request": {"overrides": ["run.num_steps=2"]}}}'
 

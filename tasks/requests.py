@@ -1,22 +1,40 @@
 """What a flow run is asked to do: typed, validated parameters (the Prefect UI renders each as a form).
 
-A run is a config file plus a few `key.path=value` overrides, exactly as on the command line::
+A run is a config file plus a few `key.path=value` overrides, exactly as on the command line; the settings people
+change most are typed fields of their own (None: the config's value), applied as overrides after the list::
 
     rl-training   TrainingRequest(config="experiments/rlinf_dynamic.yaml", overrides=["run.num_steps=2"])
+                  TrainingRequest(config="experiments/addition_dynamic.yaml", policy="rlinf", num_steps=2)
+                      -> overrides ["scheduler.policy=rlinf", "run.num_steps=2"]
     policy-sweep  SweepRequest(space="experiments/sweep_policy.yaml", trials=16)
     benchmark     BenchmarkRequest(workload="rlinf-example", policies=["static", "rlinf", "tidal"])
 
 Paths are resolved by the process that runs the flow (`tidal serve` runs it in the directory it was started in).
-Deeper checks (does the file exist, is every key known) happen when the flow loads the config, and fail with a
-`TidalError` naming the field, the value and the fix.
+Types and ranges are the schema the Prefect server checks a request against when it is made; a field that
+disagrees with an override fails the model's validation. Deeper checks (does the file exist, is every key known,
+does a field act on this config: `TrainingRequest.check_against`) happen when the flow loads the config, before
+anything is made, and fail with a `TidalError` naming the field, the value and the fix.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
 
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tidal.core.bounded_yaml import MAX_VALUE_BYTES, load_yaml
+from tidal.core.config import MAX_SEED, TidalConfig
 from tidal.core.errors import ConfigError
 from tidal.core.secrets import redact
+
+#: scheduler.policy's values (tests/test_flows.py checks they are the config's)
+PolicyName = Literal["tidal", "rlinf", "static"]
+#: TrainingRequest field -> the config key it sets
+TRAINING_FIELD_KEYS = {"policy": "scheduler.policy", "auto_scheduler": "cluster.auto_scheduler",
+                       "use_pre_process_policy": "cluster.use_pre_process_policy",
+                       "use_wait_before_last_iter_policy": "cluster.use_wait_before_last_iter_policy",
+                       "num_steps": "run.num_steps", "seed": "run.seed"}
 
 CREDENTIALS_FIX = ("set it in the flow worker's environment instead (TIDAL_DB_URL, MLFLOW_TRACKING_URI, "
                    "TIDAL_OPTUNA_STORAGE), which the run reads and Prefect does not store")
@@ -38,11 +56,87 @@ class Request(BaseModel):
         return value
 
 
+def _empty_means(key: str) -> str:
+    """How a field's description ends: empty takes the config's value, and what that is in a config without the
+    key (TidalConfig's default, read from the config's own fields)."""
+    model: type[BaseModel] = TidalConfig
+    *sections, leaf = key.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation   # type: ignore[assignment]   # a section is a model
+    default = _yaml_value(model.model_fields[leaf].default)
+    return f"Empty: the config's {key} (without one: {default})."
+
+
+def _yaml_value(value: object) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _override_value(key: str, raw: str) -> object:
+    """An override's value as the config reads it (YAML: `True`, `true` and `yes` are one boolean)."""
+    try:
+        return load_yaml(raw, key, MAX_VALUE_BYTES) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw
+
+
 class TrainingRequest(Request):
-    config: str = Field("experiments/rlinf_dynamic.yaml", description="Experiment config (YAML path).")
+    """One training run: a config, the typed settings people change most (each None: the config's value), and any
+    other `key.path=value` overrides. A field and an override of the same key with different values is an error
+    naming both (`config_overrides`)."""
+
+    config: str = Field("experiments/rlinf_dynamic.yaml",
+                        description="Experiment config (YAML path, relative to where the flow runs).")
+    policy: PolicyName | None = Field(
+        None, description="Device reallocation policy: tidal, rlinf or static; it acts only with auto_scheduler on. "
+                          + _empty_means("scheduler.policy"))
+    auto_scheduler: bool | None = Field(
+        None, description="Dynamic scheduling: devices move between actor, rollout and inference while the run "
+                          "trains; needs a disjoint placement. " + _empty_means("cluster.auto_scheduler"))
+    use_pre_process_policy: bool | None = Field(
+        None, description="RLinf flag, read by the rlinf policy: at step start the actor's devices also generate. "
+                          "Needs auto_scheduler. " + _empty_means("cluster.use_pre_process_policy"))
+    use_wait_before_last_iter_policy: bool | None = Field(
+        None, description="RLinf flag, read by the rlinf policy: before the last iter the actor waits for rollout "
+                          "and inference, then grows onto their devices. Needs auto_scheduler. "
+                          + _empty_means("cluster.use_wait_before_last_iter_policy"))
+    num_steps: int | None = Field(None, ge=1, le=1 << 24, description="RL steps. " + _empty_means("run.num_steps"))
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Seed of the model init and of sampling. " + _empty_means("run.seed"))
     overrides: list[str] = Field(default_factory=list,
-                                 description="key.path=value overrides, e.g. run.num_steps=4 scheduler.policy=rlinf.")
+                                 description="Other key.path=value overrides, e.g. actor.lr=3e-4 data.eval_size=64 "
+                                             "(a key a field above also sets must agree with it).")
     track: bool = Field(True, description="Log to MLflow (tracking.mlflow_uri) and the database (tracking.db_url).")
+
+    @model_validator(mode="after")
+    def _fields_agree_with_overrides(self) -> TrainingRequest:
+        self.config_overrides()
+        return self
+
+    def field_overrides(self) -> list[str]:
+        """One `key=value` per field that is set, in the form's order."""
+        return [f"{key}={_yaml_value(getattr(self, name))}" for name, key in TRAINING_FIELD_KEYS.items()
+                if getattr(self, name) is not None]
+
+    def config_overrides(self) -> list[str]:
+        """What the flow applies on top of the config: the overrides list, then the fields (so a field wins over
+        anything before it, e.g. the worker's environment). An override that sets a field's key to another value
+        is a ConfigError naming both."""
+        fields = {key: name for name, key in TRAINING_FIELD_KEYS.items() if getattr(self, name) is not None}
+        for ov in self.overrides:
+            key, _, raw = ov.partition("=")
+            name = fields.get(key.strip())
+            if name is not None and _override_value(key.strip(), raw) != getattr(self, name):
+                raise ConfigError(name, getattr(self, name), f"conflicts with the override {ov!r}: both set "
+                                  f"{key.strip()}", f"keep one: clear the field {name}, or drop {ov!r} from overrides")
+        return [*self.overrides, *self.field_overrides()]
+
+    def check_against(self, cfg: TidalConfig) -> None:
+        """Fields that would do nothing with this config are errors, not silence: a moving policy on a static
+        run (cluster.auto_scheduler off)."""
+        if self.policy in ("tidal", "rlinf") and not cfg.cluster.auto_scheduler:
+            raise ConfigError("policy", self.policy, "acts only with dynamic scheduling, and this run's "
+                              "cluster.auto_scheduler is off", "set auto_scheduler: true (a disjoint placement), "
+                              "or leave policy empty")
 
 
 class SweepRequest(Request):

@@ -96,7 +96,8 @@ def open_run(request: TrainingRequest) -> OpenedRun:
     """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
     from tidal.pipeline.preflight import preflight
     from tidal.pipeline.run import TrainingRun
-    cfg = load_run_config(request.config, request.overrides)
+    cfg = load_run_config(request.config, request.config_overrides())
+    request.check_against(cfg)
     checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
     out = run_dir(cfg)
     tracking = open_tracking(cfg, out) if request.track else RunTracking.null(cfg)

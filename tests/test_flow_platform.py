@@ -139,3 +139,47 @@ def test_a_flow_run_shows_each_step_its_progress_and_the_summary(local_prefect, 
     history = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db").get_metric_history(
         summary["mlflow_run_id"], "reshard/count")
     assert sum(m.value for m in history) == summary["reshards"]
+
+
+def test_the_deployment_refuses_bad_typed_fields_when_the_run_is_asked_for(local_prefect):
+    """The server checks a request against the flow's schema (`enforce_parameter_schema`): a bad value is refused
+    at `create_flow_run`, naming the field, and no flow run exists."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from flows.serve import deployments
+    (dep,) = deployments(("rl-training",))
+    dep_id = dep.apply()
+
+    async def ask(request: dict) -> str:
+        async with get_client() as client:
+            try:
+                run = await client.create_flow_run_from_deployment(dep_id, parameters={"request": request})
+            except PrefectHTTPStatusError as err:
+                return err.response.json()["detail"]
+            await client.delete_flow_run(run.id)
+            return "created"
+    assert "request.num_steps" in asyncio.run(ask({"num_steps": 0}))
+    assert "request.policy" in asyncio.run(ask({"policy": "rlinx"}))
+    assert "request.seed" in asyncio.run(ask({"seed": -1}))
+    assert asyncio.run(ask({"policy": "rlinf", "num_steps": 2, "overrides": ["actor.lr=1e-4"]})) == "created"
+
+
+@pytest.mark.parametrize("request_fields, field", [
+    ({"num_steps": 3, "overrides": ["run.num_steps=2"]}, "num_steps"),   # a field and an override disagree
+    ({"config": "experiments/no-such-config.yaml"}, "config"),          # the config file is missing
+    ({"policy": "rlinf", "auto_scheduler": False}, "policy"),           # a policy that would do nothing
+])
+def test_a_bad_request_fails_its_flow_run_before_any_run_exists(local_prefect, tmp_path, monkeypatch,
+                                                                request_fields, field):
+    from tidal.core.errors import ConfigError
+    monkeypatch.chdir(REPO)
+    from flows.rl_training import rl_training
+    request = {"config": "experiments/addition_dynamic.yaml", **request_fields}
+    request["overrides"] = [*request.get("overrides", []), *_tracking(tmp_path)]
+    state = rl_training(request=request, return_state=True)   # as a served run gets it: JSON, validated here
+    assert state.is_failed()
+    with pytest.raises(ConfigError) as info:
+        state.result()
+    assert info.value.field == field and "Fix:" in str(info.value)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "tidal.db").exists()

@@ -40,17 +40,75 @@ def test_deployments_are_module_entrypoints_with_typed_parameter_forms():
     assert deps["policy-sweep"].entrypoint == "flows.policy_sweep.policy_sweep"
     from flows.rl_training import rl_training
     form = rl_training.parameters.model_dump()["definitions"]["TrainingRequest"]["properties"]
-    assert {"config", "overrides", "track"} <= set(form)
+    assert list(form) == ["config", "policy", "auto_scheduler", "use_pre_process_policy",
+                          "use_wait_before_last_iter_policy", "num_steps", "seed", "overrides", "track"]
     assert form["overrides"]["type"] == "array" and form["config"]["type"] == "string"
+    assert form["policy"]["anyOf"][0]["enum"] == ["tidal", "rlinf", "static"]
+    assert form["num_steps"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 1 << 24}
+    assert form["auto_scheduler"]["anyOf"][0] == {"type": "boolean"}
+    for name in ("policy", "auto_scheduler", "num_steps", "seed"):   # empty: the config's value, its default named
+        assert form[name]["default"] is None and "Empty: the config's" in form[name]["description"]
+    assert "(without one: 10)" in form["num_steps"]["description"]
     assert deps["rl-training"].enforce_parameter_schema
 
 
 def test_requests_refuse_unknown_fields():
     from pydantic import ValidationError
-    with pytest.raises(ValidationError, match="num_steps"):
-        TrainingRequest(config="x.yaml", num_steps=3)
+    with pytest.raises(ValidationError, match="num_stepz"):
+        TrainingRequest(config="x.yaml", num_stepz=3)
     with pytest.raises(ValidationError, match="trials"):
         SweepRequest(trials=0)
+
+
+def test_typed_fields_become_overrides_after_the_list():
+    req = TrainingRequest(config="x.yaml", policy="rlinf", auto_scheduler=True, use_pre_process_policy=False,
+                          num_steps=2, seed=7, overrides=["actor.lr=3e-4"])
+    assert req.config_overrides() == ["actor.lr=3e-4", "scheduler.policy=rlinf", "cluster.auto_scheduler=true",
+                                      "cluster.use_pre_process_policy=false", "run.num_steps=2", "run.seed=7"]
+    assert TrainingRequest(overrides=["run.num_steps=2"]).config_overrides() == ["run.num_steps=2"]   # as before
+    cfg = load_run_config(REPO / "experiments/addition_dynamic.yaml",
+                          TrainingRequest(policy="static", num_steps=3, seed=5).config_overrides())
+    assert (cfg.scheduler.policy, cfg.run.num_steps, cfg.run.seed) == ("static", 3, 5)
+
+
+def test_a_field_and_an_override_of_its_key_must_agree():
+    from tidal.core.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"num_steps: conflicts with the override 'run.num_steps=2'.*"
+                                          r"clear the field num_steps, or drop 'run.num_steps=2'") as info:
+        TrainingRequest(num_steps=3, overrides=["actor.lr=1e-4", "run.num_steps=2"])
+    assert (info.value.field, info.value.value) == ("num_steps", 3)
+    with pytest.raises(ConfigError, match="auto_scheduler: conflicts with the override 'cluster.auto_scheduler=no'"):
+        TrainingRequest(auto_scheduler=True, overrides=["cluster.auto_scheduler=no"])
+    # the same value said twice is no conflict (YAML's spellings of a boolean are one value)
+    assert TrainingRequest(auto_scheduler=True, num_steps=2, overrides=[
+        "cluster.auto_scheduler=True", " run.num_steps = 2"]).config_overrides()[-2:] == [
+        "cluster.auto_scheduler=true", "run.num_steps=2"]
+
+
+@pytest.mark.parametrize("fields, field", [({"num_steps": 0}, "num_steps"), ({"seed": -1}, "seed"),
+                                           ({"policy": "rlinx"}, "policy"), ({"auto_scheduler": "maybe"},
+                                                                             "auto_scheduler")])
+def test_typed_fields_refuse_values_out_of_range(fields, field):
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match=field):
+        TrainingRequest(**fields)
+
+
+def test_the_policy_field_offers_exactly_the_configs_policies():
+    from typing import get_args
+
+    from tasks.requests import PolicyName
+    from tidal.core.config import SchedulerConfig
+    assert get_args(PolicyName) == get_args(SchedulerConfig.model_fields["policy"].annotation)
+
+
+def test_a_moving_policy_on_a_static_run_is_an_error_naming_the_field():
+    from tidal.core.errors import ConfigError
+    req = TrainingRequest(policy="rlinf", auto_scheduler=False)
+    cfg = load_run_config(REPO / "experiments/addition_dynamic.yaml", req.config_overrides())
+    with pytest.raises(ConfigError, match="policy: acts only with dynamic scheduling.*set auto_scheduler: true"):
+        req.check_against(cfg)
+    TrainingRequest(policy="static", auto_scheduler=False).check_against(cfg)   # says what the run does: fine
 
 
 def test_serve_without_a_server_says_how_to_get_one(monkeypatch, capsys):
@@ -242,10 +300,10 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         assert fr["name"] == mr.data.tags["prefect.flow_run_name"] == "rl-training-by-test"   # the given name stays
         assert mr.data.tags["prefect.flow_run_url"].endswith(fr["id"])
         assert mr.info.run_name.startswith("rest-run-rlinf-")
-        for key in ("grpo/reward_mean", "step/seconds", "sync/seconds", "eval/heldout_accuracy"):
+        for key in ("grpo/reward_mean", "step/time_s", "sync/time_s", "eval/heldout_accuracy"):
             assert key in mr.data.metrics, key
-        assert len(client.get_metric_history(mr.info.run_id, "step/seconds")) == 2
-        assert mr.data.metrics["events/reshard"] == len(reshards)
+        assert len(client.get_metric_history(mr.info.run_id, "step/time_s")) == 2
+        assert sum(m.value for m in client.get_metric_history(mr.info.run_id, "reshard/count")) == len(reshards)
         events = json.loads(Path(client.download_artifacts(mr.info.run_id, "events.json", str(tmp_path))).read_text())
         assert sum(e["kind"] == "reshard" for e in events) == len(reshards)
         assert sum(e["kind"] == "weight_sync" for e in events) == 2
