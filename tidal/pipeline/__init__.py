@@ -6,7 +6,9 @@
   weights), `cluster.py` (`Cluster`, `StepState`: components by device, calls in flight, the step's work),
   `control.py` (`ControlLoop`: observe -> decide -> reconcile at the driver's triggers; learning at step end),
   `actuator.py` (`RayActuator`: the scheduler's actions as worker calls and ledger transitions).
-- `checkpointing.py`, `recording.py`, `timeline.py`, `tracked_run.py`: checkpoints, events, device time lines.
+- `checkpointing.py`, `recording.py`, `timeline.py`, `tracked_run.py`: checkpoints, events, device time lines;
+  `run_metrics.py`: what a step logs besides its components' metrics (event counts and totals, the events
+  table's columns, the devices per component over wall time).
 
 May import: the core (`tidal.core`), `tidal.engine`, `tidal.workers`, `scheduler`, `tidal.tracking`, `db`.
 
