@@ -161,6 +161,9 @@ def test_a_run_in_mlflow_logs_documented_metrics_one_value_per_step_and_the_plac
         per_step = Counter(m.step for m in hist)
         assert max(per_step.values()) == 1, (name, per_step)   # no sawtooth: one value per step
     assert {"reshard/count", "phase/actor_device_s", "step/time_s", "devices/actor"} <= set(names)
+    # an iter's token means, averaged over the step's 4 iters (not summed): a fraction stays one, a ratio near 1
+    final = client.get_run(run_id).data.metrics
+    assert 0.0 <= final["grpo/clip_frac"] <= 1.0 and 0.5 < final["grpo/ratio_mean"] < 1.5, final
 
     # devices per component: a value at each change, at the change's wall time, inside the run
     info = client.get_run(run_id).info

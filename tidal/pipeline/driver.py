@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
 log = logging.getLogger("tidal.pipeline")
+#: the actor's per-iter metrics that are counts (summed over the step's iters); the others (`grpo/pg_loss`,
+#: `grpo/clip_frac`, ...) are token means of an iter, averaged over the step's iters
+STEP_SUMS = frozenset({"grpo/tokens"})
 
 
 @dataclass
@@ -301,8 +304,10 @@ class Pipeline:
                     metrics[k] = max(metrics.get(k, 0.0), v)
                 elif k.startswith("actor/"):  # per-rank figures: the mean over ranks and iters
                     metrics[k] = metrics.get(k, 0.0) + v / max(len(st.actor_metrics), 1)
-                else:                        # sum-style: each rank's share of the iter's value
+                elif k in STEP_SUMS:         # counts: each rank's share of the iter's, the step's total
                     metrics[k] = metrics.get(k, 0.0) + v
+                else:                        # each rank's share of the iter's mean: the mean over the iters
+                    metrics[k] = metrics.get(k, 0.0) + v / max(st.iters_done, 1)
         seconds = self.clock() - t_start
         metrics["step/time_s"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
