@@ -12,6 +12,7 @@ import yaml
 from tidal.cli.main import main as cli_main
 from tidal.core.errors import TidalError
 from tidal.sweep import check_space, load_space
+from tidal.tracking import compare_groups, select_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +84,6 @@ def test_sweep_on_the_simulator_reports_best_and_pareto_and_stores_every_trial(t
     assert "tidal.sweep" not in parent.data.tags   # the sweep's trials are what `--sweep` compares
     assert parent.data.metrics["sweep/trial_count"] == 8
     assert set(parent.data.metrics) == {"sweep/trial_count", "best/step_time_s", "best/reshards"}
-    from tidal.tracking import compare_groups, select_runs
     trials = select_runs(f"sqlite:///{tmp_path}/mlruns.db", sweep="flags-sim")
     assert sorted(trials) == sorted(t.user_attrs["mlflow_run_id"] for t in done)
     names, rows = compare_groups(trials, f"sqlite:///{tmp_path}/mlruns.db", "policy")
@@ -95,9 +95,18 @@ def test_sweep_on_the_simulator_reports_best_and_pareto_and_stores_every_trial(t
     assert schema_diff(engine) == []
     engine.dispose()
 
-    # Running again adds trials to the same study (and does not redraw the same random points).
+    # Running again adds trials to the same study (and does not redraw the same random points), under the same
+    # MLflow parent run
+    assert study.user_attrs["mlflow_parent_run_id"] == report["mlflow_parent_run_id"]
     assert cli_main(["sweep", str(space), "--trials", "2", "--json", str(out), *_tracking(tmp_path)]) == 0
-    assert json.loads(out.read_text())["n_trials"] == 10
+    again = json.loads(out.read_text())
+    assert again["n_trials"] == 10 and again["mlflow_parent_run_id"] == report["mlflow_parent_run_id"]
+    trials = select_runs(f"sqlite:///{tmp_path}/mlruns.db", sweep="flags-sim")
+    assert len(trials) == 10
+    assert {client.get_run(r).data.tags["mlflow.parentRunId"] for r in trials} == {report["mlflow_parent_run_id"]}
+    parent = client.get_run(report["mlflow_parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(parent.info.run_id, "sweep/trial_count")] == [8, 10]
 
 
 def test_single_objective_sweep_of_thresholds_finds_the_minimum(tmp_path, monkeypatch):

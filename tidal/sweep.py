@@ -23,7 +23,9 @@ One trial::
                 (RDB storage), its metrics named with their units (`METRIC_NAMES`: step_time_s, reshards, ...)
     evaluate -> simulator: simulate(spec with params, policy, devices, steps, seed)   (milliseconds)
                 real:      a whole training run (run_training), database rows and all   (a minute or more)
-    record   -> MLflow run nested under the sweep's run (params, objective values `sweep/<metric name>`,
+    record   -> MLflow run nested under the study's run (one per study: a later invocation continues it;
+                study user attributes `mlflow_parent_run_id` and, with a tracking server, `mlflow_parent_run_url`;
+                the trial's run: params, objective values `sweep/<metric name>`,
                 tags `tidal.sweep` = study, `tidal.trial` = number, `tidal.policy`); its id is the trial's user
                 attribute `mlflow_run_id`, with a tracking server its page `mlflow_run_url` (real runs: the
                 training run itself, with `db_run_id` too)
@@ -404,13 +406,20 @@ class Sweep:
         self.study.set_user_attr("space", space.path)
         self._trials: dict[int, Any] = {}
         self.sink = MlflowSink.from_config(self.cfg.tracking)
-        # one parent run per invocation: its trials are its MLflow children (tag `tidal.sweep` on the trials only,
-        # so `tidal compare --sweep` compares trials)
-        self.parent_run_id = self.sink.start_run(
-            f"sweep-{self.study_name}",
-            {"sweep.space": space.path, "sweep.real": real, "sweep.objectives": list(space.objectives),
-             **{f"space.{p.key}": _describe(p) for p in space.params}},
-            {"optuna.study": self.study_name, "optuna.storage": _masked(self.storage)})
+        # one parent run per study, continued by later invocations: every trial is its MLflow child (the tag
+        # `tidal.sweep` is on the trials only, so `tidal compare --sweep` compares trials)
+        parent = self.study.user_attrs.get("mlflow_parent_run_id")
+        if not (parent and self.sink.resume_run(parent)):
+            parent = self.sink.start_run(
+                f"sweep-{self.study_name}",
+                {"sweep.space": space.path, "sweep.real": real, "sweep.objectives": list(space.objectives),
+                 **{f"space.{p.key}": _describe(p) for p in space.params}},
+                {"optuna.study": self.study_name, "optuna.storage": _masked(self.storage)})
+            self.study.set_user_attr("mlflow_parent_run_id", parent)
+            url = self.sink.run_url(parent)
+            if url:
+                self.study.set_user_attr("mlflow_parent_run_url", url)
+        self.parent_run_id: str = parent
 
     def ask(self) -> TrialSpec:
         """The next trial, with settings no earlier trial of the study had: a draw that repeats one is told

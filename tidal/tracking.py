@@ -366,6 +366,21 @@ class MlflowSink(_EventsMixin):
             self._stack.append(_RunState(run_id))
         return run_id
 
+    def resume_run(self, run_id: str) -> bool:
+        """Reopen an ended run of this experiment as the innermost run (RUNNING again; `end_run` ends it anew):
+        a sweep continued later keeps its trials under one parent. False where the store has no such run."""
+        from mlflow.exceptions import MlflowException
+        with self._lock:
+            try:
+                run = self._client.get_run(run_id)
+            except MlflowException:
+                return False
+            if run.info.experiment_id != self.experiment_id or run.info.lifecycle_stage != "active":
+                return False
+            self._client.update_run(run_id, status="RUNNING")
+            self._stack.append(_RunState(run_id))
+        return True
+
     def _write_metrics(self, run_id: str, metrics: Mapping[str, float], step: int,
                        timestamp: float | None = None) -> None:
         from mlflow.entities import Metric
