@@ -98,13 +98,14 @@ class Timeline:
         ax.invert_yaxis()
         for step, t in self.steps:
             ax.axvline(t, color="k", linestyle="--", linewidth=0.8, alpha=0.6)
-            ax.annotate(f"step {step}", (t, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                        textcoords="offset points", fontsize=7, rotation=90, va="top")
+            ax.annotate(f"step {step}", (t, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                        textcoords="offset points", fontsize=8, ha="center", va="bottom")
         ax.set_xlabel(axis_label(origin))
-        ax.set_title(title or f"device timeline (idle fraction {self.idle_fraction():.2f})")
-        ax.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLORS.items()], loc="upper right",
-                  fontsize=8, ncol=4)
-        fig.tight_layout()
+        ax.set_title(title or f"device timeline (idle fraction {self.idle_fraction():.2f})", pad=16)
+        # below the axes (inside, it would hide the devices' spans and the step labels): a 0.3 inch strip
+        fig.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLORS.items()], loc="lower center",
+                   fontsize=8, ncol=len(ROLE_COLORS), frameon=False)
+        fig.tight_layout(rect=(0.0, 0.3 / fig.get_figheight(), 1.0, 1.0))
         return fig
 
 def axis_label(origin: float | None) -> str:
