@@ -170,8 +170,11 @@ def test_a_run_in_mlflow_logs_documented_metrics_one_value_per_step_and_the_plac
     series = {n: client.get_metric_history(run_id, n) for n in names if n.startswith("devices/")}
     stamps = sorted(m.timestamp for h in series.values() for m in h)
     assert info.start_time <= stamps[0] and stamps[-1] <= info.end_time
+    for h in series.values():   # one value per instant: no spike at a millisecond holding several moves
+        assert len({m.timestamp for m in h}) == len(h)
     first = {n: min(h, key=lambda m: m.timestamp).value for n, h in series.items()}
-    assert (first["devices/actor"], first["devices/rollout"], first["devices/inference"]) == (2, 4, 2)
+    assert (first["devices/actor"], first["devices/rollout"], first["devices/inference"], first["devices/free"]) \
+        == (2, 4, 2, 0)
 
     table = json.loads(Path(client.download_artifacts(run_id, EVENTS_TABLE, str(tmp_path))).read_text())
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]

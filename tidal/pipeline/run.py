@@ -288,11 +288,15 @@ class TrainingRun:
         return m
 
     def _log_placement(self, step: int) -> None:
-        """`devices/<owner>` at each placement change since the last call, each stamped with its wall time."""
+        """`devices/<owner>` at each placement change since the last call, each stamped with its wall time. Moves
+        within one millisecond (MLflow's resolution; the start's placement is three) log their end state once."""
         moves = placement_changes(self._pipe.ledger.history, self.cfg.placement.num_devices)
         origin = self.origin()
+        by_ms: dict[int, dict[str, int]] = {}
         for t, counts in moves[self.n_moves_logged:]:
-            self.sink.log_metrics({f"devices/{owner}": n for owner, n in counts.items()}, step, timestamp=origin + t)
+            by_ms.setdefault(int((origin + t) * 1000), {}).update(counts)
+        for ms, counts in by_ms.items():
+            self.sink.log_metrics({f"devices/{owner}": n for owner, n in counts.items()}, step, timestamp=ms / 1000)
         self.n_moves_logged = len(moves)
 
     def origin(self) -> float:
