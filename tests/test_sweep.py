@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tidal.cli.compare import compare_groups, select_runs
 from tidal.cli.main import main as cli_main
 from tidal.core.errors import TidalError
 from tidal.sweep import check_space, load_space
-from tidal.tracking import compare_groups, select_runs
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,20 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from tidal.cli.compare import CompareRow, compare_groups, compare_runs, select_runs
 from tidal.core.config import build_config, flatten
 from tidal.core.errors import TidalError
 from tidal.tracking import (
     EVENT_COLUMNS,
     EVENTS_TABLE,
-    CompareRow,
     MetricsSink,
     MlflowSink,
     NullSink,
-    compare_groups,
-    compare_runs,
     run_url,
     sanitize_key,
-    select_runs,
     tracked_run,
 )
 

@@ -7,9 +7,10 @@ put the packages together.
 - `services`       `tidal up` / `tidal down`: Prefect, MLflow and optuna-dashboard, bound to 127.0.0.1 unless
                    `--host` says otherwise;
 - `model_check`    `tidal model check DIR`: a Hugging Face checkpoint's family, sizes and logit parity;
-- `reshard_check`  `tidal reshard-check`: reshard an actor between two layouts and verify every byte.
+- `reshard_check`  `tidal reshard-check`: reshard an actor between two layouts and verify every byte;
+- `compare`        `tidal compare`: MLflow runs side by side, or grouped by policy or by sweep.
 
-The other sub-commands live with their code: `tidal sweep` (`tidal.sweep`), `tidal compare` (`tidal.tracking`),
+The other sub-commands live with their code: `tidal sweep` (`tidal.sweep`),
 `tidal simulate` (`scheduler.sim_cli`), `tidal serve` (`flows.serve`), `tidal warm-start`
 (`tidal.pipeline.task_checkpoint`).
 

@@ -66,7 +66,7 @@ _optional("warm-start", "tidal.pipeline.task_checkpoint:main",
           "a built-in task as a Hugging Face checkpoint + GSM8K-format prompt files (the main job's model)")
 _optional("simulate", "scheduler.sim_cli:main", "simulate a run's scheduling at any scale")
 _optional("sweep", "tidal.sweep:main", "Optuna sweep of scheduler policy settings")
-_optional("compare", "tidal.tracking:compare_main",
+_optional("compare", "tidal.cli.compare:main",
           "side-by-side table of MLflow runs, or of policies / sweeps (--group-by)")
 _optional("up", "tidal.cli.services:up_main", "start local Prefect, MLflow and optuna-dashboard on 127.0.0.1")
 _optional("down", "tidal.cli.services:down_main", "stop the services `tidal up` started")
