@@ -21,10 +21,11 @@ stack, `end_run` pops it, so after a trial ends the sweep's own metrics go to th
       start_run("trial-0", parent=P)   -> C0    stack [P, C0]   log_metrics -> C0
       end_run()                                 stack [P]       log_metrics -> P
 
-Metric names state their unit (`_s` wall seconds, `_device_s` seconds summed over devices, `_bytes`,
-`_tokens`, `_per_s`) or are dimensionless by name (reward, accuracy, fraction, count); docs/platform.md lists
-every metric a run logs. `timestamp` (unix seconds) places a value on MLflow's wall-time axis: a series that
-changes between steps (the devices each component holds) reads true on the "Time" x-axis.
+Metric names state their unit (`_s` wall seconds, `_device_s` seconds summed over devices, `_instance_s` over
+rollout instances, `_bytes`, `_tokens`, `_per_s`) or are dimensionless by name (reward, accuracy, fraction,
+count); docs/platform.md lists every metric a run logs. `timestamp` (unix seconds) places a value on MLflow's
+wall-time axis: a series that changes between steps (the devices each component holds) reads true on the
+"Time" x-axis.
 
 Events: `log_event(kind, record)` writes no metric. A step holds several events of a kind (reshards, actions),
 so a metric per event field would put several values on one step (a sawtooth in MLflow's step charts); the
@@ -32,9 +33,10 @@ caller logs per-step aggregates instead (`tidal.pipeline.run_metrics.step_event_
 `reshard/total_s`, ...). Each record becomes one row of the run's events table, `events_table.json`, an MLflow
 table (`MlflowClient.load_table(experiment_id, "events_table.json", run_ids)` reads it, runs side by side):
 
-    t_s   step  iter  kind     component  what        devices  from               to                 seconds  bytes
-    7.79  1     0     reshard  actor                  0        tp=1,dp=2,devices=0-1  tp=1,dp=1,devices=0  0.033  118848
-    (then ok, reason, and detail: the record's other fields as JSON; ids, layouts, versions stay there)
+    t_s   step iter kind     component what devices from                   to                   seconds bytes
+    7.79  1    0    reshard  actor          0       tp=1,dp=2,devices=0-1  tp=1,dp=1,devices=0  0.033   118848
+    7.50  1    1    action   inference ReleaseInference 6,7 inference         free                 0.004
+    (then ok, reason, and detail: the record's other fields as JSON; ids, versions, per-phase seconds)
 
 `t_s` is the record's `time` (the pipeline's clock: seconds since the run started) or, for a record without
 one, seconds since its MLflow run started. The table is rewritten when the run ends and at most every
