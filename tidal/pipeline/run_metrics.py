@@ -18,9 +18,9 @@ Placement (`placement_changes`): after each batch of ledger transitions (one `De
 devices each owner holds. The run logs `devices/<owner>` for the owners whose count changed, stamped with the
 transition's wall time, so MLflow's "Time" axis shows the placement over the run::
 
-    t=5.9  placement         devices/actor 2, devices/rollout 4, devices/inference 2
-    t=7.50 inference release devices/inference 0, devices/moving 2
-    t=7.51 freed             devices/moving 0, devices/free 2
+    t=5.95  placement           devices/free 0, devices/actor 2, devices/rollout 4, devices/inference 2
+    t=7.501 inference released  devices/inference 0, devices/moving 2
+    t=7.506 its memory freed    devices/moving 0, devices/free 2
 """
 
 from __future__ import annotations
