@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -72,16 +71,8 @@ def test_the_run_row_holds_the_flow_run_and_the_mlflow_run(local_prefect, tmp_pa
     assert tags["prefect.flow_run_id"] == flow_run_id and tags["tidal.db_run_id"] == str(db_run_id)
 
 
-#: a dynamic placement on 4 CPU virtual devices small enough for seconds per step; rlinf reshards the actor
-TINY = {"run": {"name": "tiny_flow", "num_steps": 2, "eval_every": 1},
-        "cluster": {"num_nodes": 1, "num_devices_per_node": 4, "auto_scheduler": True,
-                    "component_placement": {"actor": "0", "rollout": "1-2", "inference": "3"}},
-        "scheduler": {"policy": "rlinf"},
-        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
-                  "max_seq_len": 32},
-        "actor": {"micro_batch_size": 16}, "rollout": {"max_new_tokens": 8},
-        "algorithm": {"group_size": 4, "n_minibatches": 2},
-        "data": {"task": "addition", "rollout_batch_size": 8, "eval_size": 16}, "warm_start": {"iters": 20}}
+#: 2 rlinf steps on 4 CPU virtual devices, seconds each; the actor reshards every step
+TINY = REPO / "experiments/tiny_dynamic.yaml"
 
 
 def _read(flow_run_id: str):
@@ -107,10 +98,8 @@ def test_a_flow_run_shows_each_step_its_progress_and_the_summary(local_prefect, 
     from tasks.requests import TrainingRequest
     for var in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(var, raising=False)
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(TINY))
-    overrides = [*_tracking(tmp_path)[:-1], "run.name=tiny_flow"]
-    state = rl_training(TrainingRequest(config=str(config), overrides=overrides), return_state=True)
+    overrides = [*_tracking(tmp_path)[:-1], "run.name=tiny_flow"]   # a name Prefect's keys cannot take as it is
+    state = rl_training(TrainingRequest(config=str(TINY), overrides=overrides), return_state=True)
     summary = state.result()
     flow_run_id = str(state.state_details.flow_run_id)
 

@@ -126,6 +126,7 @@ def test_build_specs_bind_and_telemetry(tmp_path, monkeypatch):
     assert f"sqlite:///{tmp_path.resolve()}/mlruns.db" in specs["mlflow"].argv
     assert specs["optuna"].argv[1] == f"sqlite:///{tmp_path.resolve()}/tidal.db"
     assert dict(specs["prefect"].env)["PREFECT_HOME"] == str(tmp_path / "state" / "prefect")
+    assert dict(specs["prefect"].env)["PREFECT_UI_API_URL"] == "http://127.0.0.1:1/api"   # the UI finds its API
     assert [s.name for s in build_specs(UpOptions(tmp_path, only=("mlflow",)))] == ["mlflow"]
 
 

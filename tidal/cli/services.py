@@ -167,7 +167,9 @@ def build_specs(opts: UpOptions) -> list[ServiceSpec]:
     specs["prefect"] = ServiceSpec(
         "prefect", (executable("prefect"), "server", "start", "--host", opts.host, "--port", str(opts.prefect_port),
                     "--analytics-off"),
-        telemetry + (("PREFECT_HOME", str(opts.state_dir / "prefect")),),
+        # the UI asks its API at PREFECT_UI_API_URL, which defaults to port 4200 whatever --port says
+        telemetry + (("PREFECT_HOME", str(opts.state_dir / "prefect")),
+                     ("PREFECT_UI_API_URL", f"http://{_url_host(opts.host)}:{opts.prefect_port}/api")),
         opts.host, opts.prefect_port, "/api/health")
     artifacts = opts.mlflow_artifacts
     if "://" not in artifacts:

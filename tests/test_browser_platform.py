@@ -1,0 +1,202 @@
+"""The platform as a person uses it, in a browser: one story across the Prefect UI, MLflow and optuna-dashboard.
+
+    tidal up (free ports, own state dir)  ->  tidal serve --only rl-training  ->  tidal sweep ... --trials 2
+    Prefect UI: the deployment's run form, typed fields filled (config, policy, auto_scheduler, num_steps, seed)
+    -> the flow run completes -> its log holds a line per step -> its summary artifact links the MLflow run
+    -> MLflow UI: that run's page -> optuna-dashboard: the sweep's study, both trials
+
+Headless Chromium (Debian's /usr/bin/chromium) driven by Playwright for Python, loopback only. Skipped, saying
+why, when either is missing (`apt-get install -y chromium`, `pip install -e .[dev]`; `.ci/run` installs both).
+The flow run's state is polled through the REST API (a page is not a clock); everything the test asserts about
+the platform it reads in the pages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+             "RAY_USAGE_STATS_ENABLED": "0"}
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
+                       reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` (Debian's; .ci/run installs it)"),
+]
+playwright_api = pytest.importorskip("playwright.sync_api",
+                                     reason="playwright is not installed: `pip install -e .[dev]` (Playwright for "
+                                            "Python; it drives the system's Chromium, no browser download)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body: dict | None = None) -> dict | list:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _wait(what: str, fn, timeout_s: float, log: Path | None = None, every_s: float = 1.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            out = fn()
+        except OSError:   # not listening yet (URLError is an OSError)
+            out = None
+        if out:
+            return out
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{log.read_text()[-3000:] if log else ''}")
+
+
+def _tidal(*args: str, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(Path(sys.executable).parent / "tidal"), *args], env=env, cwd=cwd, text=True,
+                         capture_output=True, timeout=timeout)
+    assert out.returncode == 0, (f"tidal {' '.join(args)}: exit {out.returncode}\n"
+                                 f"{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return out
+
+
+@pytest.fixture
+def platform(tmp_path):
+    """`tidal up` on free ports with its own stores, and `tidal serve --only rl-training` against it, both in
+    `tmp_path` (runs' folders land there); yields the addresses and the serving environment."""
+    ports = {name: _free_port() for name in ("prefect", "mlflow", "optuna")}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    env = {**os.environ, **TELEMETRY, "PREFECT_HOME": str(tmp_path / "prefect-client"),
+           "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db", "MLFLOW_TRACKING_URI": urls["mlflow"],
+           "PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    env.pop("TIDAL_OPTUNA_STORAGE", None)
+    state = tmp_path / "services"
+    _tidal("up", "--state-dir", str(state), *(a for n, p in ports.items() for a in (f"--{n}-port", str(p))),
+           "--mlflow-uri", f"sqlite:///{tmp_path}/mlruns.db", "--mlflow-artifacts", str(tmp_path / "mlartifacts"),
+           "--optuna-storage", f"sqlite:///{tmp_path}/tidal.db", env=env, cwd=tmp_path, timeout=240)
+    log = tmp_path / "serve.log"
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "tidal"), "serve", "--only", "rl-training"], env=env,
+                             cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield urls, env, log
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGINT)
+            try:
+                serve.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait(10)
+        subprocess.run([str(Path(sys.executable).parent / "tidal"), "down", "--state-dir", str(state)], env=env,
+                       cwd=tmp_path, capture_output=True, timeout=120)
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def _property(page, label: str):
+    """One field of Prefect's parameter form: the `p-label` group around its label `<Label> (Optional)`."""
+    return page.locator(f"xpath=//span[contains(@class, 'schema-form-property__label') and normalize-space()="
+                        f"'{label} (Optional)']/ancestor::*[contains(concat(' ', normalize-space(@class), ' '), "
+                        f"' p-label ')][1]")
+
+
+def _fill_run_form(page, config: str) -> None:
+    """The rl-training deployment's custom-run form, as a person fills it: a run name, then the typed fields."""
+    page.get_by_text("Config (Optional)", exact=True).wait_for(timeout=60_000)
+    page.locator("input").first.fill("browser-run")
+    _property(page, "Config").locator("textarea").fill(config)
+    policy = _property(page, "Policy")
+    policy.get_by_role("button", name="str", exact=True).click()   # anyOf [policy, None]: pick the policy branch
+    policy.locator(".p-select-button__control").click()
+    page.keyboard.press("ArrowDown")
+    page.locator(".p-select-option__text", has_text=re.compile("^rlinf$")).click()
+    auto = _property(page, "Auto Scheduler")
+    auto.get_by_role("button", name="bool", exact=True).click()
+    auto.get_by_role("switch").click()   # on
+    for label, value in (("Num Steps", "2"), ("Seed", "3")):
+        field = _property(page, label)
+        field.get_by_role("button", name="int", exact=True).click()
+        field.locator("input[type=number]").fill(value)
+
+
+def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platform, tmp_path):
+    urls, env, serve_log = platform
+    api = f"{urls['prefect']}/api"
+    # a sweep on the simulator (2 trials) while the deployment registers: the dashboard's study
+    sweep = _tidal("sweep", str(REPO / "experiments/sweep_policy.yaml"), "--trials", "2", env=env, cwd=tmp_path,
+                   timeout=180)
+    assert "policy-flags-sim" in sweep.stdout
+    dep = _wait("deployment rl-training registered",
+                lambda: _http("GET", f"{api}/deployments/name/rl-training/rl-training"), 120, serve_log)
+
+    with playwright_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.set_default_timeout(30_000)
+
+        # 1. the Prefect UI's run form: typed fields, then Submit
+        page.goto(f"{urls['prefect']}/deployments/deployment/{dep['id']}/run")
+        _fill_run_form(page, str(REPO / "experiments/tiny_dynamic.yaml"))
+        page.get_by_role("button", name="Submit", exact=True).click()
+        page.wait_for_url(re.compile(rf"/deployments/deployment/{dep['id']}"))
+        (run,) = _wait("the flow run made by the form", lambda: _http("POST", f"{api}/flow_runs/filter", {
+            "flow_runs": {"name": {"any_": ["browser-run"]}}}), 30)
+        assert run["parameters"]["request"] == {
+            "config": str(REPO / "experiments/tiny_dynamic.yaml"), "policy": "rlinf", "auto_scheduler": True,
+            "num_steps": 2, "seed": 3, "use_pre_process_policy": None, "use_wait_before_last_iter_policy": None,
+            "overrides": [], "track": True}
+
+        def final():
+            fr = _http("GET", f"{api}/flow_runs/{run['id']}")
+            return fr if fr["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+        fr = _wait("the flow run finished", final, 300, serve_log, every_s=2.0)
+        assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{serve_log.read_text()[-4000:]}"
+
+        # 2. its page: a log line per step, then its summary artifact
+        page.goto(f"{urls['prefect']}/runs/flow-run/{run['id']}")
+        for step in ("step 1/2", "step 2/2"):
+            page.get_by_text(re.compile(rf"^{step}  reward .* reshards? ")).first.wait_for(timeout=60_000)
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("tiny-dynamic-progress", exact=True).wait_for()
+        page.get_by_text("tiny-dynamic-summary", exact=True).click()
+        page.get_by_role("cell", name="policy", exact=True).wait_for()
+        assert page.get_by_role("row").filter(has_text=re.compile(r"^\s*steps\s*2\s*$")).count() == 1
+        link = page.locator("a[href*='/#/experiments/']")
+        href = link.get_attribute("href")
+        assert href is not None and href.startswith(f"{urls['mlflow']}/#/experiments/")
+        run_id = href.rsplit("/", 1)[-1]
+
+        # 3. follow it: MLflow's page of the same run (it opens in a new tab)
+        with page.context.expect_page() as opened:
+            link.click()
+        mlflow_page = opened.value
+        mlflow_page.get_by_text(re.compile(r"^tiny-dynamic-rlinf-\d{8}-\d{6}")).first.wait_for(timeout=60_000)
+        assert run_id in mlflow_page.title()
+        mlflow_page.get_by_text(re.compile(r"\bbrowser-run\b")).first.wait_for()   # tag prefect.flow_run_name
+
+        # 4. the sweep in optuna-dashboard: its study, both trials
+        page.goto(f"{urls['optuna']}/dashboard")
+        page.get_by_text("policy-flags-sim").first.click()
+        page.get_by_text("Best Trials", exact=True).wait_for()
+        for trial in ("Trial 0", "Trial 1"):
+            page.get_by_text(trial, exact=True).first.wait_for()
+        page.get_by_text("mlflow_parent_run_id", exact=True).wait_for()   # and the way to its MLflow runs
+        browser.close()
