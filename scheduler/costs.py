@@ -200,14 +200,15 @@ def gpu_h200_1p5b() -> CostModel:
 def gpu_h200() -> CostModel:
     """One H200 + a Qwen2.5-1.5B-shaped model (bf16), fitted to measurements of this system on that machine:
 
-    - decode (benchmarks/results/rollout/2026-12-03_9af554b_h200.json, batch 64 and 256, prompt 256, ms per
-      step over windows of 128 steps as the context grows 320 -> 1,088): least squares of
+    - decode (benchmarks/results/rollout/2026-12-03_2720a78_h200.json, the engine's fused kernels, batch 64 and
+      256, prompt 256, ms per step over windows of 128 steps as the context grows 320 -> 1,088): least squares of
       t = step_s + per_seq_s x batch + per_seq_token_s x batch x context over the 14 windows (largest residual
-      2.8%): 4.72 ms + 12.5 us per sequence + 9.2 ns per sequence-token of context. The fixed term is about
-      4.5x the weights' read at the measured copy bandwidth (4.24 TB/s): the step is bound by its ~1,300
-      small kernels, not by memory. per_seq_s takes the context term at a 1,024-token mean context (22.0 us;
-      the measured range ends at 1,088, the RLinf example's responses run longer);
-    - prefill 9.3 us/token (16,384 and 65,536 prompt tokens in batched prefills, same file);
+      2.4%): 2.47 ms + 8.5 us per sequence + 10.6 ns per sequence-token of context. The fixed term is about
+      2.4x the weights' read at the measured copy bandwidth (4.24 TB/s): launches and the host's per-step work,
+      not bytes. per_seq_s takes the context term at a 1,024-token mean context (19.4 us; the measured range
+      ends at 1,088, the RLinf example's responses run longer);
+    - prefill 9.3 us/token (16,384 and 65,536 prompt tokens in batched prefills, eager kernels:
+      benchmarks/results/rollout/2026-12-03_9af554b_h200.json);
     - actor 31.0 us/token (32,288 tokens/s, MFU 42.2%: 8 x 2,048-token sequences per micro-batch, 2 micro-batches
       an iter, the optimizer step included; benchmarks/results/train_throughput/2026-12-03_923f3cf_h200.json);
     - inference 10.0 us/token (411,648 padded tokens in 4.13 s, the scoring phase of one GRPO step of 64 x 8
@@ -222,7 +223,7 @@ def gpu_h200() -> CostModel:
     derived = gpu_h200_1p5b()
     return replace(
         derived, name="gpu-h200",
-        decode=DecodeCost(step_s=4.72e-3, per_seq_s=12.5e-6 + 9.24e-9 * 1024, prefill_per_token_s=9.3e-6),
+        decode=DecodeCost(step_s=2.47e-3, per_seq_s=8.5e-6 + 10.6e-9 * 1024, prefill_per_token_s=9.3e-6),
         inference=InferenceCost(per_token_s=10.0e-6, tp_eff=0.9, per_group_s=0.01),
         actor=replace(derived.actor, train_per_token_s=31.0e-6, iter_fixed_s=0.0),
         reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=276e9, inter_node_bw=50e9,
