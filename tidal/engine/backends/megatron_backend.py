@@ -1,10 +1,13 @@
 """The "megatron" actor backend: megatron-core's GPTModel + DDP + DistributedOptimizer behind `ActorBackend`.
 
 One `MegatronBackend` per world rank, constructed like `ActorShard` (args, OptimConfig, layout, rank, seed,
-device, dtype, weights=...). What it builds, for layout (tp, dp)::
+device, dtype, weights=...) on every world rank; the layout may be any subset of the world's ranks (e.g. devices
+2-5 of 6), ranks outside it hold nothing and return None from `train_iter` / `export_weights`. What a rank of
+layout (tp, dp) builds::
 
-    parallel_state      megatron-core's TP/DP groups (PP = 1) over the world; the layout must be the whole world
-                        in rank order (devices 0..n-1), which is how megatron-core numbers ranks: rank = d*tp + t
+    process groups      a `ProcessGroupCollection` of the layout's TP / DP / all-ranks groups
+                        (tidal/engine/backends/megatron_groups.py), passed to GPTModel, DDP and the optimizer;
+                        megatron-core's global parallel_state is never initialized for training
     GPTModel            local layer spec (no Transformer Engine; q/k_layernorm with qk_norm), TransformerConfig
                         from our ModelArgs (`megatron_map.transformer_config`: head_dim, qkv_bias, qk_norm, RoPE
                         scaling), calculate_per_token_loss=True (see grads below); built without megatron's init
@@ -32,12 +35,17 @@ real vocab: the padded columns are masked out of the softmax), so loss functions
 (`nll_loss`, GRPO's) run unchanged. Then one DDP grad sync and one optimizer step; returns an `IterReport`.
 
 `reshard(new_layout)`: plan / execute / commit of the full state (params, fp32 main params, exp_avg, exp_avg_sq,
-step) through tidal/engine/backends/megatron_state_reshard.py. The new stack (parallel_state, GPTModel, DDP, optimizer)
-is built first (collective), the ranges of both layouts are all-gathered, the moves run, two votes commit; on a
-failure the old stack stays (parallel_state is re-initialized for the old layout) and ReshardError is raised.
+step) through tidal/engine/backends/megatron_state_reshard.py, to any layout over any device set (collective over
+the world). The new stack (its groups, GPTModel, DDP, optimizer) is built first on the new layout's ranks, the
+ranges of both layouts are all-gathered over the world, the moves run, two world votes commit; on a failure the
+old stack stays as it was (no global state to restore) and ReshardError is raised.
+
+`save_megatron` / `load_megatron` go through megatron-core's dist_checkpointing, which reads the global
+parallel_state: they need the layout to be the whole world in rank order (`megatron_groups.parallel_state_for`).
 
 CPU: megatron-core's DDP and optimizer run on gloo inside `megatron_cpu.optimizer_shim()` (its table lists the
-sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded (`model_parallel_cuda_manual_seed`).
+sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded per TP rank
+(`model_parallel_cuda_manual_seed(seed, tp_rank=t)`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from torch import nn
 from tidal.core.errors import LayoutError
 from tidal.engine.actor import ExportedWeights, IterReport
 from tidal.engine.backends import megatron_cpu as mc
+from tidal.engine.backends.megatron_groups import MegatronGroups, init_process_state, layout_gather, parallel_state_for
 from tidal.engine.backends.megatron_map import (
     FC1,
     gpt_layer_spec,
@@ -113,23 +122,23 @@ class _Stack:
     """parallel_state + GPTModel + DDP + DistributedOptimizer of one layout on one rank."""
 
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, padded_vocab: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None):
+                 dtype: torch.dtype, device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None,
+                 pgc: Any):
         mc.import_megatron()
-        from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.tensor_parallel import random as mrandom
 
-        mc.init_parallel(layout.tp)
+        init_process_state()
+        self.layout, self.t, self.d = layout, *cast("tuple[int, int]", layout.coord(rank))  # a rank of the layout
         if device.type == "cuda":
-            mrandom.model_parallel_cuda_manual_seed(seed)
-        self.layout, self.t, self.d = layout, *cast("tuple[int, int]", layout.coord(rank))  # spans the world
+            mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=self.t, ep_rank=0, etp_rank=0)
         tp = layout.tp
         cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
         with mc.cpu_shim():
             from megatron.core.models.gpt.gpt_model import GPTModel
 
-            model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab))
+            model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab), pg_collection=pgc)
         model.to(device)
         _set_tp_attributes(model, args, padded_vocab)
         local = None
@@ -143,13 +152,13 @@ class _Stack:
                                   adam_beta2=hp.betas[1], adam_eps=hp.eps, clip_grad=hp.grad_clip,
                                   bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
                                   use_distributed_optimizer=True)
-        with mc.optimizer_shim():
-            self.ddp = DistributedDataParallel(cfg, ddp_cfg, model)
-            self.opt = get_megatron_optimizer(opt_cfg, [self.ddp])
+        with mc.optimizer_shim(), layout_gather(pgc.intra_dist_opt, dist.get_world_size()):
+            self.ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
+            self.opt = get_megatron_optimizer(opt_cfg, [self.ddp], use_gloo_process_groups=False, pg_collection=pgc)
         self.model, self.cfg = model, cfg
         self.dopts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
-        tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        self.dp_group = ps.get_data_parallel_group() if layout.dp > 1 else None
+        tp_group = pgc.tp if tp > 1 else None
+        self.dp_group = pgc.dp if layout.dp > 1 else None
         self.tp_group = tp_group
         self.adapter = GPTAdapter(self.ddp, args.vocab_size, padded_vocab, tp, self.t, tp_group, device)
         self.params = dict(model.named_parameters())
@@ -224,7 +233,8 @@ class MegatronBackend:
 
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
-                 weights: dict[str, torch.Tensor] | None = None, padded_vocab: int | None = None):
+                 weights: dict[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
+                 groups: MegatronGroups | None = None):
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -234,30 +244,41 @@ class MegatronBackend:
         # rule at TP 1 (a multiple of 128, divisible by every TP size up to 128)
         self.padded_vocab = padded_vocab or padded_vocab_size(args.vocab_size, 1)
         self.specs = megatron_specs(args, self.padded_vocab)
-        self._check(layout)
+        check_layout(self.args, self.padded_vocab, layout)
+        self.groups = groups or MegatronGroups()
         self.step, self.data_cursor = 0, 0
-        weights = weights if weights is not None else init_global_weights(args, seed)
-        self.stack = _Stack(args, hp, layout, rank, self.padded_vocab, self.dtype, self.device, seed, weights)
+        if layout.coord(rank) is not None and weights is None:
+            weights = init_global_weights(args, seed)
+        self.stack = self._build(layout, weights)
         self.layout = layout
 
-    def _check(self, layout: Layout) -> None:
-        check_layout(self.args, self.padded_vocab, layout)
-        world = dist.get_world_size()
-        if layout.devices != tuple(range(world)):
-            raise LayoutError("layout.devices", layout.devices, f"the megatron backend spans the whole world of "
-                              f"{world} ranks in order (megatron-core's parallel_state is global)",
-                              f"use devices 0-{world - 1} (tp * dp = {world})")
+    def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | None) -> _Stack | None:
+        """The stack of `layout` on this rank (collective over the world: the layout's groups); None outside it."""
+        pgc = self.groups.collection(layout, self.rank)
+        if pgc is None:
+            return None
+        return _Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
+                      weights, pgc)
 
     @property
-    def model(self) -> GPTAdapter:
-        return self.stack.adapter
+    def member(self) -> bool:
+        return self.stack is not None
+
+    @property
+    def model(self) -> GPTAdapter | None:
+        return self.stack.adapter if self.stack is not None else None
+
+    def _stack(self) -> _Stack:
+        if self.stack is None:
+            raise RuntimeError(f"rank {self.rank} is not in the megatron actor's layout {self.layout}")
+        return self.stack
 
     def inventory(self) -> tuple[ParamSpec, ...]:
         return self.specs
 
     # ---- training ------------------------------------------------------------------------------------
     def _claim(self, source) -> tuple[int, Any] | None:
-        st, lay = self.stack, self.layout
+        st, lay = self._stack(), self.layout
         dynamic = getattr(source, "dynamic", False) and st.tp_group is not None
         got = source.claim(st.d, lay.dp) if (st.t == 0 or not dynamic) else None
         if not dynamic:
@@ -272,7 +293,7 @@ class MegatronBackend:
     def forward_backward(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> tuple[float, int]:
         """Zero the grad buffer, run the iter's micro-batches, sync grads over DP (reduce-scatter: each rank's
         owned ranges of `param.main_grad` hold the DP sum). Returns (this rank's loss sum, micro-batches run)."""
-        st = self.stack
+        st = self._stack()
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
         losses = []
@@ -289,8 +310,10 @@ class MegatronBackend:
                 _allreduce_non_tensor_model_parallel_grads([st.ddp], st.cfg, st.tp_group)
         return float(torch.stack(losses).sum()) if losses else 0.0, len(losses)
 
-    def train_iter(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> IterReport:
-        """One optimizer step over the iter's queue (collective over the layout)."""
+    def train_iter(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> IterReport | None:
+        """One optimizer step over the iter's queue (collective over the layout). None on ranks outside it."""
+        if self.stack is None:
+            return None
         start = time.perf_counter()
         st = self.stack
         loss, n = self.forward_backward(source, loss_fn, num_tokens_in_iter)
@@ -315,7 +338,7 @@ class MegatronBackend:
     # ---- resharding ----------------------------------------------------------------------------------
     def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None) -> ReshardReport:
         """Move the full state to `new_layout` (collective over the world); see module doc."""
-        self._check(new_layout)
+        check_layout(self.args, self.padded_vocab, new_layout)
         old_layout, old = self.layout, self.stack
         report = ReshardReport(old_layout, new_layout, ok=False)
         t0 = time.perf_counter()
@@ -331,12 +354,20 @@ class MegatronBackend:
 
         phase("plan")
         world = dist.get_world_size()
-        old_ranges = gather_ranges(old.views(self.specs, self.step).ranges(), len(self.specs), world, self.device)
-        new = _Stack(self.args, self.hp, new_layout, self.rank, self.padded_vocab, self.dtype, self.device,
-                     self.seed, None)  # collective (parallel_state groups): built on every rank, then voted on
-        new.set_step(self.step)
-        new_views = new.views(self.specs, self.step)
-        new_ranges = gather_ranges(new_views.ranges(), len(self.specs), world, self.device)
+        # step and data cursor advance on the layout's ranks only: the old layout's first rank tells the others
+        scalars = torch.tensor([self.step, self.data_cursor], dtype=torch.int64, device=self.device)
+        dist.broadcast(scalars, src=old_layout.devices[0])
+        self.step, self.data_cursor = (int(v) for v in scalars.tolist())
+        old_views = old.views(self.specs, self.step) if old is not None else None
+        old_ranges = gather_ranges(old_views.ranges() if old_views is not None else None, len(self.specs), world,
+                                   self.device)
+        new = self._build(new_layout, None)  # collective (the layout's groups): built on every rank, then voted on
+        new_views = None
+        if new is not None:
+            new.set_step(self.step)
+            new_views = new.views(self.specs, self.step)
+        new_ranges = gather_ranges(new_views.ranges() if new_views is not None else None, len(self.specs), world,
+                                   self.device)
         phase("allocate")
         plan = None
         try:
@@ -348,13 +379,12 @@ class MegatronBackend:
             plan = cast(ReshardPlan, plan)  # every rank planned (no error)
             report.bytes_moved = plan.bytes_moved(p_bytes)
             report.bytes_sent, report.bytes_received = execute_state(
-                plan, old.views(self.specs, self.step), new_views, self.rank, self.dtype, self.device)
+                plan, old_views, new_views, self.rank, self.dtype, self.device)
             phase("transfer")
             phase("commit")
         ok = _vote(error is None, self.device)
         report.seconds = time.perf_counter() - t0
-        if not ok:
-            mc.init_parallel(old_layout.tp)  # megatron's global groups back to the old layout
+        if not ok:  # the old stack is untouched (no global state to restore); the new one is dropped
             report.error = error or "another rank voted to abort"
             raise ReshardError(report)
         self.stack, self.layout = new, new_layout
@@ -365,13 +395,24 @@ class MegatronBackend:
     @torch.no_grad()
     def state_dict_global(self) -> dict[str, torch.Tensor]:
         """Every tensor in global Megatron coordinates on every rank (collective; checks only): param/<spec>
-        (as fp32), master|exp_avg|exp_avg_sq/<spec>, step (owned ranges summed from their single owner)."""
-        views = self.stack.views(self.specs, self.step)
-        lay, t, d = self.layout, self.stack.t, self.stack.d
+        (as fp32), master|exp_avg|exp_avg_sq/<spec>, step (owned ranges summed from their single owner; ranks
+        outside the layout add zeros)."""
         keys = [(i, k) for i in range(len(self.specs)) for k in ("param", "master", "exp_avg", "exp_avg_sq")]
         sizes = [self.specs[i].numel for i, _ in keys]
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
         fulls = [part.view(self.specs[i].shape) for part, (i, _) in zip(flat.split(sizes), keys)]
+        if self.stack is not None:
+            self._fill_global(keys, fulls)
+        dist.all_reduce(flat)  # each element has exactly one non-zero contributor: the sum is exact
+        out = {f"{k}/{self.specs[i].name}": full for (i, k), full in zip(keys, fulls)}
+        out["step"] = torch.tensor(self.step if self.stack is not None else 0)
+        dist.all_reduce(out["step"], op=dist.ReduceOp.MAX)  # the layout's ranks hold it (others may lag)
+        return out
+
+    def _fill_global(self, keys: list[tuple[int, str]], fulls: list[torch.Tensor]) -> None:
+        st = self._stack()
+        views = st.views(self.specs, self.step)
+        lay, t, d = self.layout, st.t, st.d
         for (i, kind), full in zip(keys, fulls):
             spec = self.specs[i]
             if spec.tp_dim is None and t > 0:
@@ -385,20 +426,19 @@ class MegatronBackend:
                 piece = torch.zeros(shard.numel(), dtype=torch.float32, device=self.device)
                 piece[lo:hi] = bufs[("master", "exp_avg", "exp_avg_sq").index(kind)]
                 shard.copy_(piece.view(shard.shape))
-        dist.all_reduce(flat)  # each element has exactly one non-zero contributor: the sum is exact
-        out = {f"{k}/{self.specs[i].name}": full for (i, k), full in zip(keys, fulls)}
-        out["step"] = torch.tensor(self.step)
-        return out
 
-    def export_weights(self) -> ExportedWeights:
-        """TP-local weights in GPTModel terms (specs = `inventory()`; fc1 halves are views)."""
+    def export_weights(self) -> ExportedWeights | None:
+        """TP-local weights in GPTModel terms (specs = `inventory()`; fc1 halves are views); None outside the
+        layout."""
+        if self.stack is None:
+            return None
         views = self.stack.views(self.specs, self.step)
         return ExportedWeights(self.layout.tp, self.stack.t, self.specs,
                                {s.name: p for s, p in zip(self.specs, views.params)})
 
     def grads(self) -> dict[str, torch.Tensor]:
         """TP-local fp32 grads after `forward_backward` (module names; at DP > 1 only owned ranges are summed)."""
-        return {name: p.main_grad for name, p in self.stack.params.items()}
+        return {name: p.main_grad for name, p in self._stack().params.items()}
 
     def save_megatron(self, ckpt_dir: str | Path, padded_vocab: int | None = None) -> Path:
         """GPTModel's own `sharded_state_dict` through megatron-core's dist_checkpointing (weights)."""
@@ -408,8 +448,8 @@ class MegatronBackend:
                               f"{self.padded_vocab}", "omit padded_vocab")
         path = Path(ckpt_dir)
         path.mkdir(parents=True, exist_ok=True)
-        with mc.cpu_shim():
-            dist_checkpointing.save(self.stack.model.sharded_state_dict(), str(path))
+        with parallel_state_for(self.layout), mc.cpu_shim():
+            dist_checkpointing.save(self._stack().model.sharded_state_dict(), str(path))
         return path
 
     @torch.no_grad()
@@ -417,8 +457,8 @@ class MegatronBackend:
         """Weights of a dist_checkpointing checkpoint (any writer TP) into params and fp32 main params; moments
         and step reset unless `reset_optimizer=False`."""
         from megatron.core import dist_checkpointing
-        st = self.stack
-        with mc.cpu_shim():
+        with parallel_state_for(self.layout), mc.cpu_shim():
+            st = self._stack()
             st.model.load_state_dict(dist_checkpointing.load(st.model.sharded_state_dict(), str(ckpt_dir)),
                                      strict=False)
         for name, (lo, hi, main) in st.main.items():
