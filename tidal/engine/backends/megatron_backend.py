@@ -82,6 +82,7 @@ from tidal.engine.backends.megatron_state_reshard import (
     split_unit_range,
 )
 from tidal.engine.backends.protocol import register_backend
+from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec
 from tidal.engine.model import ModelArgs, init_global_weights
 from tidal.engine.optim import OptimConfig, lr_at
@@ -111,11 +112,19 @@ class GPTAdapter(nn.Module):
 
     def token_logprobs(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None) -> torch.Tensor:
         """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: [B, T-1], fp32 (causal attention, positions 0..T-1)."""
+        return self.token_logprobs_entropy(ids_BT, attn_mask_BTS, positions_BT, with_entropy=False)[0]
+
+    def token_logprobs_entropy(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None,
+                               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs as `token_logprobs`, the entropy of p(. | ids[:, :t+1]) without grad, or None), as our
+        model's (the GRPO loss calls this); the [B, T-1, Vp/tp] logits are whole (our model chunks them)."""
         if attn_mask_BTS is not None or positions_BT is not None:
             raise NotImplementedError("the megatron backend runs causal attention over positions 0..T-1 only "
                                       "(pass input ids without attn_mask_BTS / positions_BT)")
         logits = self.forward(ids_BT)[:, :-1]
-        return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo)
+        if not with_entropy:
+            return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo), None
+        return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo, with_entropy=True)
 
 
 class _Stack:
@@ -234,7 +243,7 @@ class MegatronBackend:
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
                  weights: dict[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
-                 groups: MegatronGroups | None = None):
+                 groups: GroupCache | None = None):
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -245,7 +254,8 @@ class MegatronBackend:
         self.padded_vocab = padded_vocab or padded_vocab_size(args.vocab_size, 1)
         self.specs = megatron_specs(args, self.padded_vocab)
         check_layout(self.args, self.padded_vocab, layout)
-        self.groups = groups or MegatronGroups()
+        self.groups = groups or GroupCache()   # the layouts' TP / DP / all-ranks groups, as ActorShard's
+        self._pgs = MegatronGroups(self.groups)
         self.step, self.data_cursor = 0, 0
         if layout.coord(rank) is not None and weights is None:
             weights = init_global_weights(args, seed)
@@ -254,7 +264,7 @@ class MegatronBackend:
 
     def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | None) -> _Stack | None:
         """The stack of `layout` on this rank (collective over the world: the layout's groups); None outside it."""
-        pgc = self.groups.collection(layout, self.rank)
+        pgc = self._pgs.collection(layout, self.rank)
         if pgc is None:
             return None
         return _Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
@@ -263,6 +273,20 @@ class MegatronBackend:
     @property
     def member(self) -> bool:
         return self.stack is not None
+
+    @property
+    def coord(self) -> tuple[int, int] | None:
+        return self.layout.coord(self.rank)
+
+    def sync_layout(self, layout: Layout | None) -> None:
+        """A rank outside the actor that sat out member-local reshards learns the current layout (it holds no
+        state, so nothing moves)."""
+        if layout is None or layout == self.layout:
+            return
+        if self.stack is not None:
+            raise LayoutError("layout", str(layout), f"rank {self.rank} holds shards of {self.layout}, not of "
+                              f"{layout}", "pass the layout this rank's last reshard moved it to")
+        self.layout = layout
 
     @property
     def model(self) -> GPTAdapter | None:
@@ -336,9 +360,27 @@ class MegatronBackend:
                           time.perf_counter() - start)
 
     # ---- resharding ----------------------------------------------------------------------------------
-    def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None) -> ReshardReport:
-        """Move the full state to `new_layout` (collective over the world); see module doc."""
+    def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None, *, local: bool = False,
+                old_layout: Layout | None = None, prepared: Any = None) -> ReshardReport:
+        """Move the full state to `new_layout` (collective over the world); see module doc.
+
+        `local=True`: only the ranks of the old or the new layout call this, and its collectives run over the group
+        of those ranks (`GroupCache.union`); every group it needs must exist already (`reshard_rank_sets`, made by
+        `groups.ensure` or an earlier world-wide reshard), else LayoutError and nothing moves, as `ActorShard`'s.
+        `old_layout`: the layout as the caller knows it (a rank that sat out local reshards catches up first).
+        `prepared` (the native executor's programs) is not used: the plan is made here."""
         check_layout(self.args, self.padded_vocab, new_layout)
+        self.sync_layout(old_layout)
+        if local:
+            missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
+            if missing:
+                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"a member-local reshard needs "
+                                  f"groups not made yet: {missing[:3]}", "reshard world-wide once (local=False)")
+            if self.rank not in new_layout.devices and self.rank not in self.layout.devices:
+                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"rank {self.rank} is in neither "
+                                  "layout of a member-local reshard", "call it on the ranks of either layout only")
+        # the collectives' group: the world, or the ranks of either layout (a one-rank union: that rank's own)
+        group = (self.groups.union(self.layout, new_layout) or self._pgs.single[self.rank]) if local else None
         old_layout, old = self.layout, self.stack
         report = ReshardReport(old_layout, new_layout, ok=False)
         t0 = time.perf_counter()
@@ -353,28 +395,27 @@ class MegatronBackend:
                     error = f"{name}: {type(e).__name__}: {e}"
 
         phase("plan")
-        world = dist.get_world_size()
         # step and data cursor advance on the layout's ranks only: the old layout's first rank tells the others
         scalars = torch.tensor([self.step, self.data_cursor], dtype=torch.int64, device=self.device)
-        dist.broadcast(scalars, src=old_layout.devices[0])
+        dist.broadcast(scalars, src=old_layout.devices[0], group=group)
         self.step, self.data_cursor = (int(v) for v in scalars.tolist())
         old_views = old.views(self.specs, self.step) if old is not None else None
-        old_ranges = gather_ranges(old_views.ranges() if old_views is not None else None, len(self.specs), world,
-                                   self.device)
-        new = self._build(new_layout, None)  # collective (the layout's groups): built on every rank, then voted on
+        old_ranges = gather_ranges(old_views.ranges() if old_views is not None else None, len(self.specs),
+                                   self.device, group)
+        new = self._build(new_layout, None)  # the layout's groups (made world-wide on first use); then voted on
         new_views = None
         if new is not None:
             new.set_step(self.step)
             new_views = new.views(self.specs, self.step)
-        new_ranges = gather_ranges(new_views.ranges() if new_views is not None else None, len(self.specs), world,
-                                   self.device)
+        new_ranges = gather_ranges(new_views.ranges() if new_views is not None else None, len(self.specs),
+                                   self.device, group)
         phase("allocate")
         plan = None
         try:
             plan = plan_state(old_layout, new_layout, self.specs, old_ranges, new_ranges)
         except Exception as e:
             error = error or f"plan: {type(e).__name__}: {e}"
-        if _vote(error is None, self.device):
+        if _vote(error is None, self.device, group):
             p_bytes = torch.empty((), dtype=self.dtype).element_size()
             plan = cast(ReshardPlan, plan)  # every rank planned (no error)
             report.bytes_moved = plan.bytes_moved(p_bytes)
@@ -382,7 +423,7 @@ class MegatronBackend:
                 plan, old_views, new_views, self.rank, self.dtype, self.device)
             phase("transfer")
             phase("commit")
-        ok = _vote(error is None, self.device)
+        ok = _vote(error is None, self.device, group)
         report.seconds = time.perf_counter() - t0
         if not ok:  # the old stack is untouched (no global state to restore); the new one is dropped
             report.error = error or "another rank voted to abort"
@@ -485,9 +526,9 @@ def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
             set_tensor_model_parallel_attributes(p, True, tp_dim[name], 2 if name.endswith(FC1) else 1)
 
 
-def _vote(ok: bool, device) -> bool:
+def _vote(ok: bool, device, group=None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 

@@ -73,15 +73,17 @@ def split_unit_range(lo: int, hi: int, unit_numel: int, half: str) -> tuple[int,
     return (a - base, b - base) if b > a else (0, 0)
 
 
-def gather_ranges(mine: Ranges | None, n_specs: int, world: int, device) -> dict[int, Ranges]:
-    """All-gather every rank's ranges over the world (ranks outside the layout send None -> omitted)."""
+def gather_ranges(mine: Ranges | None, n_specs: int, device, group=None) -> dict[int, Ranges]:
+    """All-gather every rank's ranges over `group` (None: the world), keyed by world rank (ranks outside the
+    layout send None -> omitted)."""
     t = torch.full((n_specs, 2), -1, dtype=torch.int64, device=device)
     if mine is not None:
         t.copy_(torch.tensor(mine, dtype=torch.int64).reshape(n_specs, 2))
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    parts = [torch.empty_like(t) for _ in ranks]
+    dist.all_gather(parts, t, group=group)
     out = {}
-    for r, p in enumerate(parts):
+    for r, p in zip(ranks, parts):
         if int(p[0, 0]) >= 0:
             out[r] = tuple((int(a), int(b)) for a, b in p.tolist())
     return out
