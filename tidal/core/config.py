@@ -94,6 +94,10 @@ class ClusterConfig(Section):
         description="RLinf key, read by scheduler.policy `rlinf`: before the actor's last iter, wait until rollout "
                     "and inference have finished, then grow onto their devices. Needs auto_scheduler.")
     ray_address: str | None = Field(None, description="Ray cluster address to join; null starts an embedded local Ray.")
+    failure_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="A rollout or inference call with no result after this many seconds marks its device FAILED (a "
+                    "hung worker; a dead process is found within 0.5 s); its work is redone on the survivors.")
 
     @model_validator(mode="after")
     def _rlinf_devices_per_node(self) -> ClusterConfig:

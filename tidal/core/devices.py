@@ -9,6 +9,10 @@ States and the allowed edges (anything else is refused, naming both states)::
     ACTOR | ROLLOUT | INFERENCE ──► FREE         shutdown / end of run
     FREE ──► SHARED ──► FREE                     a static placement time-shares the device between components
                                                  (collocated, hybrid); it never moves while shared
+    any state but FAILED ──► FAILED              its worker stopped answering (`DeviceFailure` says why)
+    FAILED ──► FREE                              it answers again: it rejoins the free pool
+
+A FAILED device is in no role: nothing is given to it and no role takes it until it is back in FREE.
 
 A device is never in two roles: while its old role still holds memory on it, it is MOVING and no one can
 take it ("never double-book"). Each transition records a reason and a timestamp from an injected clock.
@@ -36,6 +40,7 @@ class Owner(str, enum.Enum):
     INFERENCE = "inference"
     MOVING = "moving"
     SHARED = "shared"
+    FAILED = "failed"
 
 
 ROLES = (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE)
@@ -49,6 +54,8 @@ TRANSITIONS: dict[tuple[Owner, Owner], str] = {
     **{(r, Owner.FREE): "the role shuts down" for r in ROLES},
     (Owner.FREE, Owner.SHARED): "a static placement shares the device between components",
     (Owner.SHARED, Owner.FREE): "the shared components shut down",
+    **{(o, Owner.FAILED): "its worker stopped answering" for o in Owner if o is not Owner.FAILED},
+    (Owner.FAILED, Owner.FREE): "its worker answers again: back in the free pool",
 }
 
 
@@ -59,6 +66,17 @@ class IllegalTransition(RuntimeError):
         super().__init__(f"device {device}: {src.value} -> {dst.value} is not allowed "
                          f"(allowed from {src.value}: {[d.value for (s, d) in TRANSITIONS if s is src]})")
         self.device, self.src, self.dst = device, src, dst
+
+
+@dataclass(frozen=True)
+class DeviceFailure:
+    """Device `device`'s worker stopped answering at `time` while it was `role`: `reason` says how it was found
+    (process gone, Ray's actor-death error, no result within `cluster.failure_timeout_s`)."""
+
+    device: int
+    role: Owner
+    reason: str
+    time: float
 
 
 @dataclass(frozen=True)
@@ -119,3 +137,13 @@ class DeviceLedger:
     def free(self, devices: Iterable[int], reason: str) -> None:
         """MOVING, role or SHARED -> FREE."""
         self._move(devices, Owner.FREE, reason, (Owner.MOVING, Owner.SHARED, *ROLES))
+
+    def fail(self, device: int, reason: str) -> DeviceFailure:
+        """Any state -> FAILED: its worker stopped answering. Returns the failure (the role it had)."""
+        role = self.owner(device)
+        self._move([device], Owner.FAILED, reason, None)
+        return DeviceFailure(int(device), role, reason, self.history[-1].time)
+
+    def rejoin(self, device: int, reason: str) -> None:
+        """FAILED -> FREE: the device answers again and rejoins the free pool."""
+        self._move([device], Owner.FREE, reason, (Owner.FAILED,))

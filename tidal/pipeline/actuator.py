@@ -405,8 +405,9 @@ class RayActuator:
             self.return_inference(list(self.inf_lent))
         if c.actor_layout != initial_layout:
             self.reshard(initial_layout)
-        back_r = [d for d in rollout if d not in c.rollout]
-        back_i = [d for d in inference if d not in c.inference]
+        failed = set(ledger.owned(Owner.FAILED))   # lost devices stay out (`tidal.pipeline.faults`)
+        back_r = [d for d in rollout if d not in c.rollout and d not in failed]
+        back_i = [d for d in inference if d not in c.inference and d not in failed]
         if back_r:
             ledger.assign(back_r, Owner.ROLLOUT, "step end: rollout placement restored")
             c.rollout = sorted(c.rollout + back_r)

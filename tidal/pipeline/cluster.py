@@ -31,7 +31,7 @@ class CallKind(Enum):
     """What a call in flight does, so its result goes to the right handler of the driver."""
 
     ROLLOUT = "rollout"      #: a rollout time slice -> (finished groups, RolloutReport)
-    INFERENCE = "inference"  #: scoring -> scored groups
+    INFERENCE = "inference"  #: scoring (payload: the groups) -> scored groups
     ACTOR = "actor"          #: one rank's part of an actor iter -> its metrics (None outside the layout)
 
 
@@ -53,6 +53,7 @@ class StepState:
     step: int
     queue: deque
     num_groups: int
+    groups: dict[int, Any] = field(default_factory=dict)   # group id -> its PromptGroup (regenerated if lost)
     given: dict[int, int] = field(default_factory=dict)          # instance -> groups handed out, not emitted
     total_given: dict[int, int] = field(default_factory=dict)    # instance -> sequences ever given this step
     reports: dict[int, RolloutReport] = field(default_factory=dict)   # instance -> its last slice report
@@ -135,8 +136,10 @@ class Cluster:
         ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
         out = []
         for ref in ready:
-            f = self.inflight.pop(ref)
-            out.append((f, self.group.gather([f.handle])[0]))
+            f = self.inflight[ref]
+            res = self.group.gather([f.handle])[0]   # raises WorkerDied with the call still here, for recovery
+            del self.inflight[ref]
+            out.append((f, res))
         return out
 
     def drain(self, handle: Callable[[Flight, Any], None], devices: set[int] | None = None) -> None:

@@ -41,9 +41,11 @@ from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.pipeline.control import ControlLoop
+from tidal.pipeline.faults import Recovery, overdue
 from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles
+from tidal.workers.errors import WorkerDied
 from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import KeptWeights, RolloutModel, RolloutReport
 from tidal.workers.rollout_instance import PromptGroup
@@ -56,6 +58,8 @@ log = logging.getLogger("tidal.pipeline")
 #: the actor's per-iter metrics that are counts (summed over the step's iters); the others (`grpo/pg_loss`,
 #: `grpo/clip_frac`, ...) are token means of an iter, averaged over the step's iters
 STEP_SUMS = frozenset({"grpo/tokens"})
+#: how often the step's loop looks for dead workers that have no call in flight (local workers: a look at /proc)
+CHECK_EVERY_S = 0.5
 
 
 @dataclass
@@ -124,6 +128,11 @@ class Pipeline:
         self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
+        self._next_check = 0.0         # when the step's loop next looks for dead workers
+        #: a lost rollout or inference device's work to the survivors (`tidal.pipeline.faults`)
+        self._recovery = Recovery(self.cluster, self.ledger, self._on_result,
+                                  lambda: self.cluster.actor_layout.devices,
+                                  lambda: self.control.actuator.inf_lent if self.control else ())
 
     @property
     def _control(self) -> ControlLoop:
@@ -273,24 +282,16 @@ class Pipeline:
         if self._keeping:   # our invariant: the caller of run_step(sync=False) syncs before the next step
             raise RuntimeError("run_step: the previous step's weights were never synced (call sync_weights after "
                                "run_step(sync=False))")
-        st = StepState(step, deque(groups), len(groups), t_start=t_start)
+        st = StepState(step, deque(groups), len(groups), {g.group_id: g for g in groups}, t_start=t_start)
         self.step_state = st
         self._control.consult("start", st)
         n = cfg.algorithm.n_minibatches
         while st.iters_done < n:
-            # scoring first: its calls run on the inference workers while the policy's actions (which touch
-            # neither those devices nor what they score) hold the driver; fed after them, the last group of a
-            # mini-batch waited for the moves its generation triggered (host e2e run: scored 0.35 s after it was
-            # generated, static 0.16 s). Then the policy (its actions drain the instances they touch), then the
-            # rollout feed: feeding before the policy left the drained instances without a slice until the next
-            # result anywhere (up to the 0.5 s wait below; on the host e2e run 0.3-2 s of instance time per step)
-            self._feed_inference()
-            if not st.iter_running:
-                self._maybe_train()
-            self._feed_rollout()
-            self._feed_inference()
-            for f, res in c.wait_any(0.5):
-                self._on_result(f, res)
+            try:
+                self._stream_once(st)
+            except WorkerDied as died:   # a rollout or inference device: its work goes to the survivors
+                self._recovery.recover(died, st)
+            self._check_overdue(st)
         c.drain(self._on_result)
         self._keep_weights()
         self._control.end_step(st)
@@ -326,6 +327,38 @@ class Pipeline:
         events = [e for e in c.events if e["time"] >= t_start]
         return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
 
+    def _stream_once(self, st: StepState) -> None:
+        """One pass of the step's loop: feed, train when ready, handle what came back."""
+        c = self.cluster
+        # scoring first: its calls run on the inference workers while the policy's actions (which touch
+        # neither those devices nor what they score) hold the driver; fed after them, the last group of a
+        # mini-batch waited for the moves its generation triggered (host e2e run: scored 0.35 s after it was
+        # generated, static 0.16 s). Then the policy (its actions drain the instances they touch), then the
+        # rollout feed: feeding before the policy left the drained instances without a slice until the next
+        # result anywhere (up to the 0.5 s wait below; on the host e2e run 0.3-2 s of instance time per step)
+        self._feed_inference()
+        if not st.iter_running:
+            self._maybe_train()
+        self._feed_rollout()
+        self._feed_inference()
+        for f, res in c.wait_any(0.5):
+            self._on_result(f, res)
+        if self.clock() >= self._next_check:   # a dead worker with no call in flight is found here
+            self._next_check = self.clock() + CHECK_EVERY_S
+            self.group.check()
+
+    def _check_overdue(self, st: StepState) -> None:
+        """A rollout or inference call with no result within `cluster.failure_timeout_s`: its worker is hung;
+        killed and recovered like a dead one."""
+        timeout = self.cfg.cluster.failure_timeout_s
+        late = overdue(self.cluster, self.clock(), timeout)
+        if late is None:
+            return
+        d, secs = late
+        reason = f"no result within cluster.failure_timeout_s={timeout:g}s ({secs:.1f}s)"
+        self.group.fail(d, reason)
+        self._recovery.recover(WorkerDied(d, reason), st, overdue_s=secs)
+
     def idle_fraction(self, t0: float = 0.0) -> float:
         self._close_ownership()
         return self.timeline.idle_fraction(t0, self.clock())
@@ -339,7 +372,7 @@ class Pipeline:
             if tr.device in open_:
                 role, since = open_.pop(tr.device)
                 self.timeline.add_owned([tr.device], role, since, tr.time)
-            if tr.dst is not Owner.FREE:
+            if tr.dst not in (Owner.FREE, Owner.FAILED):   # a failed device is in no role: not owned, not idle
                 open_[tr.device] = (tr.dst.value, tr.time)
         for d, (role, since) in open_.items():
             self.timeline.add_owned([d], role, since, now)
@@ -413,7 +446,7 @@ class Pipeline:
         for d, take in zip(idle, takes):
             batch, st.to_score = st.to_score[:take], st.to_score[take:]
             st.scoring += len(batch)
-            c.submit(CallKind.INFERENCE, d, roles.inference_score, payload=len(batch), groups=batch)
+            c.submit(CallKind.INFERENCE, d, roles.inference_score, payload=batch, groups=batch)
 
     def _iter_groups(self, k: int) -> list[int]:
         g, n = self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
@@ -500,7 +533,7 @@ class Pipeline:
     def _on_scored(self, f: Flight, scored: list[ScoredGroup]) -> None:
         st, now = self.step_state, self.clock()
         self.cluster.timeline.add_busy([f.device], "inference", "score", f.t0, now)
-        st.scoring -= f.payload
+        st.scoring -= len(f.payload)
         st.score_samples.append((len(scored), float(sum(len(g.prompt_ids) * len(g.response_ids)
                                                         + sum(len(r) for r in g.response_ids) for g in scored)),
                                  now - f.t0))
@@ -550,7 +583,7 @@ class Pipeline:
             self._keeping = []
             return
         self._keeping = [(d, self.group.submit(d, roles.actor_keep_weights, version=self.version + 1))
-                         for d in self.group.device_ids]
+                         for d in self.group.live_ids]
 
     def sync_weights(self, step: int) -> None:
         """The actor's weights to every rollout and inference engine (the next policy version). An engine whose

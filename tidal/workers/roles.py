@@ -469,6 +469,14 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
         call_prefill_tokens=getattr(eng, "prefill_tokens", 0) - prefill0)
 
 
+def rollout_holding(ctx) -> list[int]:
+    """Ids of the groups this instance holds and has not returned: waiting in its queue, open in its engine,
+    finished but not yet returned. The driver asks the survivors of a lost instance (their slices drained), so
+    what no one holds is what the lost one took with it."""
+    r = _rollout(ctx)
+    return sorted({*r.queue.group_ids(), *r.inst.group_ids(), *(g.group_id for g in r.out)})
+
+
 def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
     """Phase 1 of moving work away: freeze the last `count` unfinished groups (None: all) and return the package.
 

@@ -104,6 +104,11 @@ class GroupQueue:
         with self._lock:
             self._groups.extend(groups)
 
+    def group_ids(self) -> list[int]:
+        """Ids of the groups waiting here, front first."""
+        with self._lock:
+            return [g.group_id for g in self._groups]
+
     def pop_back(self) -> PromptGroup:
         """The last group (migration takes not-started groups from the back)."""
         with self._lock:

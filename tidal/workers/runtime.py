@@ -94,6 +94,7 @@ class WorkerGroup:
         self._poll_s, self._log_every_s = poll_s, log_every_s
         self._caps: dict[int, ComputeShare] = {}
         self._dead: dict[int, str] = {}
+        self._retired: set[int] = set()   # dead devices the caller has taken out of its work (`retire`)
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ start
@@ -204,6 +205,30 @@ class WorkerGroup:
     @property
     def device_ids(self) -> tuple[int, ...]:
         return tuple(self._actors)
+
+    @property
+    def live_ids(self) -> tuple[int, ...]:
+        """Devices whose worker is not known dead, in rank order."""
+        return tuple(d for d in self._actors if d not in self._dead)
+
+    def retire(self, device_id: int) -> None:
+        """The caller has taken dead `device_id` out of its work (nothing it runs waits on that rank): from now
+        on its death fails only calls to it, not every `gather`. Calls that need the whole world (a collective
+        over every rank, a new process group) still cannot complete."""
+        if device_id not in self._dead:
+            raise RuntimeError(f"device {device_id} is not dead; only a dead worker is retired")
+        self._retired.add(device_id)
+
+    def fail(self, device_id: int, reason: str) -> None:
+        """Declare `device_id`'s worker failed (it stopped answering): kill it, so no late result of it
+        arrives, and treat it as dead from now on."""
+        import ray
+
+        self._mark_dead(device_id, reason)
+        try:
+            ray.kill(self._actors[device_id], no_restart=True)
+        except ValueError:   # not an actor handle any more (Ray already shut down)
+            pass
 
     def submit(self, device_id: int, fn: WorkerFn, /, **kwargs: Any) -> CallHandle:
         """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once. `fn` is a module-level function
@@ -317,10 +342,11 @@ class WorkerGroup:
     def check(self) -> None:
         """Raise `WorkerDied` for the first dead worker; cheap (no round trip for local workers)."""
         for d in self._actors:
-            self._usable(d)
+            if d not in self._retired:
+                self._usable(d)
         if not self._local:
             for st in self.health().values():
-                if st.state == "dead":
+                if st.state == "dead" and st.device_id not in self._retired:
                     raise WorkerDied(st.device_id, st.reason)
 
     def pid(self, device_id: int) -> int:
@@ -391,7 +417,7 @@ class WorkerGroup:
             raise WorkerCallError(h.device_id, h.fn, str(e)) from None
 
     def _check_processes(self, device_ids: Iterable[int]) -> None:
-        for d in sorted(device_ids):
+        for d in sorted(set(device_ids) - self._retired):
             reason = self._process_gone(d)
             if reason:
                 raise WorkerDied(d, reason)

@@ -1,0 +1,162 @@
+"""A rollout or inference device lost mid-step costs its work, not the run (tidal/pipeline/faults.py).
+
+The ledger's FAILED state and the recovery's pure parts are checked without a cluster; then worker processes are
+killed with SIGKILL inside real runs (CPU virtual devices): one rollout instance while it generates, one
+inference device while it scores. Each run completes on the survivors, records the failure, and ends with the
+parameters of the run without a fault, bit for bit."""
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from tidal.core.config import build_config
+from tidal.core.devices import DeviceLedger, IllegalTransition, Owner
+from tidal.pipeline.cluster import CallKind, Flight
+from tidal.pipeline.faults import lost_groups, overdue
+from tidal.pipeline.run import TrainingRun, weights_sha
+
+
+def test_a_failed_device_is_in_no_role_until_it_rejoins_the_free_pool():
+    ledger = DeviceLedger(range(3), clock=lambda: 7.0)
+    ledger.assign([0], Owner.ACTOR, "placement")
+    ledger.assign([1, 2], Owner.ROLLOUT, "placement")
+    failure = ledger.fail(2, "worker process 123 exited")
+    assert (failure.device, failure.role, failure.reason, failure.time) == (2, Owner.ROLLOUT,
+                                                                            "worker process 123 exited", 7.0)
+    assert ledger.owned(Owner.FAILED) == (2,) and ledger.owned(Owner.ROLLOUT) == (1,)
+    assert ledger.history[-1].reason == "worker process 123 exited"
+    for move in (lambda: ledger.assign([2], Owner.ROLLOUT, "x"), lambda: ledger.release([2], "x"),
+                 lambda: ledger.land([2], Owner.ACTOR, "x"), lambda: ledger.fail(2, "again")):
+        with pytest.raises(IllegalTransition, match="device 2: failed -> "):
+            move()
+    ledger.rejoin(2, "answers again")
+    assert ledger.owner(2) is Owner.FREE
+    with pytest.raises(IllegalTransition, match="device 1: rollout -> free"):
+        ledger.rejoin(1, "not failed")
+
+
+def test_lost_groups_are_what_nothing_holds():
+    assert lost_groups(6, generated=[0, 1], queued=[5], held=[2, 4]) == [3]
+    assert lost_groups(4, generated=[], queued=[], held=[]) == [0, 1, 2, 3]
+    assert lost_groups(3, generated=[0, 1, 2], queued=[], held=[]) == []
+
+
+def test_overdue_names_the_oldest_late_generation_or_scoring_call():
+    def fl(kind, device, t0):
+        return Flight(kind, device, None, t0)   # type: ignore[arg-type]
+    c = SimpleNamespace(inflight={1: fl(CallKind.ROLLOUT, 2, 5.0), 2: fl(CallKind.INFERENCE, 4, 1.0),
+                                  3: fl(CallKind.ACTOR, 0, 0.0)})
+    assert overdue(c, now=10.0, timeout_s=20.0) is None
+    assert overdue(c, now=10.0, timeout_s=4.0) == (4, 9.0)   # the actor's iter is never "overdue" here
+    assert overdue(c, now=10.0, timeout_s=8.5) == (4, 9.0)
+
+
+# ---- real processes ---------------------------------------------------------------------------------------------
+#: two rollout instances, two inference devices, the actor on one device; 4 slots per instance (its groups run in
+#: waves, so a kill finds groups in flight)
+SMALL = {
+    "run": {"num_steps": 2, "seed": 5},
+    "cluster": {"num_devices_per_node": 5, "component_placement": {"actor": "0", "rollout": "1-2",
+                                                                    "inference": "3-4"}},
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,
+              "max_seq_len": 32},
+    "actor": {"micro_batch_size": 4, "lr": 1e-3, "warmup_iters": 0},
+    "rollout": {"max_new_tokens": 8, "max_running_requests": 4},
+    "algorithm": {"group_size": 4, "n_minibatches": 2},
+    "data": {"rollout_batch_size": 8, "eval_size": 8},
+    # a short warm start: rewards differ within groups, so every step trains (from the random init every group
+    # is rewarded 0 alike and nothing would be learned, with or without a fault)
+    "warm_start": {"iters": 600, "num_examples": 500, "lr": 3e-3, "eval_every": 1000},
+}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    """One output folder for the module's runs: the warm start is made once (cached there)."""
+    return tmp_path_factory.mktemp("faults")
+
+
+def _run(out, name, arm=None):
+    """The run's (final weights sha, groups scored per step, the driver); `arm(pipe)` may set a fault up."""
+    cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}"])
+    run = TrainingRun(cfg, out / name)
+    try:
+        run.open()
+        if arm is not None:
+            arm(run.pipe)
+        scored = []
+        for _ in range(cfg.run.num_steps):
+            run.step()
+            scored.append(sorted(run.pipe.step_state.scored))
+        summary = run.finish()
+        return summary.final_weights_sha, scored, run.pipe
+    finally:
+        run.close()
+
+
+@pytest.fixture(scope="module")
+def clean(out):
+    """The run without a fault: (final weights sha, groups scored per step). It learns: its weights move."""
+    start: list[str] = []
+    sha, scored, _ = _run(out, "clean", lambda pipe: start.append(weights_sha(pipe.global_weights())))
+    assert sha != start[0]
+    return sha, scored
+
+
+def _kill(pipe, device: int) -> None:
+    os.kill(pipe.group.pid(device), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_while_generating_costs_its_work_not_the_run(out, clean):
+    """Step 1: the first slice result of instance 2 (it still holds groups, more slices queued) is the moment its
+    worker is killed. Its groups are regenerated on instance 1, the run ends like the run without the fault."""
+    killed: list[float] = []
+
+    def arm(pipe):
+        on_slice = pipe._on_slice
+
+        def spy(f, records, report):
+            on_slice(f, records, report)
+            if f.device == 2 and pipe.step_state.step == 1 and not killed and report.groups_in_progress:
+                killed.append(pipe.clock())
+                _kill(pipe, 2)
+        pipe._on_slice = spy
+
+    sha, scored, pipe = _run(out, "rollout-killed", arm)
+    assert killed
+    (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
+    assert (ev["device"], ev["role"], ev["step"]) == (2, "rollout", 1) and ev["reason"], ev
+    assert ev["groups_regenerated"] and ev["time"] - killed[0] < 5.0, ev
+    assert pipe.ledger.owner(2) is Owner.FAILED and pipe.cluster.rollout == [1]
+    assert scored == clean[1] == [list(range(8))] * 2   # every group once
+    assert sha == clean[0]
+
+
+@pytest.mark.slow
+def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out, clean):
+    """Step 0: the worker of inference device 4 is killed as it is handed its first groups to score; they are
+    scored again on device 3 and the run ends like the run without the fault."""
+    killed: list[list[int]] = []
+
+    def arm(pipe):
+        submit = pipe.cluster.submit
+
+        def spy(kind, device, fn, payload=None, **kw):
+            f = submit(kind, device, fn, payload, **kw)
+            if kind is CallKind.INFERENCE and device == 4 and not killed:
+                killed.append([g.group_id for g in payload])
+                _kill(pipe, 4)
+            return f
+        pipe.cluster.submit = spy
+
+    sha, scored, pipe = _run(out, "inference-killed", arm)
+    assert killed
+    (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
+    assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", 0), ev
+    assert ev["groups_rescored"] == sorted(killed[0]), ev
+    assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
+    assert scored == clean[1]
+    assert sha == clean[0]

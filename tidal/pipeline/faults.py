@@ -1,0 +1,124 @@
+"""A rollout or inference device lost in the middle of a step costs its work, not the run.
+
+Detection (the driver's loop, every pass): a worker whose process is gone (`WorkerDied`: its pid left /proc, or
+Ray's actor-death error on a call) or a rollout/inference call with no result after `cluster.failure_timeout_s`
+(`overdue`: the worker is killed, so no late result of it arrives). Either becomes a `DeviceFailure` and the
+device goes to FAILED in the ledger, with the reason; the policies see it there (`DeviceSignal`) and in the
+components' device lists, which no longer hold it.
+
+Recovery (`Recovery.recover`), what the step still owes and who redoes it::
+
+    rollout device lost                                 inference device lost
+    ───────────────────                                 ─────────────────────
+    its calls forgotten (a late result is dropped)      its calls forgotten; the groups they carried go
+    survivors' slices drained, then each says which     back to the scoring queue (`to_score`), scored
+      groups it holds (`roles.rollout_holding`)         again on a survivor
+    lost = not generated, not in the shared queue,
+      not held by a survivor: back to the front of
+      the shared queue, regenerated from their prompts
+
+Nothing is lost or duplicated: a group counts as generated only when its record reaches the driver, and a lost
+device's late results are never read. Nothing changes either: every sample draws from its own generator seeded by
+(run seed, step, group id, sample index), and a group is scored on its own, so a regenerated group has the same
+tokens and log-probs, and the run the same parameters, bit for bit, as a run without the fault.
+
+Not recovered here (the run stops on record, as `WorkerDied`): the actor's devices, lent and shared devices, the
+last device of a component, and a loss outside a step's streaming loop (the weight sync, a checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from tidal.core.devices import DeviceFailure, DeviceLedger, Owner
+from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
+from tidal.workers import roles
+from tidal.workers.errors import WorkerDied
+
+log = logging.getLogger("tidal.pipeline")
+
+
+def lost_groups(num_groups: int, generated: Iterable[int], queued: Iterable[int], held: Iterable[int]) -> list[int]:
+    """The step's group ids nothing holds any more: not generated, not in the shared queue, not held by a
+    surviving instance. Ascending (the actor trains on prefixes of group ids).
+
+    >>> lost_groups(6, generated=[0, 1], queued=[5], held=[2, 4])
+    [3]
+    """
+    return sorted(set(range(num_groups)) - set(generated) - set(queued) - set(held))
+
+
+def overdue(c: Cluster, now: float, timeout_s: float) -> tuple[int, float] | None:
+    """A rollout or inference call in flight for more than `timeout_s`: (its device, seconds), the oldest."""
+    late = [(now - f.t0, f.device) for f in c.inflight.values()
+            if f.kind in (CallKind.ROLLOUT, CallKind.INFERENCE) and now - f.t0 > timeout_s]
+    if not late:
+        return None
+    secs, device = max(late)
+    return device, secs
+
+
+class Recovery:
+    """Takes a lost rollout or inference device out of the step and hands its work to the survivors."""
+
+    def __init__(self, c: Cluster, ledger: DeviceLedger, handle: Callable[[Flight, Any], None],
+                 actor_devices: Callable[[], Iterable[int]], inference_lent: Callable[[], Iterable[int]]):
+        self.c, self.ledger, self.handle = c, ledger, handle
+        self._actor_devices, self._inference_lent = actor_devices, inference_lent
+
+    def recoverable(self, device: int) -> bool:
+        """A rollout or inference device of its own (not the actor's, not lent, not shared), with a survivor of
+        its component to take its work."""
+        c, owner = self.c, self.ledger.owner(device)
+        if device in c.lent or device in set(self._actor_devices()) or device in set(self._inference_lent()):
+            return False
+        if owner is Owner.ROLLOUT and device in c.rollout:
+            return len(c.rollout) > 1
+        if owner is Owner.INFERENCE and device in c.inference:
+            return len(c.inference) > 1
+        return False
+
+    def recover(self, died: WorkerDied, st: StepState, overdue_s: float | None = None) -> DeviceFailure:
+        """Device `died.device_id` is dead (or declared so): FAILED in the ledger, its work redone elsewhere.
+        Raises `died` itself when the device is not `recoverable`."""
+        c, d = self.c, died.device_id
+        if not self.recoverable(d):
+            raise died
+        t0 = c.clock()
+        failure = self.ledger.fail(d, died.reason)
+        c.group.retire(d)
+        lost_calls = [c.inflight.pop(ref) for ref, f in list(c.inflight.items()) if f.device == d]
+        rollout = failure.role is Owner.ROLLOUT
+        detail = self._rollout_lost(d, st) if rollout else self._inference_lost(d, st, lost_calls)
+        seconds = c.clock() - t0
+        c.record("device_failed", step=st.step, device=d, role=failure.role.value, reason=failure.reason,
+                 calls_lost=len(lost_calls), overdue_s=overdue_s, recovery_s=seconds, **detail)
+        log.warning("device %d (%s) failed: %s; %s redone on %s in %.2fs", d, failure.role.value, failure.reason,
+                    detail, c.rollout if rollout else c.inference, seconds)
+        return failure
+
+    def _rollout_lost(self, d: int, st: StepState) -> dict:
+        c = self.c
+        c.rollout.remove(d)
+        for per_instance in (st.given, st.reports, st.waiting_since, st.last_result):
+            per_instance.pop(d, None)
+        survivors = list(c.rollout)
+        c.drain(self.handle, set(survivors))   # their slices end; what they finished reaches the driver first
+        held = c.group.gather(c.group.submit_all(roles.rollout_holding, device_ids=survivors))
+        lost = lost_groups(st.num_groups, st.gen_time, (g.group_id for g in st.queue), (i for h in held for i in h))
+        # back to the front of the shared queue, which stays in group-id order
+        st.queue.extend(st.groups[i] for i in lost)
+        ordered = sorted(st.queue, key=lambda g: g.group_id)
+        st.queue.clear()
+        st.queue.extend(ordered)
+        return {"groups_regenerated": lost}
+
+    def _inference_lost(self, d: int, st: StepState, lost_calls: list[Flight]) -> dict:
+        c = self.c
+        c.inference.remove(d)
+        again = [g for f in lost_calls if f.kind is CallKind.INFERENCE for g in f.payload]
+        st.scoring -= len(again)
+        st.to_score.extend(again)
+        return {"groups_rescored": sorted(g.group_id for g in again)}
