@@ -23,6 +23,7 @@ Each section records its error instead of stopping the run, so one failure still
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"name": "megatron_vs_native",
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": f"{platform.node()} {os.cpu_count()} cpu, {r['device']}, torch {torch.__version__}",
-           "megatron_core": _megatron_version(), "model": args.__dict__, "num_params": n_params,
+           "megatron_core": _megatron_version(), "model": dataclasses.asdict(args), "num_params": n_params,
            "peak_tflops": ns.peak_tflops, "micro_batch": mb, "num_mb": n, "iters": ns.iters, "warmup": ns.warmup,
            **r}
     if ns.json_path:
