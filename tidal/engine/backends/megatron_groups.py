@@ -7,7 +7,9 @@ use_gloo_process_groups=False)` read dp / dp_cp / expt_dp / tp / pp / ep / mp / 
 (`setup_process_groups_for_ddp`, `setup_process_groups_for_optimizer`) and set the optimizer's `tp_group` (grad
 norm: TP duplicates counted once) and `grad_stats_parallel_group` (= intra_dist_opt: the norm's all-reduce). With
 these, a forward, backward, DDP reduce-scatter and DistributedOptimizer step run with parallel_state never
-initialized (tests/test_megatron_backend.py). For layout (tp, dp, devices) on this rank (t, d)::
+initialized, and call none of its group / rank / size getters (a profiler over parallel_state.py in
+tests/test_megatron_backend.py: only the memory buffer and `is_initialized`, below). For layout (tp, dp, devices)
+on this rank (t, d)::
 
     tp, mp, tp_cp, tp_ep_pp, expt_tp   the layout's TP group of DP index d (PP = CP = EP = 1)
     dp, dp_cp, expt_dp, intra_dp_cp,   the layout's DP group of TP index t (no experts: expt_dp is never used for
