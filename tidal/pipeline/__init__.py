@@ -5,7 +5,8 @@
 - `driver.py` (`Pipeline`: one step's event loop: feeds rollout and inference, starts actor iters, syncs
   weights), `cluster.py` (`Cluster`, `StepState`: components by device, calls in flight, the step's work),
   `control.py` (`ControlLoop`: observe -> decide -> reconcile at the driver's triggers; learning at step end),
-  `actuator.py` (`RayActuator`: the scheduler's actions as worker calls and ledger transitions).
+  `actuator.py` (`RayActuator`: the scheduler's actions as worker calls and ledger transitions), `faults.py`
+  (`Recovery`: a lost rollout or inference device's work redone on the survivors, the device FAILED).
 - `checkpointing.py`, `recording.py`, `timeline.py`, `tracked_run.py`: checkpoints, events, device time lines;
   `run_metrics.py`: what a step logs besides its components' metrics (event counts and totals, the events
   table's columns, the devices per component over wall time).
@@ -14,5 +15,7 @@ May import: the core (`tidal.core`), `tidal.engine`, `tidal.workers`, `scheduler
 
 Invariants: iter k trains on the sequences [k*S/n, (k+1)*S/n) of the step in group-id order, whatever the
 placement, so a dynamic run updates exactly like a static one; a device changes owner only through the
-`DeviceLedger`; every scheduler action is one `action` event with its outcome.
+`DeviceLedger`; every scheduler action is one `action` event with its outcome; a lost rollout or inference device
+is one `device_failed` event, and the step's groups are still each generated and scored once, with the tokens and
+log-probs of a run without the loss.
 """

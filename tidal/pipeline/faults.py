@@ -2,9 +2,10 @@
 
 Detection (the driver's loop, every pass): a worker whose process is gone (`WorkerDied`: its pid left /proc, or
 Ray's actor-death error on a call) or a rollout/inference call with no result after `cluster.failure_timeout_s`
-(`overdue`: the worker is killed, so no late result of it arrives). Either becomes a `DeviceFailure` and the
-device goes to FAILED in the ledger, with the reason; the policies see it there (`DeviceSignal`) and in the
-components' device lists, which no longer hold it.
+(`overdue`: the worker is killed, so no late result of it arrives). Either becomes a `DeviceFailure`: the device
+goes to FAILED in the ledger with the reason, and one `device_failed` event records it (role, reason, calls lost,
+the groups redone, `seconds` from detection to the work handed over). The policies see it in the ledger
+(`DeviceSignal`) and in the components' device lists, which no longer hold it.
 
 Recovery (`Recovery.recover`), what the step still owes and who redoes it::
 
@@ -93,8 +94,9 @@ class Recovery:
         rollout = failure.role is Owner.ROLLOUT
         detail = self._rollout_lost(d, st) if rollout else self._inference_lost(d, st, lost_calls)
         seconds = c.clock() - t0
+        redone = next(iter(detail.values()))
         c.record("device_failed", step=st.step, device=d, role=failure.role.value, reason=failure.reason,
-                 calls_lost=len(lost_calls), overdue_s=overdue_s, recovery_s=seconds, **detail)
+                 calls_lost=len(lost_calls), overdue_s=overdue_s, seconds=seconds, groups=len(redone), **detail)
         log.warning("device %d (%s) failed: %s; %s redone on %s in %.2fs", d, failure.role.value, failure.reason,
                     detail, c.rollout if rollout else c.inference, seconds)
         return failure

@@ -92,6 +92,9 @@ def table_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
         name = str(rec.pop("action", ""))
         col["component"], col["from"], col["to"] = ACTION_MOVES.get(name, ("", "", ""))
         col["what"] = name
+    elif kind == "device_failed":   # a lost device (tidal/pipeline/faults.py): out of its role for good
+        col["component"] = col["from"] = rec.pop("role", "")
+        col["to"], col["devices"] = "failed", [rec.pop("device", "?")]
     elif kind == "decision":
         col["what"] = rec.pop("trigger", "")
         col["reason"] = "; ".join(rec.pop("actions", []))

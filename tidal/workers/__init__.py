@@ -26,7 +26,8 @@ Invariants:
 - calls to one worker run one at a time, in order; `health` and `interrupt` run in a separate control group, so
   they answer while a long call runs;
 - a worker whose process dies is reported as `WorkerDied(device_id)` by the next `gather` / `call` / `check`
-  within about `poll_s`, never a hang; after a death the group is broken: shut it down and start another;
+  within about `poll_s`, never a hang; after a death the group is broken (shut it down and start another)
+  unless the caller `retire`s the device and needs no collective over the whole world any more;
 - tensors move over torch.distributed (gloo on CPU, NCCL on GPU); values through Ray are records and small dicts;
   with an embedded Ray, Ray and the world's rendezvous listen on 127.0.0.1 only and Ray's gRPC needs a token;
 - every worker holds an `ActorShard` (group creation and reshard votes are collective), holding memory only while

@@ -1,7 +1,8 @@
 """Errors of the worker runtime: each names the device id, never a count or a Ray internal.
 
-* `WorkerDied`: the worker process of a device is gone (killed, OOM, crashed). The group is broken from then
-  on: survivors may be blocked in a collective with the dead rank; shut the group down and start anew.
+* `WorkerDied`: the worker process of a device is gone (killed, OOM, crashed). Survivors may be blocked in a
+  collective with the dead rank: every later `gather` raises it until the caller `retire`s the device (it has
+  taken it out of its work); a group whose work needs every rank is broken: shut it down and start anew.
 * `WorkerTimeout`: a call did not finish within its timeout; the devices still running it are named.
 * `WorkerCallError`: the function raised inside the worker; the worker itself is fine.
 """

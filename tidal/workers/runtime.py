@@ -19,7 +19,8 @@ Guarantees:
 * A worker whose process dies is reported as `WorkerDied(device_id, reason)` by the next `gather`/`call`/
   `check` within about `poll_s` (local workers: its pid leaves /proc; any worker: Ray's actor-death error),
   never a hang. After a death the group is broken (survivors may sit in a collective with the dead rank):
-  `shutdown()` and start a new group.
+  `shutdown()` and start a new group, unless the caller `retire`s the device (then only calls to it fail) and
+  needs no collective over the whole world.
 * Waits log progress every `log_every_s` seconds naming the devices still running.
 * CPU virtual devices can get a fixed compute share (`compute_share`, fraction of this machine's cores per
   device, like `cluster.cpu_compute_share`): see `tidal.workers.compute_share`.
@@ -142,8 +143,10 @@ class WorkerGroup:
             # Ray's CPU accounting does not model them; the real cap is compute_share.
             opts.update(num_gpus=0, num_cpus=CPU_WORKER_NUM_CPUS)
         tag = uuid.uuid4().hex[:6]
-        actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **opts).remote(d, device_kind, r, devices)
-                  for r, d in enumerate(devices)}
+        # TIDAL_DEVICE_ID in each worker's environment: which process serves which device (`ps e`, fault tests)
+        actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **{
+                      **opts, "runtime_env": {"env_vars": {**env, "TIDAL_DEVICE_ID": str(d)}}})
+                  .remote(d, device_kind, r, devices) for r, d in enumerate(devices)}
         group = cls(session, device_kind, actors, {}, local=session.embedded, poll_s=poll_s,
                     log_every_s=log_every_s)
         try:
