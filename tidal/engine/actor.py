@@ -42,7 +42,7 @@ from torch import nn
 from tidal.core.errors import LayoutError, TrainingError
 from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.groups import GroupCache, reshard_rank_sets
-from tidal.engine.layout import Layout, ParamSpec
+from tidal.engine.layout import Layout, ParamSpec, synced_layout
 from tidal.engine.model import ModelArgs, Transformer, check_tp, init_global_weights, param_specs, rope_tables
 from tidal.engine.optim import (
     OPT_KINDS,
@@ -491,12 +491,7 @@ class ActorShard:
     def sync_layout(self, layout: Layout | None) -> None:
         """A rank outside the actor that sat out member-local reshards learns the current layout (it holds no
         state, so nothing moves)."""
-        if layout is None or layout == self.layout:
-            return
-        if self.state is not None:
-            raise LayoutError("layout", str(layout), f"rank {self.rank} holds shards of {self.layout}, not of "
-                              f"{layout}", "pass the layout this rank's last reshard moved it to")
-        self.layout = layout
+        self.layout = synced_layout(self.layout, layout, self.state is not None, self.rank)
 
     def adopt(self, layout: Layout, state: ShardState | None) -> None:
         """Swap in `state` of `layout`, built elsewhere (a checkpoint load, tidal/engine/checkpoint.py); the old buffers

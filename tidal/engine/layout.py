@@ -129,3 +129,14 @@ class ParamSpec:
     def zero_range(self, layout: Layout, t: int, d: int) -> tuple[int, int]:
         """Flat range of the row-major TP shard whose optimizer state DP rank d owns."""
         return split(prod(self.tp_shape(layout.tp, t)), layout.dp, d)
+
+
+def synced_layout(current: Layout, new: Layout | None, holds_state: bool, rank: int) -> Layout:
+    """The layout a rank that sat out member-local reshards moves to (`sync_layout` of every actor backend): it
+    holds no state, so nothing moves; a rank that holds shards of `current` cannot jump to another layout."""
+    if new is None or new == current:
+        return current
+    if holds_state:
+        raise LayoutError("layout", str(new), f"rank {rank} holds shards of {current}, not of {new}",
+                          "pass the layout this rank's last reshard moved it to")
+    return new

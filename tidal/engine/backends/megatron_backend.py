@@ -83,7 +83,7 @@ from tidal.engine.backends.megatron_state_reshard import (
 )
 from tidal.engine.backends.protocol import register_backend
 from tidal.engine.groups import GroupCache, reshard_rank_sets
-from tidal.engine.layout import Layout, ParamSpec
+from tidal.engine.layout import Layout, ParamSpec, synced_layout
 from tidal.engine.model import ModelArgs, init_global_weights
 from tidal.engine.optim import OptimConfig, lr_at
 from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
@@ -281,12 +281,7 @@ class MegatronBackend:
     def sync_layout(self, layout: Layout | None) -> None:
         """A rank outside the actor that sat out member-local reshards learns the current layout (it holds no
         state, so nothing moves)."""
-        if layout is None or layout == self.layout:
-            return
-        if self.stack is not None:
-            raise LayoutError("layout", str(layout), f"rank {self.rank} holds shards of {self.layout}, not of "
-                              f"{layout}", "pass the layout this rank's last reshard moved it to")
-        self.layout = layout
+        self.layout = synced_layout(self.layout, layout, self.stack is not None, self.rank)
 
     @property
     def model(self) -> GPTAdapter | None:
