@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.core.devices import DeviceLedger, Owner
+from tidal.core.devices import DeviceLedger, IllegalTransition, Owner
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.timeline import Timeline
 
@@ -87,8 +87,9 @@ def test_table_fields_fill_the_events_table_columns():
 def test_placement_changes_give_the_counts_that_changed_at_each_move():
     now = [0.0]
     ledger = DeviceLedger(range(4), clock=lambda: now[0])
-    ledger.assign([0, 1], Owner.ACTOR, "placement")
-    ledger.assign([2, 3], Owner.ROLLOUT, "placement")
+    ledger.assign_many({Owner.ACTOR: [0, 1], Owner.ROLLOUT: [2, 3]}, "placement")   # one move, one clock reading
+    with pytest.raises(IllegalTransition):   # all or nothing: device 0 is no longer free
+        ledger.assign_many({Owner.INFERENCE: [0]}, "again")
     now[0] = 2.0
     ledger.release([3], "rollout drained")
     now[0] = 2.5

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -110,21 +110,32 @@ class DeviceLedger:
         return dict(self._owner)
 
     def _move(self, devices: Iterable[int], dst: Owner, reason: str, expect: tuple[Owner, ...] | None) -> None:
-        devices = [int(d) for d in devices]
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"devices listed twice in one move: {devices}")
-        for d in devices:  # check all first: a refused move changes nothing
+        self._move_many({dst: devices}, reason, expect)
+
+    def _move_many(self, moves: Mapping[Owner, Iterable[int]], reason: str,
+                   expect: tuple[Owner, ...] | None) -> None:
+        """One move: every listed device to its destination at one clock reading, or none of them."""
+        pairs = [(int(d), dst) for dst, devices in moves.items() for d in devices]
+        ids = [d for d, _ in pairs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"devices listed twice in one move: {ids}")
+        for d, dst in pairs:  # check all first: a refused move changes nothing
             src = self.owner(d)
             if (src, dst) not in TRANSITIONS or (expect is not None and src not in expect):
                 raise IllegalTransition(d, src, dst)
         now = self._clock()
-        for d in devices:
+        for d, dst in pairs:
             self.history.append(Transition(d, self._owner[d], dst, reason, now))
             self._owner[d] = dst
 
     def assign(self, devices: Iterable[int], role: Owner, reason: str) -> None:
         """FREE -> role (or SHARED)."""
         self._move(devices, role, reason, (Owner.FREE,))
+
+    def assign_many(self, roles: Mapping[Owner, Iterable[int]], reason: str) -> None:
+        """FREE -> several roles as one move (one time in the history: a placement is one change, not one per
+        role)."""
+        self._move_many(roles, reason, (Owner.FREE,))
 
     def release(self, devices: Iterable[int], reason: str) -> None:
         """role -> MOVING (the old role still holds memory until `land` or `free`)."""

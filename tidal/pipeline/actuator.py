@@ -408,11 +408,8 @@ class RayActuator:
         failed = set(ledger.owned(Owner.FAILED))   # lost devices stay out (`tidal.pipeline.faults`)
         back_r = [d for d in rollout if d not in c.rollout and d not in failed]
         back_i = [d for d in inference if d not in c.inference and d not in failed]
-        if back_r:
-            ledger.assign(back_r, Owner.ROLLOUT, "step end: rollout placement restored")
-            c.rollout = sorted(c.rollout + back_r)
-        if back_i:
-            ledger.assign(back_i, Owner.INFERENCE, "step end: inference placement restored")
-            c.inference = sorted(c.inference + back_i)
+        ledger.assign_many({Owner.ROLLOUT: back_r, Owner.INFERENCE: back_i}, "step end: placement restored")
+        c.rollout = sorted(c.rollout + back_r)
+        c.inference = sorted(c.inference + back_i)
         if back_r or back_i:
             c.record("restore", step=self._st.step, rollout=back_r, inference=back_i)

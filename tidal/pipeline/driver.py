@@ -175,10 +175,9 @@ class Pipeline:
                               (Owner.INFERENCE, c.inference)):
             for d in devices:
                 owners[d] = Owner.SHARED if d in owners else role
-        for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE, Owner.SHARED):
-            mine = [d for d, o in owners.items() if o is role]
-            if mine:
-                self.ledger.assign(mine, role, "placement")
+        by_role = {role: [d for d, o in owners.items() if o is role]
+                   for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE, Owner.SHARED)}
+        self.ledger.assign_many({r: ds for r, ds in by_role.items() if ds}, "placement")
 
     def _load_generation(self, weights_ref, step: int) -> None:
         """Rollout and inference engines of `self.version`: from the worker's kept copy where it has one, else

@@ -289,7 +289,7 @@ class TrainingRun:
 
     def _log_placement(self, step: int) -> None:
         """`devices/<owner>` at each placement change since the last call, each stamped with its wall time. Moves
-        within one millisecond (MLflow's resolution; the start's placement is three) log their end state once."""
+        within one millisecond (MLflow's resolution) log their end state once."""
         moves = placement_changes(self._pipe.ledger.history, self.cfg.placement.num_devices)
         origin = self.origin()
         by_ms: dict[int, dict[str, int]] = {}
