@@ -48,7 +48,8 @@ context (the cheapest re-prefill, so the ratio is conservative; the exact native
 Attention probe (CUDA only, `--no-probe` skips it; `attention` in the JSON): the engine's decode attention call
 (`decode_attention`, the first batch's rows over the mean decode context's key bucket, additive mask) timed with
 CUDA events under torch's default choice and each SDPA backend that accepts it, beside `kv_read_bound_us`, the
-time to read its K and V once at the measured copy bandwidth.
+time to read its K and V once at the measured copy bandwidth; and the fused engine's Triton kernel
+(`decode_attention_fused`: each row reads only its visible keys) beside `visible_kv_read_bound_us`.
 """
 
 from __future__ import annotations
@@ -349,6 +350,7 @@ def attention_probe(a, device, dtype, report):
     against the time to read its K and V once at the measured copy bandwidth."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from tidal.engine.generation.decode_attention import decode_attention_fused
     from tidal.engine.generation.kv_cache import decode_attention
     m = a.model
     heads, kv, d = m["num_heads"], m["num_kv_heads"], m["hidden_size"] // m["num_heads"]
@@ -358,8 +360,8 @@ def attention_probe(a, device, dtype, report):
     q = torch.randn(rows, heads, 1, d, device=device, dtype=dtype, generator=g)
     k = torch.randn(rows, kv, span, d, device=device, dtype=dtype, generator=g)
     v = torch.randn(rows, kv, span, d, device=device, dtype=dtype, generator=g)
-    visible = (torch.arange(span, device=device)[None, :] < torch.randint(span // 2, span, (rows, 1), device=device,
-                                                                          generator=g))[:, None, None, :]
+    lengths = torch.randint(span // 2, span, (rows, 1), device=device, generator=g)
+    visible = (torch.arange(span, device=device)[None, :] < lengths)[:, None, None, :]
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
     def timed(fn, n=200):
@@ -383,9 +385,22 @@ def attention_probe(a, device, dtype, report):
                                   "rel_diff": ((out - ref).norm() / ref.norm()).item()}
         except RuntimeError as e:
             backends[name] = {"refused": str(e).splitlines()[0][:160]}
+    # the fused engine's kernel: each row reads its own keys 0..pos (pos = its last visible key), the new K/V at
+    # pos given as the cache's own (so the cache is unchanged between calls)
+    pos, slots = lengths[:, 0] - 1, torch.arange(rows, device=device)
+    k_new, v_new = k[slots, :, pos], v[slots, :, pos]
+
+    def triton_call():
+        return decode_attention_fused(q[:, :, 0], k_new, v_new, k, v, slots, pos, span)
+
+    out = triton_call()[:, :, None].float()
+    backends["triton_split_k"] = {"us": timed(triton_call), "rel_diff": ((out - ref).norm() / ref.norm()).item()}
+    bandwidth = copy_bandwidth(device) * 1e9
     kv_bytes = 2 * k.numel() * k.element_size()
+    visible_bytes = kv_bytes * lengths.sum().item() / (rows * span)
     report["attention"] = {"shape": f"q {rows}x{heads}x1x{d}, kv {rows}x{kv}x{span}x{d}, additive mask",
-                           "kv_read_bound_us": kv_bytes / (copy_bandwidth(device) * 1e9) * 1e6,
+                           "kv_read_bound_us": kv_bytes / bandwidth * 1e6,
+                           "visible_kv_read_bound_us": visible_bytes / bandwidth * 1e6,
                            "backends": backends}
 
 

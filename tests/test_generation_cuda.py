@@ -4,6 +4,8 @@
   position are masked, and a longer neighbour (a larger span, another captured graph) changes no bit.
 - KV migration between engines of equal numerics continues a request bit for bit.
 - A batched prefill equals one-at-a-time prefill up to bf16 round-off (compared, not asserted bit for bit).
+- The Triton decode attention equals fp32 attention up to bf16 round-off, writes each row's new K/V, and a row's
+  output bits depend neither on the step's span nor on the other rows.
 
 Skipped without a GPU (CI has none); run on one with `python -m pytest tests/test_generation_cuda.py`."""
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
+from tidal.engine.generation.decode_attention import decode_attention_fused
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -123,3 +126,33 @@ def test_fused_kernels_compute_the_eager_math_and_free_with_the_weights():
     _, eager_new = run(False, m2)
     lp = torch.tensor([[after[f"r{i}"].logprobs[0], eager_new[f"q{i}"].logprobs[0]] for i in range(8)])
     assert (lp[:, 0] - lp[:, 1]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (8, 8, 64), (32, 8, 128)])
+def test_triton_decode_attention_is_attention_and_depends_on_the_row_only(heads, kv_heads, head_dim):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slots, seq = 6, 1100
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    k_cache, v_cache = randn(slots, kv_heads, seq, head_dim), randn(slots, kv_heads, seq, head_dim)
+    pos = torch.tensor([0, 255, 256, 700, 1023, 5], device="cuda")   # chunk edges and a lone key
+    rows = torch.tensor([4, 0, 1, 5, 2, 3], device="cuda")
+    q, k_new, v_new = randn(6, heads, head_dim), randn(6, kv_heads, head_dim), randn(6, kv_heads, head_dim)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = decode_attention_fused(q, k_new, v_new, kc, vc, rows, pos, span=1024)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[rows, :, pos], want_v[rows, :, pos] = k_new, v_new
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    rep = heads // kv_heads
+    for r in range(6):
+        k = want_k[rows[r], :, :pos[r] + 1].float().repeat_interleave(rep, 0)
+        v = want_v[rows[r], :, :pos[r] + 1].float().repeat_interleave(rep, 0)
+        ref = torch.softmax(q[r].float()[:, None] @ k.transpose(1, 2) / head_dim ** 0.5, -1) @ v
+        torch.testing.assert_close(out[r].float(), ref[:, 0], atol=2e-2, rtol=2e-2)
+    # a longer span (a larger grid) and other rows' queries change no bit of a row
+    q2 = q.clone()
+    q2[0] = randn(heads, head_dim)
+    again = decode_attention_fused(q2, k_new, v_new, k_cache.clone(), v_cache.clone(), rows, pos, span=1100)
+    assert torch.equal(again[1:], out[1:])

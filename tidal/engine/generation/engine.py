@@ -64,7 +64,7 @@ from typing import Any, Literal, cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.generation import fused, sampler
+from tidal.engine.generation import decode_attention, fused, sampler
 from tidal.engine.generation.kv_cache import RowGroup, SlotKVCache
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
@@ -181,6 +181,8 @@ class NativeEngine(GenerationEngine):
                              f"{self.device})", "leave it None (on where it can run) or set False")
         self._fused = config.fused_kernels if config.fused_kernels is not None else can_fuse and not self._row_spans
         self._kernels = fused.compiled_kernels() if self._fused else EAGER
+        # step-wide decode attention in Triton (each row reads its own keys, writes its K/V in the same launch)
+        self._fused_attention = self._fused and decode_attention.supported(self.args.head_dim, self.dtype)
         if self._fused:
             model.pack_projections()
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
@@ -415,7 +417,8 @@ class NativeEngine(GenerationEngine):
         else:
             # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
             span = padded_len(max(live.kv_len for live in active) + 1, self.args.max_seq_len)
-            self.keys_read += self.rows * span
+            # the fused kernel reads each row's keys 0..pos (empty rows: one key); SDPA the step's span
+            self.keys_read += sum(p + 1 for p in pos) if self._fused_attention else self.rows * span
             if self._use_graph and self.rows == self.width:
                 tok, lp = self._graph_decode(ids_R, pos_R, u, filtered, span)
             else:
@@ -440,7 +443,8 @@ class NativeEngine(GenerationEngine):
     def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool, *,
                         span: int | None = None, groups: list[RowGroup] | None = None):
         """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
-        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups)
+        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups,
+                                     fused=self._fused_attention and span is not None)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R, filtered)

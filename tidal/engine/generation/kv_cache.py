@@ -31,6 +31,8 @@ from typing import cast
 
 import torch
 
+from tidal.engine.generation.decode_attention import decode_attention_fused
+
 
 class SlotKVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
@@ -76,10 +78,11 @@ class SlotKVCache:
         return _PrefillWriter(self, slots)
 
     def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
-                span: int | None = None, groups: list[RowGroup] | None = None) -> _Decoder:
+                span: int | None = None, groups: list[RowGroup] | None = None, fused: bool = False) -> _Decoder:
         """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r). Either
-        every row attends over the first `span` keys of its slot, or each `RowGroup` over its own span."""
-        return _Decoder(self, positions_R, row_slot_R, span, groups)
+        every row attends over the first `span` keys of its slot, or each `RowGroup` over its own span. `fused`
+        (with `span`, CUDA): the Triton kernel of `decode_attention`, each row reading its own keys 0..pos."""
+        return _Decoder(self, positions_R, row_slot_R, span, groups, fused)
 
 
 class RowGroup:
@@ -135,13 +138,17 @@ class _Decoder:
     a row's span depends on its own position only, never on which rows share the step)."""
 
     def __init__(self, cache: SlotKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
-                 span: int | None, groups: list[RowGroup] | None):
+                 span: int | None, groups: list[RowGroup] | None, fused: bool = False):
         if (span is None) == (groups is None):
             raise ValueError("a decode step takes either one span or row groups")
-        self.cache, self.positions, self.span, self.groups = cache, positions_R, span, groups
+        if fused and span is None:
+            raise ValueError("the fused decode attention takes one span, not row groups")
+        self.cache, self.positions, self.span, self.groups, self.fused = cache, positions_R, span, groups, fused
         self.gather = row_slot_R is not None
         device = positions_R.device
         self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=device)
+        if fused:
+            return   # the kernel masks by position and writes the new K/V itself
         if span is not None:
             keys = torch.arange(span, device=device)
             visible = (keys[None, :] <= positions_R[:, None])[:, None, None, :]
@@ -157,6 +164,10 @@ class _Decoder:
 
     def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor) -> torch.Tensor:
         k, v = self.cache.k[layer], self.cache.v[layer]
+        if self.fused:
+            out = decode_attention_fused(q_RH1D[:, :, 0], k_RK1D[:, :, 0], v_RK1D[:, :, 0], k, v, self.slots,
+                                         self.positions, cast(int, self.span))
+            return out[:, :, None]
         d = self.cache.head_dim   # padding rows collide in the dummy slot: garbage, never read unmasked
         k.view(-1, d).index_copy_(0, self.write_rows, k_RK1D.reshape(-1, d))
         v.view(-1, d).index_copy_(0, self.write_rows, v_RK1D.reshape(-1, d))

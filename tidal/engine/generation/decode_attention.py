@@ -1,0 +1,148 @@
+"""Decode attention for the CUDA engine in Triton: split-K over fixed key chunks, the new K/V written in the same
+launch, each row reading only its own valid keys.
+
+One decode step asks, per row r and query head h, for softmax(q K^T / sqrt(D)) V over the keys 0..pos[r] of the
+row's slot, where key pos[r] is the row's own new K/V (not yet in the cache). SDPA over a step-wide span reads
+every row's keys up to the longest row and, on an H200, spends 2.3x the time of its KV read on 6-query GQA groups
+(its 64-query tiles are mostly padding). Here:
+
+    stage 1, grid (rows, kv heads, chunks):  the G query heads of one kv head against one CHUNK of keys
+        (an online softmax over BLOCK_N-key blocks, one tensor-core dot per block with the G heads padded to 16
+        rows); writes the chunk's normalized output and its log-sum-exp. The program whose chunk holds pos[r]
+        stores the new K/V into the cache and uses it from registers for that key (no read-after-write).
+        Chunks past a row's length exit at once: a row reads its own keys, not the step's span.
+    stage 2, grid (rows, heads):  the row's chunks combined in order 0, 1, ... (a sequential loop).
+
+Invariant (what makes the kernel safe for a step-wide CUDA graph): a row's output depends only on its q, its
+slot's keys 0..pos and pos itself, never on the step's span, the other rows, or the grid size: the chunk
+boundaries are fixed multiples of CHUNK and the combine order is fixed. The math is attention in fp32
+accumulation over bf16/fp16 inputs, rounding differently from SDPA's kernels, so it is part of the engine's
+`fused=1` numerics (`tidal.engine.generation.fused`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: keys per stage-1 program (fixed: a row's chunk boundaries, hence its result, never depend on the step)
+CHUNK = 256
+#: keys per online-softmax block inside a chunk
+BLOCK_N = 64
+
+
+def supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """The kernel's shapes: a power-of-two head dim of 16..256, bf16 or fp16 K/V."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_ss, c_sh, c_sp,
+               slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale,
+               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
+               BLOCK_N_: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        c = tl.program_id(2)
+        pos = tl.load(pos_ptr + row)
+        start = c * CHUNK_
+        if start <= pos:
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
+            gmask = offs_g < G
+            heads = kvh * G + offs_g
+            q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + offs_d[None, :], mask=gmask[:, None],
+                        other=0.0)
+            k_new = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + offs_d)
+            v_new = tl.load(vn_ptr + row * vn_sr + vn_sh * kvh + offs_d)
+            cache = slot * c_ss + kvh * c_sh
+            end = tl.minimum(start + CHUNK_, pos + 1)
+            if pos < start + CHUNK_:   # this chunk holds the row's own key: store it for later steps
+                tl.store(kc_ptr + cache + pos * c_sp + offs_d, k_new)
+                tl.store(vc_ptr + cache + pos * c_sp + offs_d, v_new)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+            qk_scale = sm_scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
+            for n0 in range(start, end, BLOCK_N_):
+                offs_n = n0 + tl.arange(0, BLOCK_N_)
+                nmask = offs_n < end
+                own = offs_n == pos
+                at = cache + offs_n[:, None] * c_sp + offs_d[None, :]
+                k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+                v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+                k = tl.where(own[:, None], k_new[None, :], k)
+                v = tl.where(own[:, None], v_new[None, :], v)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                s = tl.where(nmask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            at_mid = (row * (G * tl.num_programs(1)) + heads) * max_chunks + c
+            tl.store(mid_o_ptr + at_mid[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=gmask[:, None])
+            tl.store(mid_lse_ptr + at_mid, m_i + tl.log2(l_i), mask=gmask)   # log2-sum-exp2 of scaled scores
+
+    @triton.jit
+    def stage2(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, o_sr, o_sh, max_chunks, num_heads,
+               D: tl.constexpr, CHUNK_: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        n = (pos + CHUNK_) // CHUNK_   # chunks holding keys 0..pos
+        offs_d = tl.arange(0, D)
+        base = (row * num_heads + h) * max_chunks
+        m = tl.load(mid_lse_ptr + base)
+        acc = tl.load(mid_o_ptr + base * D + offs_d)
+        total = 1.0
+        for c in range(1, n):
+            lse = tl.load(mid_lse_ptr + base + c)
+            o = tl.load(mid_o_ptr + (base + c) * D + offs_d)
+            m_new = tl.maximum(m, lse)
+            a = tl.exp2(m - m_new)
+            b = tl.exp2(lse - m_new)
+            acc = acc * a + o * b
+            total = total * a + b
+            m = m_new
+        tl.store(out_ptr + row * o_sr + h * o_sh + offs_d, (acc / total).to(out_ptr.dtype.element_ty))
+
+    return stage1, stage2
+
+
+def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_RKD: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots_R: torch.Tensor, pos_R: torch.Tensor,
+                           span: int) -> torch.Tensor:
+    """out [R, H, D] of one decode step; also writes each row's new K/V at [slot, :, pos] of the caches
+    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1)."""
+    import triton
+
+    r, h, d = q_RHD.shape
+    kv = k_new_RKD.shape[1]
+    if q_RHD.stride(-1) != 1 or k_new_RKD.stride(-1) != 1 or v_new_RKD.stride(-1) != 1:
+        raise ValueError("decode_attention_fused: q and the new K/V need a contiguous head dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention_fused: the KV caches must be contiguous")
+    g = h // kv
+    max_chunks = triton.cdiv(span, CHUNK)
+    mid_o = torch.empty((r, h, max_chunks, d), dtype=torch.float32, device=q_RHD.device)
+    mid_lse = torch.empty((r, h, max_chunks), dtype=torch.float32, device=q_RHD.device)
+    out = torch.empty((r, h, d), dtype=q_RHD.dtype, device=q_RHD.device)
+    stage1, stage2 = _kernels()
+    stage1[(r, kv, max_chunks)](
+        q_RHD, q_RHD.stride(0), q_RHD.stride(1), k_new_RKD, k_new_RKD.stride(0), k_new_RKD.stride(1),
+        v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK_N_=BLOCK_N, num_warps=4)
+    stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=CHUNK,
+                   num_warps=1)
+    return out
