@@ -20,8 +20,9 @@ batch (which captures its CUDA graphs: the decode graph and the prefill graph of
 
 Kernels (`kernels`): `fused` is the CUDA engine's default (packed q/k/v and gate/up GEMMs, elementwise stages
 compiled by torch.compile: `tidal.engine.generation.fused`), `eager` the same engine launching torch's own kernels;
-`speedup_vs_eager` = eager ms per step / fused ms per step at the same batch, measured side by side. HF `generate`
-runs once per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
+`triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`); `speedup_vs_eager` =
+eager ms per step / the variant's ms per step at the same batch, measured side by side. HF `generate` runs once
+per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
 per step.
 
 Memory-bandwidth bound: `copy_bandwidth_GBps` is a device-to-device copy (`dst.copy_(src)` of a 2 GiB bf16 tensor,
@@ -253,7 +254,8 @@ def throughput(a, device, dtype, report):
     rows = []
     for batch, kernels in ((b, k) for b in a.batches for k in a.kernels):
         ids = prompts(args, batch, a.prompt_len)
-        engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels == "fused"))
+        engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels != "eager",
+                                              decode_attention="triton" if kernels == "triton" else "sdpa"))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
         native_generate(engine, ids, a.new_tokens, "warm")
         runs, tokens = [], None
@@ -297,7 +299,7 @@ def throughput(a, device, dtype, report):
     del hf
     for r in rows:
         eager = next((e for e in rows if e["batch"] == r["batch"] and e["kernels"] == "eager"), None)
-        if r["kernels"] == "fused" and eager is not None:
+        if r["kernels"] != "eager" and eager is not None:
             r["speedup_vs_eager"] = eager["ms_per_decode_step"] / r["ms_per_decode_step"]
     report["throughput"] = rows
     first = rows[0]  # the top-level keys of a single-batch run
@@ -423,8 +425,8 @@ def batches(text: str) -> list[int]:
 
 def kernel_variants(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(k not in ("fused", "eager") for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: give fused, eager or fused,eager")
+    if not out or any(k not in ("fused", "triton", "eager") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, eager")
     return out
 
 
@@ -448,7 +450,8 @@ def main(argv=None):
     p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")
     p.add_argument("--kernels", type=kernel_variants, default=None, metavar="K[,K...]",
                    help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
-                        "CUDA with Triton) and/or eager (default: fused,eager on CUDA, eager on CPU)")
+                        "CUDA with Triton), triton (fused + the Triton decode attention) and/or eager "
+                        "(default: fused,eager on CUDA, eager on CPU)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"

@@ -44,3 +44,7 @@ def test_eager_kernels_are_the_default_and_fusing_off_cuda_is_refused():
     assert "fused=0" in engine.numerics and engine.model.layers[0].self_attn.packed is None
     with pytest.raises(TidalError, match="fused_kernels"):
         NativeEngine(_model(), EngineConfig(max_running_requests=2, fused_kernels=True))
+    with pytest.raises(TidalError, match="decode_attention"):   # the Triton attention rides on the fused mode
+        NativeEngine(_model(), EngineConfig(max_running_requests=2, decode_attention="triton"))
+    with pytest.raises(TidalError, match="decode_attention"):
+        EngineConfig(decode_attention="flash")  # type: ignore[arg-type]

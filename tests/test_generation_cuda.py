@@ -44,13 +44,15 @@ def _finish(engine, out=None):
     return out
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_row_does_not_depend_on_the_span_of_its_step(params):
+def test_a_row_does_not_depend_on_the_span_of_its_step(params, attention):
     m = _model()
-    alone = NativeEngine(m, EngineConfig(max_running_requests=4, batch_invariant=False))
+    cfg = EngineConfig(max_running_requests=4, batch_invariant=False, decode_attention=attention)
+    alone = NativeEngine(m, cfg)
     alone.add(Request("x", _prompt(20, 1), params, seed=7))
     want = _finish(alone)["x"]
-    shared = NativeEngine(m, EngineConfig(max_running_requests=4, batch_invariant=False))
+    shared = NativeEngine(m, cfg)
     shared.add(Request("long", _prompt(600, 2), SamplingParams(0.0, max_new_tokens=200), seed=3))
     shared.step()   # the long request is in flight: every later step's span is >= 640 keys
     shared.add(Request("x", _prompt(20, 1), params, seed=7))

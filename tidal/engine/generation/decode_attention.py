@@ -50,7 +50,7 @@ def _kernels():
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         c = tl.program_id(2)
-        pos = tl.load(pos_ptr + row)
+        pos = tl.load(pos_ptr + row).to(tl.int32)   # loop bounds and offsets in one integer type
         start = c * CHUNK_
         if start <= pos:
             slot = tl.load(slot_ptr + row).to(tl.int64)
@@ -97,13 +97,13 @@ def _kernels():
                D: tl.constexpr, CHUNK_: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
-        pos = tl.load(pos_ptr + row)
+        pos = tl.load(pos_ptr + row).to(tl.int32)
         n = (pos + CHUNK_) // CHUNK_   # chunks holding keys 0..pos
         offs_d = tl.arange(0, D)
         base = (row * num_heads + h) * max_chunks
         m = tl.load(mid_lse_ptr + base)
         acc = tl.load(mid_o_ptr + base * D + offs_d)
-        total = 1.0
+        total = m * 0.0 + 1.0   # an fp32 tensor like the values the loop assigns it
         for c in range(1, n):
             lse = tl.load(mid_lse_ptr + base + c)
             o = tl.load(mid_o_ptr + (base + c) * D + offs_d)

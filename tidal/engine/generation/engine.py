@@ -103,6 +103,11 @@ class EngineConfig:
     """Packed q/k/v and gate/up GEMMs and compiled elementwise stages (`tidal.engine.generation.fused`): fewer
     launches per step, other round-off than eager. None: on in the step-wide mode on CUDA where Triton is
     installed. True elsewhere is refused (it needs CUDA and Triton)."""
+    decode_attention: Literal["sdpa", "triton"] = "sdpa"
+    """Step-wide decode attention on CUDA: `sdpa` (torch's kernels over the step's key span) or `triton`
+    (`tidal.engine.generation.decode_attention`: split-K, each row reading its own keys, its K/V written in the
+    same launch; needs the fused kernels). `sdpa` is the default until `benchmarks/rollout.py --kernels
+    fused,triton` has measured the Triton kernel on the GPU in question."""
     vocab_limit: int | None = None
     """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
     rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
@@ -116,6 +121,8 @@ class EngineConfig:
             raise TidalError("vocab_limit", self.vocab_limit, "must be >= 2", "the tokenizer's size, or None")
         if self.reprefill not in ("replay", "single_pass"):
             raise TidalError("reprefill", self.reprefill, "unknown mode", 'use "replay" or "single_pass"')
+        if self.decode_attention not in ("sdpa", "triton"):
+            raise TidalError("decode_attention", self.decode_attention, "unknown kernel", 'use "sdpa" or "triton"')
 
     @staticmethod
     def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> EngineConfig:
@@ -182,12 +189,17 @@ class NativeEngine(GenerationEngine):
         self._fused = config.fused_kernels if config.fused_kernels is not None else can_fuse and not self._row_spans
         self._kernels = fused.compiled_kernels() if self._fused else EAGER
         # step-wide decode attention in Triton (each row reads its own keys, writes its K/V in the same launch)
-        self._fused_attention = self._fused and decode_attention.supported(self.args.head_dim, self.dtype)
+        self._fused_attention = config.decode_attention == "triton"
+        if self._fused_attention and not (self._fused and decode_attention.supported(self.args.head_dim, self.dtype)):
+            raise TidalError("decode_attention", "triton", f"needs the fused kernels (step-wide mode on CUDA) and a "
+                             f"power-of-two head dim in bf16/fp16 (this engine: fused={int(self._fused)}, head_dim="
+                             f"{self.args.head_dim}, {self.dtype})", 'use "sdpa"')
         if self._fused:
             model.pack_projections()
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
-                         f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)}")
+                         f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)},"
+                         f"attention={config.decode_attention}")
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
         self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
                                  self.dtype, self.device)
