@@ -31,7 +31,7 @@ Invariants (tests/test_db.py):
 
 from db.checks import InvalidRecord
 from db.migrate import current_revision, downgrade, head_revision, open_database, schema_diff, upgrade
-from db.models import DeviceTransition, MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step
+from db.models import DeviceTransition, FaultEvent, MigrationEvent, ReshardEvent, Run, SchedulerEvent, Step
 from db.repository import (
     add_run,
     add_step,
@@ -39,6 +39,7 @@ from db.repository import (
     finish_run,
     get_run,
     heartbeat,
+    list_faults,
     list_migrations,
     list_reshards,
     list_runs,
@@ -46,6 +47,7 @@ from db.repository import (
     list_steps,
     list_transitions,
     mark_lost,
+    record_fault,
     record_migration,
     record_reshard,
     record_scheduler_event,
@@ -56,9 +58,10 @@ from db.session import make_engine, session_scope
 
 __all__ = [
     "InvalidRecord", "current_revision", "downgrade", "head_revision", "open_database", "schema_diff", "upgrade",
-    "DeviceTransition", "MigrationEvent", "ReshardEvent", "Run", "SchedulerEvent", "Step",
+    "DeviceTransition", "FaultEvent", "MigrationEvent", "ReshardEvent", "Run", "SchedulerEvent", "Step",
     "add_run", "add_step", "attach_mlflow_run", "finish_run", "get_run", "heartbeat", "list_migrations",
     "list_reshards", "mark_lost",
     "list_runs", "list_scheduler_events", "list_steps", "list_transitions", "record_migration", "record_reshard",
     "record_scheduler_event", "record_transition", "record_transitions", "make_engine", "session_scope",
+    "list_faults", "record_fault",
 ]

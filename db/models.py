@@ -6,7 +6,9 @@ One row per fact, each tied to its run (deleting a run deletes its rows)::
           ├─< device_transitions   device ownership history (tidal.core.devices.Owner strings)
           ├─< reshard_events       actor layout changes: from/to layout, bytes, seconds, committed or rolled back
           ├─< migration_events     rollout request moves between instances (kv | reprefill)
-          └─< scheduler_events     every scheduler decision and every action it took, with the reason
+          ├─< scheduler_events     every scheduler decision and every action it took, with the reason
+          └─< fault_events         a device lost (failed), its work done again (recovered), back in the pool
+                                   (rejoined): seconds, bytes, groups, tokens
 
 Design choices:
 - Enumerated strings (run status, owners, migration mode, event kind) are VARCHAR plus a named CHECK
@@ -57,6 +59,7 @@ RUN_STATUSES = ("running", "finished", "failed", "aborted", "lost")   # lost: it
 OWNERS = tuple(o.value for o in Owner)
 MIGRATION_MODES = ("kv", "reprefill")
 SCHEDULER_KINDS = ("decision", "action")
+FAULT_KINDS = ("failed", "recovered", "rejoined")
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -214,3 +217,32 @@ class SchedulerEvent(Base):
     reason: Mapped[str] = mapped_column(Text, nullable=False)
     #: what applying it did ("applied", "refused: ..."); None for a decision not (yet) acted on.
     outcome: Mapped[str | None] = mapped_column(Text)
+
+
+class FaultEvent(Base):
+    """A device lost (`failed`: its work handed to the survivors), that work done again (`recovered`), or the
+    device back in the free pool (`rejoined`: a replacement worker answers). tidal.pipeline.faults and .rejoin."""
+
+    __tablename__ = "fault_events"
+    __table_args__ = (
+        CheckConstraint(_one_of("kind", FAULT_KINDS), name="kind"),
+        Index(None, "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    step: Mapped[int] = mapped_column(Integer, nullable=False)
+    time: Mapped[float] = mapped_column(Float, nullable=False)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)
+    device_id: Mapped[int] = mapped_column(Integer, nullable=False)
+    #: the component the device served when it failed (rollout, inference).
+    role: Mapped[str] = mapped_column(String(16), nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    #: failed: detection -> work handed over; recovered: failure -> work done again; rejoined: failure -> free.
+    seconds: Mapped[float] = mapped_column(Float, nullable=False)
+    #: failed: the work handed to survivors; rejoined: what was sent to the replacement (its weights come later).
+    bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    #: groups redone (failed, recovered).
+    groups: Mapped[int] = mapped_column(Integer, nullable=False)
+    #: response tokens generated or scored again (recovered).
+    tokens: Mapped[int] = mapped_column(Integer, nullable=False)

@@ -38,11 +38,13 @@ from db.checks import (
     check_str,
 )
 from db.models import (
+    FAULT_KINDS,
     MIGRATION_MODES,
     OWNERS,
     RUN_STATUSES,
     SCHEDULER_KINDS,
     DeviceTransition,
+    FaultEvent,
     MigrationEvent,
     ReshardEvent,
     Run,
@@ -278,6 +280,26 @@ def record_scheduler_event(session: Session, run_id: int, *, step: int, time: fl
     session.add(row)
     session.flush()
     return row
+
+
+def record_fault(session: Session, run_id: int, *, step: int, time: float, kind: str, device_id: int, role: str,
+                 reason: str, seconds: float, bytes: int = 0, groups: int = 0, tokens: int = 0) -> FaultEvent:
+    """Record a fault: device `device_id` (serving `role`) `failed`, its work `recovered`, or it `rejoined`."""
+    get_run(session, run_id)
+    row = FaultEvent(run_id=run_id, step=check_nonneg_int("fault.step", step), time=check_float("fault.time", time),
+                     kind=check_one_of("fault.kind", kind, FAULT_KINDS),
+                     device_id=check_nonneg_int("fault.device_id", device_id),
+                     role=check_str("fault.role", role, max_len=16), reason=check_str("fault.reason", reason),
+                     seconds=check_float("fault.seconds", seconds, minimum=0.0),
+                     bytes=check_nonneg_int("fault.bytes", bytes), groups=check_nonneg_int("fault.groups", groups),
+                     tokens=check_nonneg_int("fault.tokens", tokens))
+    session.add(row)
+    session.flush()
+    return row
+
+
+def list_faults(session: Session, run_id: int) -> list[FaultEvent]:
+    return list(session.scalars(select(FaultEvent).where(FaultEvent.run_id == run_id).order_by(FaultEvent.id)))
 
 
 def list_reshards(session: Session, run_id: int) -> list[ReshardEvent]:

@@ -28,6 +28,7 @@ from db import (
     downgrade,
     finish_run,
     head_revision,
+    list_faults,
     list_migrations,
     list_reshards,
     list_runs,
@@ -36,6 +37,7 @@ from db import (
     list_transitions,
     make_engine,
     open_database,
+    record_fault,
     record_migration,
     record_reshard,
     record_scheduler_event,
@@ -244,6 +246,32 @@ def test_round_trip_of_every_repository_function(engine):
             ("action", None, 5.75, "tidal", "move_devices", [1], "applied")]
         assert [e.kind for e in list_scheduler_events(s, run.id, kind="action")] == ["action"]
         assert [e.policy for e in list_scheduler_events(s, other.id)] == ["static"]
+
+
+def test_a_lost_device_its_recovery_and_its_rejoin_are_rows_with_seconds_and_bytes(engine):
+    """A rollout device fails, its work is done again, it rejoins: the ledger's moves through FAILED meet the
+    migrated owner constraint, and each fault is a row of fault_events (an unknown kind is refused)."""
+    run_id = _new_run(engine)
+    ledger = DeviceLedger(range(2), clock=iter(range(1, 100)).__next__)
+    ledger.assign([0, 1], Owner.ROLLOUT, "placement")
+    ledger.fail(1, "worker process 77 exited")
+    ledger.rejoin(1, "replacement worker (pid 78) answers")
+    with session_scope(engine) as s:
+        record_transitions(s, run_id, ledger.history)
+        record_fault(s, run_id, step=3, time=5.0, kind="failed", device_id=1, role="rollout",
+                     reason="worker process 77 exited", seconds=0.02, bytes=1800, groups=2)
+        record_fault(s, run_id, step=3, time=7.5, kind="recovered", device_id=1, role="rollout",
+                     reason="its 2 groups done again on the survivors", seconds=2.5, groups=2, tokens=96)
+        record_fault(s, run_id, step=4, time=12.0, kind="rejoined", device_id=1, role="rollout",
+                     reason="replacement worker (pid 78) answers", seconds=7.0, bytes=5000)
+    with session_scope(engine) as s:
+        assert [(t.from_owner, t.to_owner) for t in list_transitions(s, run_id, device_id=1)] == [
+            ("free", "rollout"), ("rollout", "failed"), ("failed", "free")]
+        assert [(f.kind, f.step, f.seconds, f.bytes, f.groups, f.tokens) for f in list_faults(s, run_id)] == [
+            ("failed", 3, 0.02, 1800, 2, 0), ("recovered", 3, 2.5, 0, 2, 96), ("rejoined", 4, 7.0, 5000, 0, 0)]
+    with pytest.raises(InvalidRecord, match="fault.kind"), session_scope(engine) as s:
+        record_fault(s, run_id, step=0, time=0.0, kind="crashed", device_id=1, role="rollout", reason="r",
+                     seconds=0.0)
 
 
 def test_a_run_row_holds_its_flow_run_and_mlflow_run_ids(engine):

@@ -11,12 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from db import add_run, list_faults, list_transitions, open_database, session_scope
 from tidal.core.config import build_config
 from tidal.core.devices import DeviceLedger, IllegalTransition, Owner
 from tidal.pipeline.cluster import CallKind, Flight
 from tidal.pipeline.faults import lost_groups, overdue
+from tidal.pipeline.recording import DbRecorder
 from tidal.pipeline.run import TrainingRun, weights_sha
 from tidal.pipeline.run_metrics import step_event_metrics, table_fields
+from tidal.pipeline.timeline import Timeline
 
 
 def test_a_failed_device_is_in_no_role_until_it_rejoins_the_free_pool():
@@ -64,6 +67,28 @@ def test_a_failure_is_a_row_of_the_events_table_and_counted_per_step():
     assert (m["device_failed/count"], m["device_failed/total_s"], m["device_failed/total_groups"]) == (1, 0.03, 2)
 
 
+def test_a_recovery_and_a_rejoin_are_rows_of_the_events_table_and_marks_on_the_timeline(tmp_path):
+    recovered = {"kind": "device_recovered", "time": 6.0, "step": 1, "device": 2, "role": "rollout", "seconds": 3.1,
+                 "groups": 2, "tokens": 40, "failed_step": 1, "reason": "its 2 groups done again on the survivors"}
+    rejoined = {"kind": "device_rejoined", "time": 9.0, "step": 1, "device": 2, "role": "rollout", "pid": 7,
+                "seconds": 6.1, "start_s": 5.0, "setup_s": 1.1, "bytes": 5000, "reason": "replacement answers"}
+    assert {k: table_fields(recovered)[k] for k in ("component", "what", "devices", "tokens")} == \
+        {"component": "rollout", "what": "work redone", "devices": "2", "tokens": 40}
+    assert {k: table_fields(rejoined)[k] for k in ("component", "from", "to", "devices", "bytes")} == \
+        {"component": "rollout", "from": "failed", "to": "free", "devices": "2", "bytes": 5000}
+    m = step_event_metrics([recovered, rejoined])
+    assert (m["device_recovered/total_tokens"], m["device_rejoined/total_bytes"]) == (40, 5000)
+    tl = Timeline()
+    tl.add_owned([1, 2], "rollout", 0.0, 2.9)
+    tl.add_down(2, "worker process 5 exited", 2.9, 9.0, rejoined=True)
+    tl.add_recovery(2, "recovery 3.10s", 2.9, 6.0)
+    tl.draw(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert tl.to_json()["down"] == [{"device": 2, "role": "rejoined", "what": "worker process 5 exited", "t0": 2.9,
+                                     "t1": 9.0}]
+    assert tl.idle_fraction(0.0, 9.0) == 1.0   # a failed device's spans are neither work nor idle time
+
+
 # ---- real processes ---------------------------------------------------------------------------------------------
 #: two rollout instances, two inference devices, the actor on one device; 4 slots per instance (its groups run in
 #: waves, so a kill finds groups in flight)
@@ -89,10 +114,10 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("faults")
 
 
-def _run(out, name, arm=None):
+def _run(out, name, arm=None, overrides=(), recorder=None):
     """The run's (final weights sha, groups scored per step, the driver); `arm(pipe)` may set a fault up."""
-    cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}"])
-    run = TrainingRun(cfg, out / name)
+    cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}", *overrides])
+    run = TrainingRun(cfg, out / name, recorder=recorder)
     try:
         run.open()
         if arm is not None:
@@ -173,3 +198,52 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
     assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
     assert scored == clean[1]
     assert sha == clean[0]
+
+
+@pytest.mark.slow
+def test_a_replaced_rollout_device_rejoins_and_is_given_work_in_a_later_step(out, clean, tmp_path):
+    """With cluster.replace_failed, instance 2's worker is killed in step 0; a replacement process starts, answers
+    and the device goes FAILED -> FREE (`device_rejoined`); the step end puts it back in rollout and in step 1 it
+    generates. The run ends like the run without the fault, and every fault is a row of the database."""
+    killed: list[float] = []
+
+    def arm(pipe):
+        submit_slice, end_step = pipe.cluster.submit_slice, pipe.control.end_step
+
+        def spy(device, groups, budget_s):
+            f = submit_slice(device, groups, budget_s)
+            if device == 2 and pipe.step_state.step == 0 and groups and pipe.step_state.generated and not killed:
+                killed.append(pipe.clock())
+                _kill(pipe, 2)
+            return f
+
+        def back_before_the_step_ends(st):   # the run never waits for a replacement; this test does
+            if st.step == 0:
+                assert pipe.rejoin.wait(st.step, timeout_s=120) == [2] or pipe.ledger.owner(2) is Owner.FREE
+            end_step(st)
+        pipe.cluster.submit_slice, pipe.control.end_step = spy, back_before_the_step_ends
+
+    engine = open_database(f"sqlite:///{tmp_path}/tidal.db")
+    with session_scope(engine) as s:
+        run_id = add_run(s, name="rejoin", config={}).id
+    old_pid = []
+    sha, scored, pipe = _run(out, "rollout-rejoins", lambda p: (old_pid.append(p.group.pid(2)), arm(p)),
+                             ["cluster.replace_failed=true"], DbRecorder(engine, run_id, "static"))
+    assert killed and scored == clean[1] and sha == clean[0]
+    kinds = [(e["kind"], e["step"]) for e in pipe.cluster.events if e["kind"].startswith("device_")]
+    assert kinds == [("device_failed", 0), ("device_recovered", 0), ("device_rejoined", 0)], kinds
+    rejoined = next(e for e in pipe.cluster.events if e["kind"] == "device_rejoined")
+    assert rejoined["pid"] == pipe.group.pid(2) != old_pid[0] and rejoined["bytes"] > 0, rejoined
+    assert pipe.ledger.owner(2) is Owner.ROLLOUT and pipe.cluster.rollout == [1, 2]
+    step1 = pipe.timeline.steps[1][1]
+    assert any(s.device == 2 and s.what == "generate" and s.t0 >= step1 for s in pipe.timeline.busy)
+    (down,) = pipe.timeline.down
+    assert (down.device, down.role) == (2, "rejoined") and abs(down.t1 - rejoined["time"]) < 0.5, down
+    (rec,) = pipe.timeline.recovery
+    assert rec.device == 2 and rec.what.startswith("recovery ")
+    with session_scope(engine) as s:
+        faults = [(f.kind, f.device_id, f.role, f.bytes > 0) for f in list_faults(s, run_id)]
+        owners = [t.to_owner for t in list_transitions(s, run_id, device_id=2)]
+    assert faults == [("failed", 2, "rollout", True), ("recovered", 2, "rollout", False),
+                      ("rejoined", 2, "rollout", True)], faults
+    assert owners[:4] == ["rollout", "failed", "free", "rollout"], owners

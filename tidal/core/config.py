@@ -98,6 +98,10 @@ class ClusterConfig(Section):
         60.0, gt=0, le=3600,
         description="A rollout or inference call with no result after this many seconds marks its device FAILED (a "
                     "hung worker; a dead process is found within 0.5 s); its work is redone on the survivors.")
+    replace_failed: bool = Field(
+        False, description="Start a replacement worker for a FAILED rollout or inference device; once it answers, "
+                           "the device rejoins the free pool (scheduler and step-end placement use it again). "
+                           "The replacement is in no torch world: it never hosts the actor.")
 
     @model_validator(mode="after")
     def _rlinf_devices_per_node(self) -> ClusterConfig:

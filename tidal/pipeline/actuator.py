@@ -339,6 +339,10 @@ class RayActuator:
         old = c.actor_layout
         if layout == old:
             return {}
+        outside = sorted(set(layout.devices) - set(g.world_ids))
+        if outside:   # a replacement worker (tidal.pipeline.rejoin) or a dead one holds no rank of the world
+            raise RuntimeError(f"reshard to {layout}: devices {outside} are not ranks of the world (replaced or "
+                               "dead); the actor grows onto world ranks only")
         sets = reshard_rank_sets(old, layout)
         local = all(r in self.rank_sets for r in sets)
         members = sorted(set(old.devices) | set(layout.devices))
@@ -362,7 +366,7 @@ class RayActuator:
             raise
         self.rank_sets.update(sets)
         if local:   # the others learn the layout in order, without waiting for them now
-            others = [d for d in g.device_ids if d not in members]
+            others = [d for d in g.world_ids if d not in members]
             self.notes += g.submit_all(roles.actor_set_layout, device_ids=others, layout=layout)
         c.actor_layout = layout
         if leaving:

@@ -42,6 +42,7 @@ from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.faults import Recovery, overdue
+from tidal.pipeline.rejoin import Rejoin
 from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles
@@ -133,6 +134,8 @@ class Pipeline:
         self._recovery = Recovery(self.cluster, self.ledger, self._on_result,
                                   lambda: self.cluster.actor_layout.devices,
                                   lambda: self.control.actuator.inf_lent if self.control else ())
+        #: replacement workers for failed devices, back to the free pool once they answer (`cluster.replace_failed`)
+        self.rejoin = Rejoin(self.cluster, self.ledger, spec)
 
     @property
     def _control(self) -> ControlLoop:
@@ -289,9 +292,10 @@ class Pipeline:
             try:
                 self._stream_once(st)
             except WorkerDied as died:   # a rollout or inference device: its work goes to the survivors
-                self._recovery.recover(died, st)
+                self._lost(died, st)
             self._check_overdue(st)
         c.drain(self._on_result)
+        self.rejoin.poll(step)   # a device back by now takes its place in the next step (the restore below)
         self._keep_weights()
         self._control.end_step(st)
         if sync:
@@ -345,6 +349,14 @@ class Pipeline:
         if self.clock() >= self._next_check:   # a dead worker with no call in flight is found here
             self._next_check = self.clock() + CHECK_EVERY_S
             self.group.check()
+            self.rejoin.poll(st.step)
+
+    def _lost(self, died: WorkerDied, st: StepState, overdue_s: float | None = None) -> None:
+        """A device's worker is gone: its work to the survivors (or the run stops, `Recovery.recover`), and with
+        `cluster.replace_failed` a replacement worker is asked for."""
+        failure = self._recovery.recover(died, st, overdue_s)
+        if self.cfg.cluster.replace_failed:
+            self.rejoin.start(failure)
 
     def _check_overdue(self, st: StepState) -> None:
         """A rollout or inference call with no result within `cluster.failure_timeout_s`: its worker is hung;
@@ -356,25 +368,34 @@ class Pipeline:
         d, secs = late
         reason = f"no result within cluster.failure_timeout_s={timeout:g}s ({secs:.1f}s)"
         self.group.fail(d, reason)
-        self._recovery.recover(WorkerDied(d, reason), st, overdue_s=secs)
+        self._lost(WorkerDied(d, reason), st, overdue_s=secs)
 
     def idle_fraction(self, t0: float = 0.0) -> float:
         self._close_ownership()
         return self.timeline.idle_fraction(t0, self.clock())
 
     def _close_ownership(self) -> None:
-        """Ownership spans from the ledger history (recomputed; cheap at these sizes)."""
+        """Ownership spans, and the spans in which a device was FAILED, from the ledger history (recomputed; cheap
+        at these sizes)."""
         now = self.clock()
-        self.timeline.owned = []
+        self.timeline.owned, self.timeline.down = [], []
         open_: dict[int, tuple[str, float]] = {}
+        down: dict[int, tuple[str, float]] = {}
         for tr in self.ledger.history:
             if tr.device in open_:
                 role, since = open_.pop(tr.device)
                 self.timeline.add_owned([tr.device], role, since, tr.time)
-            if tr.dst not in (Owner.FREE, Owner.FAILED):   # a failed device is in no role: not owned, not idle
+            if tr.device in down:
+                reason, since = down.pop(tr.device)
+                self.timeline.add_down(tr.device, reason, since, tr.time, rejoined=True)
+            if tr.dst is Owner.FAILED:
+                down[tr.device] = (tr.reason, tr.time)
+            elif tr.dst is not Owner.FREE:   # a failed device is in no role: not owned, not idle
                 open_[tr.device] = (tr.dst.value, tr.time)
         for d, (role, since) in open_.items():
             self.timeline.add_owned([d], role, since, now)
+        for d, (reason, since) in down.items():
+            self.timeline.add_down(d, reason, since, now, rejoined=False)
 
     def _phase_seconds(self, t0: float) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -528,6 +549,7 @@ class Pipeline:
         st.generated += len(records)
         st.gen_time.update((r.group_id, now) for r in records)
         st.to_score.extend(records)
+        self._recovery.generated(records, st.step)
 
     def _on_scored(self, f: Flight, scored: list[ScoredGroup]) -> None:
         st, now = self.step_state, self.clock()
@@ -542,6 +564,7 @@ class Pipeline:
             assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
             st.scored[g.group_id] = g
             st.score_time[g.group_id] = now
+        self._recovery.scored(scored, st.step)
 
     def _on_actor_rank(self, f: Flight, metrics: dict | None) -> None:
         st, c, now = self.step_state, self.cluster, self.clock()
@@ -582,7 +605,7 @@ class Pipeline:
             self._keeping = []
             return
         self._keeping = [(d, self.group.submit(d, roles.actor_keep_weights, version=self.version + 1))
-                         for d in self.group.live_ids]
+                         for d in self.group.world_ids]
 
     def sync_weights(self, step: int) -> None:
         """The actor's weights to every rollout and inference engine (the next policy version). An engine whose

@@ -4,8 +4,11 @@ Detection (the driver's loop, every pass): a worker whose process is gone (`Work
 Ray's actor-death error on a call) or a rollout/inference call with no result after `cluster.failure_timeout_s`
 (`overdue`: the worker is killed, so no late result of it arrives). Either becomes a `DeviceFailure`: the device
 goes to FAILED in the ledger with the reason, and one `device_failed` event records it (role, reason, calls lost,
-the groups redone, `seconds` from detection to the work handed over). The policies see it in the ledger
-(`DeviceSignal`) and in the components' device lists, which no longer hold it.
+the groups redone, `seconds` from detection to the work handed over, `bytes` of work handed over: the pickled
+groups, as Ray carries them). When the last redone group is back (generated, or scored) one `device_recovered` event
+records the recovery: `seconds` from the failure, the groups and the `tokens` redone (response tokens generated, or
+scored, again); the failed device's lane of the timeline shows that span (`Timeline.recovery`). The policies see
+the failure in the ledger (`DeviceSignal`) and in the components' device lists, which no longer hold it.
 
 Recovery (`Recovery.recover`), what the step still owes and who redoes it::
 
@@ -30,7 +33,9 @@ last device of a component, and a loss outside a step's streaming loop (the weig
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tidal.core.devices import DeviceFailure, DeviceLedger, Owner
@@ -61,13 +66,33 @@ def overdue(c: Cluster, now: float, timeout_s: float) -> tuple[int, float] | Non
     return device, secs
 
 
+def payload_bytes(groups: Iterable[Any]) -> int:
+    """Bytes of `groups` as Ray carries them to a survivor (pickled)."""
+    return len(pickle.dumps(list(groups), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@dataclass
+class Redo:
+    """Work of a lost device still being redone: group ids not back yet, and what came back so far."""
+
+    device: int
+    role: str
+    step: int
+    failed_at: float
+    waiting: set[int]
+    groups: int
+    tokens: int = 0
+
+
 class Recovery:
-    """Takes a lost rollout or inference device out of the step and hands its work to the survivors."""
+    """Takes a lost rollout or inference device out of the step and hands its work to the survivors; says when
+    the work is done again (`generated`, `scored`: the driver hands it what comes back)."""
 
     def __init__(self, c: Cluster, ledger: DeviceLedger, handle: Callable[[Flight, Any], None],
                  actor_devices: Callable[[], Iterable[int]], inference_lent: Callable[[], Iterable[int]]):
         self.c, self.ledger, self.handle = c, ledger, handle
         self._actor_devices, self._inference_lent = actor_devices, inference_lent
+        self.redoing: list[Redo] = []   # recoveries whose redone groups are not all back
 
     def recoverable(self, device: int) -> bool:
         """A rollout or inference device of its own (not the actor's, not lent, not shared), with a survivor of
@@ -94,12 +119,44 @@ class Recovery:
         rollout = failure.role is Owner.ROLLOUT
         detail = self._rollout_lost(d, st) if rollout else self._inference_lost(d, st, lost_calls)
         seconds = c.clock() - t0
-        redone = next(iter(detail.values()))
+        redone, sent = next(iter(detail.values())), detail.pop("bytes")
         c.record("device_failed", step=st.step, device=d, role=failure.role.value, reason=failure.reason,
-                 calls_lost=len(lost_calls), overdue_s=overdue_s, seconds=seconds, groups=len(redone), **detail)
+                 calls_lost=len(lost_calls), overdue_s=overdue_s, seconds=seconds, groups=len(redone), bytes=sent,
+                 **detail)
         log.warning("device %d (%s) failed: %s; %s redone on %s in %.2fs", d, failure.role.value, failure.reason,
                     detail, c.rollout if rollout else c.inference, seconds)
+        self.redoing.append(Redo(d, failure.role.value, st.step, failure.time, set(redone), len(redone)))
+        self._close(st.step)
         return failure
+
+    def generated(self, records: Iterable[Any], step: int) -> None:
+        """Generated groups reached the driver: those a lost rollout device's recovery waits for count."""
+        self._arrived("rollout", records, step, lambda g: sum(len(r) for r in g.response_ids))
+
+    def scored(self, scored: Iterable[Any], step: int) -> None:
+        """Scored groups reached the driver: those a lost inference device's recovery waits for count."""
+        self._arrived("inference", scored, step, lambda g: sum(len(r) for r in g.response_ids))
+
+    def _arrived(self, role: str, groups: Iterable[Any], step: int, tokens: Callable[[Any], int]) -> None:
+        if not self.redoing:
+            return
+        for g in groups:
+            for r in self.redoing:
+                if r.role == role and g.group_id in r.waiting:
+                    r.waiting.discard(g.group_id)
+                    r.tokens += tokens(g)
+        self._close(step)
+
+    def _close(self, step: int) -> None:
+        """Every recovery whose redone groups are all back: a `device_recovered` event, a span on the device's
+        lane (failure -> work done again)."""
+        c, now = self.c, self.c.clock()
+        for r in [r for r in self.redoing if not r.waiting]:
+            self.redoing.remove(r)
+            seconds = now - r.failed_at
+            c.timeline.add_recovery(r.device, f"recovery {seconds:.2f}s", r.failed_at, now)
+            c.record("device_recovered", step=step, device=r.device, role=r.role, seconds=seconds, groups=r.groups,
+                     tokens=r.tokens, failed_step=r.step, reason=f"its {r.groups} groups done again on the survivors")
 
     def _rollout_lost(self, d: int, st: StepState) -> dict:
         c = self.c
@@ -115,7 +172,7 @@ class Recovery:
         ordered = sorted(st.queue, key=lambda g: g.group_id)
         st.queue.clear()
         st.queue.extend(ordered)
-        return {"groups_regenerated": lost}
+        return {"groups_regenerated": lost, "bytes": payload_bytes(st.groups[i] for i in lost)}
 
     def _inference_lost(self, d: int, st: StepState, lost_calls: list[Flight]) -> dict:
         c = self.c
@@ -123,4 +180,4 @@ class Recovery:
         again = [g for f in lost_calls if f.kind is CallKind.INFERENCE for g in f.payload]
         st.scoring -= len(again)
         st.to_score.extend(again)
-        return {"groups_rescored": sorted(g.group_id for g in again)}
+        return {"groups_rescored": sorted(g.group_id for g in again), "bytes": payload_bytes(again)}

@@ -1,4 +1,4 @@
-"""Database rows for a run: one per step, reshard, migration, scheduler decision/action and device move.
+"""Database rows for a run: one per step, reshard, migration, scheduler decision/action, fault and device move.
 
 The pipeline and the reconciler produce plain event dicts (`Cluster.record`); this is the one place that turns
 them into rows (via `db.repository`, in one transaction per step).
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from db import repository as repo
 from db.session import session_scope
+
+#: pipeline event kind -> `fault_events.kind` (tidal.pipeline.faults, tidal.pipeline.rejoin)
+FAULTS = {"device_failed": "failed", "device_recovered": "recovered", "device_rejoined": "rejoined"}
 
 
 def _layout(text: str) -> dict:
@@ -41,6 +44,11 @@ class DbRecorder:
                                           target_instance=ev["dst"], mode=ev["mode"], tokens=0,
                                           bytes=int(ev["kv_bytes"]), seconds=float(ev["seconds"]), ok=True,
                                           reason="scheduler")
+                elif kind in FAULTS:
+                    repo.record_fault(s, self.run_id, step=ev["step"], time=float(ev["time"]), kind=FAULTS[kind],
+                                      device_id=ev["device"], role=ev["role"], reason=ev.get("reason", ""),
+                                      seconds=float(ev["seconds"]), bytes=int(ev.get("bytes", 0)),
+                                      groups=int(ev.get("groups", 0)), tokens=int(ev.get("tokens", 0)))
                 elif kind in ("decision", "action"):
                     repo.record_scheduler_event(
                         s, self.run_id, step=ev["step"], time=float(ev["time"]), policy=self.policy, kind=kind,

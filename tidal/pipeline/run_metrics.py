@@ -92,9 +92,15 @@ def table_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
         name = str(rec.pop("action", ""))
         col["component"], col["from"], col["to"] = ACTION_MOVES.get(name, ("", "", ""))
         col["what"] = name
-    elif kind == "device_failed":   # a lost device (tidal/pipeline/faults.py): out of its role for good
+    elif kind == "device_failed":   # a lost device (tidal/pipeline/faults.py): out of its role
         col["component"] = col["from"] = rec.pop("role", "")
         col["to"], col["devices"] = "failed", [rec.pop("device", "?")]
+    elif kind == "device_recovered":   # its lost work done again on the survivors
+        col["component"], col["what"] = rec.pop("role", ""), "work redone"
+        col["devices"] = [rec.pop("device", "?")]
+    elif kind == "device_rejoined":   # a replacement worker answers (tidal/pipeline/rejoin.py): back in the free pool
+        col["component"], col["from"], col["to"] = rec.pop("role", ""), "failed", "free"
+        col["devices"] = [rec.pop("device", "?")]
     elif kind == "decision":
         col["what"] = rec.pop("trigger", "")
         col["reason"] = "; ".join(rec.pop("actions", []))

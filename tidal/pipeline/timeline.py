@@ -5,6 +5,13 @@ ledger's history. From them: the device idle fraction (busy device-seconds / own
 actual device count over time, not the initial one) and a picture (one row per device, colored by role,
 solid where busy, pale where the role holds the device but does nothing; a dashed line labelled "step N" where
 step N starts; the x axis in seconds since the run's start, that start's UTC time in its label).
+
+Faults (`tidal.pipeline.faults`, `tidal.pipeline.rejoin`) on the failed device's lane, apart from busy and owned
+(a failed device is in no role, so they count neither as work nor as idle time):
+
+    dev 2  ███████ generate ████✕░░░░░░░░ failed: <reason> ░░░░░░░░▲██ generate ██   ✕ failure, ░ down (FAILED),
+                                ▔▔▔▔▔ recovery 3.10s                                 ▔ failure -> work redone,
+                                                                                     ▲ rejoined (FAILED -> FREE)
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from datetime import UTC, datetime
 
 ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f",
                "shared": "#9467bd"}
+FAULT_COLOR = "#d62728"
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,9 @@ class Timeline:
     busy: list[Span] = field(default_factory=list)
     owned: list[Span] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)   #: (RL step, the time it started)
+    #: a device FAILED (`what`: the reason); `role` "rejoined" where it came back at t1, else "failed"
+    down: list[Span] = field(default_factory=list)
+    recovery: list[Span] = field(default_factory=list)   #: a failure -> its lost work done again (`what`: seconds)
 
     def mark_step(self, step: int, t: float) -> None:
         self.steps.append((step, t))
@@ -41,6 +52,12 @@ class Timeline:
 
     def add_owned(self, devices, role: str, t0: float, t1: float) -> None:
         self.owned.extend(Span(d, role, "owned", t0, t1) for d in devices if t1 > t0)
+
+    def add_down(self, device: int, reason: str, t0: float, t1: float, rejoined: bool) -> None:
+        self.down.append(Span(device, "rejoined" if rejoined else "failed", reason, t0, max(t0, t1)))
+
+    def add_recovery(self, device: int, what: str, t0: float, t1: float) -> None:
+        self.recovery.append(Span(device, "recovery", what, t0, max(t0, t1)))
 
     def idle_fraction(self, t0: float | None = None, t1: float | None = None) -> float:
         """1 - busy / owned device-seconds within [t0, t1] (overlapping busy spans on a device count once)."""
@@ -68,7 +85,8 @@ class Timeline:
 
     def to_json(self) -> dict:
         return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned],
-                "steps": [{"step": n, "t0": t} for n, t in self.steps]}
+                "steps": [{"step": n, "t0": t} for n, t in self.steps],
+                "down": [s.__dict__ for s in self.down], "recovery": [s.__dict__ for s in self.recovery]}
 
     def draw(self, path, title: str = "", origin: float | None = None) -> None:
         """The picture (`figure`) as a PNG at `path`."""
@@ -85,7 +103,7 @@ class Timeline:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
 
-        devices = sorted({s.device for s in self.owned} | {s.device for s in self.busy})
+        devices = sorted({s.device for s in self.owned} | {s.device for s in self.busy} | {s.device for s in self.down})
         fig, ax = plt.subplots(figsize=(12, 0.45 * len(devices) + 1.5))
         for s in self.owned:
             ax.broken_barh([(s.t0, s.t1 - s.t0)], (s.device - 0.4, 0.8), color=ROLE_COLORS.get(s.role, "k"),
@@ -93,6 +111,7 @@ class Timeline:
         for s in self.busy:
             ax.broken_barh([(s.t0, s.t1 - s.t0)], (s.device - 0.4, 0.8), color=ROLE_COLORS.get(s.role, "k"),
                            alpha=0.9, linewidth=0)
+        self._draw_faults(ax)
         ax.set_yticks(devices)
         ax.set_yticklabels([f"dev {d}" for d in devices])
         ax.invert_yaxis()
@@ -107,6 +126,26 @@ class Timeline:
                    fontsize=8, ncol=len(ROLE_COLORS), frameon=False)
         fig.tight_layout(rect=(0.0, 0.3 / fig.get_figheight(), 1.0, 1.0))
         return fig
+
+    def _draw_faults(self, ax) -> None:
+        """On each failed device's lane: ✕ at the failure, the FAILED span hatched (its reason written where it
+        fits), ▲ where it rejoined, and a bar under the lane from the failure to its work done again, labelled
+        with the seconds."""
+        for s in self.down:
+            ax.broken_barh([(s.t0, s.t1 - s.t0)], (s.device - 0.4, 0.8), facecolor="none", edgecolor=FAULT_COLOR,
+                           hatch="////", linewidth=0.6)
+            ax.plot([s.t0], [s.device], marker="x", color=FAULT_COLOR, markersize=9, mew=2)
+            ax.annotate(f"failed: {s.what}"[:60], (s.t0, s.device - 0.1), xytext=(6, 0), textcoords="offset points",
+                        fontsize=7, color=FAULT_COLOR, va="center", clip_on=True)
+        for s in self.recovery:
+            ax.broken_barh([(s.t0, max(s.t1 - s.t0, 1e-3))], (s.device + 0.28, 0.12), color=FAULT_COLOR,
+                           linewidth=0)
+            ax.annotate(s.what, (s.t0, s.device + 0.34), xytext=(6, 0), textcoords="offset points", fontsize=7,
+                        color=FAULT_COLOR, va="center")
+        for s in self.down:
+            if s.role == "rejoined":
+                ax.plot([s.t1], [s.device], marker="^", color=FAULT_COLOR, markersize=8)
+
 
 def axis_label(origin: float | None) -> str:
     """The x axis' label: seconds since the run's start, at UTC time `origin` (unix seconds) when known."""

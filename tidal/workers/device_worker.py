@@ -47,7 +47,8 @@ class WorkerContext:
     device: torch.device
     """cpu for a CPU virtual device; cuda:0 for a GPU (Ray hides the other GPUs)."""
     group: Any
-    """The world's process group (gloo on CPU; gloo for CPU tensors + NCCL for CUDA tensors on GPU)."""
+    """The world's process group (gloo on CPU; gloo for CPU tensors + NCCL for CUDA tensors on GPU); None in a
+    replacement worker, which is in no world (`DeviceWorker.init_alone`)."""
     state: dict[str, Any] = field(default_factory=dict)
     """Per-worker objects kept between calls: a model shard, an optimizer, a generation engine."""
     interrupt_upto: dict[str, int] = field(default_factory=dict)
@@ -179,6 +180,13 @@ class DeviceWorker:
         self._ctx = WorkerContext(self._device_id, self._rank, len(self._device_ids), self._device_ids,
                                   self._device, dist.group.WORLD)
         return self._rank
+
+    def init_alone(self) -> int:
+        """A replacement for a failed rank: a context with no world. torch's world has a fixed size and the
+        survivors' ranks in it stay as they are, so a new process cannot take the lost rank; it runs what needs no
+        collective (rollout, inference). Its `group` is None, its world itself alone (rank 0 of 1)."""
+        self._ctx = WorkerContext(self._device_id, 0, 1, (self._device_id,), self._device, None)
+        return self._device_id
 
     # --------------------------------------------------------------------------------------- calls
     def call(self, fn_path: str, kwargs: dict[str, Any]) -> Any:

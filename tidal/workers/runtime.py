@@ -96,6 +96,11 @@ class WorkerGroup:
         self._caps: dict[int, ComputeShare] = {}
         self._dead: dict[int, str] = {}
         self._retired: set[int] = set()   # dead devices the caller has taken out of its work (`retire`)
+        self._alone: set[int] = set()     # devices served by a replacement worker, in no world (`replace`)
+        self._starting: dict[int, tuple[Any, Any]] = {}   # device -> (replacement actor, its info() ref)
+        self._spawn: tuple[Any, dict[str, Any], str] | None = None   # (actor class, options, name tag): `replace`
+        self._share: tuple[float, float] | None = None   # (cores, period_s) each CPU worker is capped at
+        self._cpu_cores: tuple[int, ...] | None = None   # cores every CPU worker is pinned to
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ start
@@ -149,6 +154,8 @@ class WorkerGroup:
                   .remote(d, device_kind, r, devices) for r, d in enumerate(devices)}
         group = cls(session, device_kind, actors, {}, local=session.embedded, poll_s=poll_s,
                     log_every_s=log_every_s)
+        group._spawn = (actor_cls, {**opts, "runtime_env": {"env_vars": env}}, tag)
+        group._cpu_cores = cpu_cores
         try:
             handles = [CallHandle(d, "start", a.info.remote()) for d, a in actors.items()]
             try:
@@ -160,6 +167,7 @@ class WorkerGroup:
                 if not group._local:
                     raise ValueError("compute_share needs workers on this machine (embedded Ray); "
                                      "drop it when joining a cluster with ray_address")
+                group._share = (cores, share_period_s)
                 group._caps = {d: ComputeShare.apply(i.pid, cores, period_s=share_period_s)
                                for d, i in group.infos.items()}
             if cpu_cores is not None:
@@ -213,6 +221,68 @@ class WorkerGroup:
     def live_ids(self) -> tuple[int, ...]:
         """Devices whose worker is not known dead, in rank order."""
         return tuple(d for d in self._actors if d not in self._dead)
+
+    @property
+    def world_ids(self) -> tuple[int, ...]:
+        """Live devices that are ranks of the world (not served by a replacement, which is in no world): the
+        devices a call that takes part in a collective, or builds an actor shard, may go to."""
+        return tuple(d for d in self.live_ids if d not in self._alone)
+
+    def replace(self, device_id: int) -> None:
+        """Start a new worker process for dead, retired `device_id`; returns at once (`replacement_ready` says
+        when it is up). The replacement joins no world (`DeviceWorker.init_alone`): it runs calls that need no
+        collective (rollout, inference), never the actor's. Where the device cannot host it yet (a GPU gone)
+        Ray keeps it pending until one can. Starting one already starting does nothing."""
+        if device_id not in self._retired:
+            raise RuntimeError(f"device {device_id} is not a retired dead worker (dead: {sorted(self._dead)}, "
+                               f"retired: {sorted(self._retired)}); `retire` it before `replace`")
+        if device_id in self._starting:
+            return
+        assert self._spawn is not None, "a group made by `start` knows how to spawn workers"
+        actor_cls, opts, tag = self._spawn
+        env = {**opts["runtime_env"]["env_vars"], "TIDAL_DEVICE_ID": str(device_id)}
+        actor = actor_cls.options(name=f"tidal-{tag}-dev{device_id}-{uuid.uuid4().hex[:4]}",
+                                  **{**opts, "runtime_env": {"env_vars": env}}) \
+            .remote(device_id, self.device_kind, 0, (device_id,))
+        self._starting[device_id] = (actor, actor.info.remote())
+        log.info("replacement worker for device %d starting", device_id)
+
+    def replacement_ready(self, device_id: int, health_timeout_s: float = 10.0) -> WorkerInfo | None:
+        """None while `device_id`'s replacement (`replace`) is still starting. Once its process is up, with the
+        group's compute share and pinning applied and a context of its own, and it answered a health check: it
+        serves `device_id` from now on (calls reach it; the device is no longer dead) and its `WorkerInfo` is
+        returned. A replacement that died or did not answer is killed and raises `WorkerDied`."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if device_id not in self._starting:
+            raise KeyError(f"device {device_id} has no replacement starting; call replace({device_id}) first")
+        actor, ref = self._starting[device_id]
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        del self._starting[device_id]
+        cap = None
+        try:
+            info: WorkerInfo = ray.get(ref)
+            if self._share is not None:
+                cap = ComputeShare.apply(info.pid, self._share[0], period_s=self._share[1])
+            if self._cpu_cores is not None:
+                pin_process(info.pid, self._cpu_cores)
+            ray.get(actor.init_alone.remote(), timeout=health_timeout_s)
+            ray.get(actor.health.options(concurrency_group=CONTROL_GROUP).remote(), timeout=health_timeout_s)
+        except (RayActorError, GetTimeoutError) as e:
+            if cap is not None:
+                cap.release()
+            ray.kill(actor, no_restart=True)
+            raise WorkerDied(device_id, f"its replacement did not come up: {_first_line(e)}") from None
+        self._actors[device_id], self.infos[device_id] = actor, info
+        if cap is not None:
+            self._caps[device_id] = cap
+        self._dead.pop(device_id, None)
+        self._retired.discard(device_id)
+        self._alone.add(device_id)
+        log.info("replacement worker for device %d up (pid %d)", device_id, info.pid)
+        return info
 
     def retire(self, device_id: int) -> None:
         """The caller has taken dead `device_id` out of its work (nothing it runs waits on that rank): from now
@@ -352,6 +422,12 @@ class WorkerGroup:
                 if st.state == "dead" and st.device_id not in self._retired:
                     raise WorkerDied(st.device_id, st.reason)
 
+    def done(self, handle: CallHandle) -> bool:
+        """Whether `handle`'s call has ended (its result, or its error, is there for `gather`); never waits."""
+        import ray
+
+        return bool(ray.wait([handle.ref], timeout=0)[0])
+
     def pid(self, device_id: int) -> int:
         return self.infos[device_id].pid
 
@@ -365,7 +441,7 @@ class WorkerGroup:
             cap.release()  # resumes a SIGSTOPped worker so it can die cleanly
         import ray
 
-        for a in self._actors.values():
+        for a in [*self._actors.values(), *(a for a, _ in self._starting.values())]:
             try:
                 ray.kill(a, no_restart=True)
             except ValueError:  # not an actor handle any more (Ray already shut down)
