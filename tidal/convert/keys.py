@@ -11,7 +11,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-_MEGATRON = "Megatron-LM setting; Tidal's actor is its own engine"
+_MEGATRON = ("Megatron-LM setting; Tidal configures megatron-core itself from model.path and actor.* "
+             "(actor.backend: megatron)")
 _FSDP = "FSDP setting; Tidal's actor is its own engine"
 _ENGINE = "SGLang/vLLM engine setting; no Tidal equivalent"
 _HYDRA = "Hydra runtime setting; Tidal configs are plain YAML, not launched through Hydra"
@@ -38,7 +39,6 @@ _REASONS: tuple[tuple[str, str], ...] = (
     ("actor.megatron.*", _MEGATRON),
     ("actor.fsdp_config.*", _FSDP),
     ("inference.fsdp_config.*", _FSDP),
-    ("actor.training_backend", "Tidal's actor is its own engine (no megatron/fsdp choice)"),
     ("actor.mcore_gpt", _MEGATRON), ("actor.spec_name", _MEGATRON),
     ("actor.checkpoint_load_path", "Megatron checkpoint; Tidal starts from the Hugging Face checkpoint in model.path"),
     ("actor.enable_offload", "FSDP's offload switch; Tidal offloads with actor.offload_optimizer / _grad / _weight"),

@@ -200,6 +200,17 @@ def _model(b: Builder) -> None:
 
 def _actor(b: Builder) -> None:
     b.simple("actor.model.tensor_model_parallel_size", "actor.tensor_parallel_size", b.as_int, positive)
+    backend = b.take("actor.training_backend")
+    if backend not in (ABSENT, None):
+        name = b.as_str(backend, "actor.training_backend").lower()
+        if name in ("megatron", "native"):
+            b.carry("actor.training_backend", "actor.backend", name)
+        elif name == "fsdp":   # an FSDP run converts to Tidal's own engine, the other keys carry as they are
+            b.drop("actor.training_backend", "value not supported: RLinf's FSDP actor; Tidal trains it with "
+                                             "actor.backend: native (its own TP + ZeRO-1 engine, the default)")
+        else:
+            raise b.err("actor.training_backend", backend, "is not an actor backend Tidal knows",
+                        "use megatron (actor.backend: megatron) or fsdp (converted to actor.backend: native)")
     prec = b.take("actor.model.precision")
     if prec not in (ABSENT, None):
         dtype = _PRECISION.get(prec if isinstance(prec, int) else str(prec).lower())

@@ -26,6 +26,7 @@ Mapping (RLinf key -> Tidal key; values checked and converted, see `Conversion.c
       val_check_interval, save_interval; actor.seed                  eval_every, checkpoint_every; run.seed
     runner.logger.project_name                                       tracking.experiment
     actor.model.tensor_model_parallel_size, actor.model.precision    actor.tensor_parallel_size, actor.dtype
+    actor.training_backend: megatron (fsdp: dropped, native trains)  actor.backend
     actor.optim.lr, adam_beta1/adam_beta2, adam_eps, weight_decay,   actor.lr, betas, eps, weight_decay, grad_clip
       clip_grad
     actor.lr_sched.lr_warmup_iters, lr_decay_style (+ min_lr)        actor.warmup_iters, min_lr_ratio

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.core.bounded_yaml import MAX_VALUE_BYTES, load_yaml, read_text
 from tidal.core.errors import ConfigError
@@ -169,7 +169,22 @@ ARCH_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_hea
              "rope_theta", "norm_eps", "tie_embeddings")
 
 
+#: actor.backend values; RLinf's `actor.training_backend` takes these too (`fsdp` is refused with its fix)
+ACTOR_BACKENDS = ("native", "megatron")
+
+
 class ActorConfig(Section):
+    backend: Literal["native", "megatron"] = Field(
+        "native",
+        description="Training engine of the actor, resharded online either way: `native` (Tidal's TP + ZeRO-1 "
+                    "engine) or `megatron` (megatron-core's GPTModel, DDP and distributed optimizer; install with pip "
+                    "install -e '.[megatron]'). `megatron` refuses actor.offload_* on devices shared with rollout, "
+                    "actor.activation_checkpointing and actor.on_nonfinite: skip (docs/megatron.md).")
+    training_backend: str | None = Field(
+        None,
+        description="RLinf's name for actor.backend, accepted as RLinf configs spell it: `megatron` (or `native`); "
+                    "RLinf's `fsdp` is refused (use actor.backend: native, Tidal's own engine). Set one of the two "
+                    "(two different values are an error). null: not given.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Actor TP size; divides num_heads, num_kv_heads and the actor's device count, the rest being data "
@@ -229,6 +244,27 @@ class ActorConfig(Section):
         description="On devices the actor shares with rollout: the actor's parameters wait in pinned host memory "
                     "while they generate; the engines there got their copy at the weight sync (RLinf key). Disjoint "
                     "placements: unused.")
+
+
+    @field_validator("training_backend")
+    @classmethod
+    def _rlinf_backend_value(cls, v: str | None) -> str | None:
+        if v is None or v in ACTOR_BACKENDS:
+            return v
+        if v == "fsdp":
+            raise ValueError("RLinf's FSDP actor is not one of Tidal's engines: use actor.backend: native (Tidal's "
+                             "TP + ZeRO-1 engine, the closest) or megatron")
+        raise ValueError(f"is not an actor backend (one of {', '.join(ACTOR_BACKENDS)}): use actor.backend: native "
+                         "or megatron")
+
+    @model_validator(mode="after")
+    def _rlinf_backend(self) -> ActorConfig:
+        if self.training_backend is not None:
+            if "backend" in self.model_fields_set and self.backend != self.training_backend:
+                raise ConfigError("actor.training_backend", self.training_backend, f"contradicts actor.backend="
+                                  f"{self.backend} (RLinf's name for the same choice)", "set only one of them")
+            object.__setattr__(self, "backend", self.training_backend)
+        return self
 
 
 class RolloutConfig(Section):
@@ -572,12 +608,34 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("actor.max_tokens_per_micro_batch", budget,
                           f"cannot hold one sequence of model.max_seq_len={cfg.max_seq_len} tokens",
                           f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
+    _check_actor_backend(cfg)
     if cfg.cluster.use_pre_process_policy and not cfg.cluster.auto_scheduler:
         raise ConfigError("cluster.use_pre_process_policy", True, "needs dynamic scheduling",
                           "set cluster.auto_scheduler: true or drop the flag")
     if cfg.cluster.use_wait_before_last_iter_policy and not cfg.cluster.auto_scheduler:
         raise ConfigError("cluster.use_wait_before_last_iter_policy", True, "needs dynamic scheduling",
                           "set cluster.auto_scheduler: true or drop the flag")
+
+
+def _check_actor_backend(cfg: TidalConfig) -> None:
+    """What the megatron actor backend cannot do yet, refused before anything starts (docs/megatron.md)."""
+    a = cfg.actor
+    if a.backend != "megatron":
+        return
+    p = cfg.placement
+    if set(p.actor) & set(p.rollout):   # the hand-over keys apply (tidal.pipeline.sharing)
+        for flag in ("offload_optimizer", "offload_grad", "offload_weight"):
+            if getattr(a, flag):
+                raise ConfigError(f"actor.{flag}", True, "with actor.backend: megatron on devices the actor shares "
+                                  "with rollout: the megatron backend keeps its state on the device (no host "
+                                  "offload yet)", f"set actor.{flag}: false, or actor.backend: native")
+    if a.activation_checkpointing:
+        raise ConfigError("actor.activation_checkpointing", True, "with actor.backend: megatron: recompute is not "
+                          "wired to megatron-core's", "set it false, or actor.backend: native")
+    if a.on_nonfinite == "skip":
+        raise ConfigError("actor.on_nonfinite", "skip", "with actor.backend: megatron: megatron-core's optimizer "
+                          "applies a non-finite update without a loss scaler, so it cannot be dropped",
+                          "use actor.on_nonfinite: stop, or actor.backend: native")
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:

@@ -31,6 +31,7 @@ from scheduler.actions import (
     Wait,
 )
 from tidal.core.devices import Owner
+from tidal.engine.backends.protocol import ProgramInputs
 from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
 from tidal.engine.layout import Layout
 from tidal.engine.reshard.commit import prepare_programs
@@ -85,7 +86,7 @@ class RayActuator:
 
     def __init__(self, cluster: Cluster, drain: Callable[[set[int]], None],
                  engine_load: Callable[[int], dict[str, Any]], initial_layout: Layout,
-                 program_inputs: dict | None):
+                 program_inputs: ProgramInputs | None):
         self.c, self.group, self.ledger = cluster, cluster.group, cluster.ledger
         self.drain, self.engine_load = drain, engine_load
         self.program_inputs = program_inputs
@@ -324,11 +325,11 @@ class RayActuator:
     def _prepare(self, old: Layout, new: Layout, ranks) -> dict:
         """Every rank's reshard program, made here (`engine.reshard.commit.prepare_programs`, cached per pair
         shape): the driver's core is not capped, while a capped CPU worker plans a new pair in seconds. Empty
-        when the actor's inputs are unknown: the ranks plan."""
+        when the actor gives no inputs (a backend that plans its own moves): the ranks plan."""
         inputs = self.program_inputs
-        if not inputs:
+        if inputs is None:
             return {}
-        return prepare_programs(old, new, inputs["specs"], ranks, inputs["param_bytes"], inputs["bucket_bytes"])
+        return prepare_programs(old, new, inputs.specs, ranks, inputs.param_bytes, inputs.bucket_bytes)
 
     def reshard(self, layout: Layout) -> dict:
         """Move the actor. The first time a move needs a process group that does not exist yet it is collective

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tidal.core.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
+from tidal.engine.backends.protocol import ProgramInputs
 from tidal.engine.datasets import DataPosition
 from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.groups import growth_rank_sets
@@ -126,7 +127,8 @@ class Pipeline:
         self._keeping: list = []
         self.weights_ref: ObjectRef | None = None
         self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
-        self.program_inputs: dict | None = None  # set by start(): the actor's specs etc., to plan reshards here
+        #: set by start(): the actor's specs etc., to plan reshards here (None: the actor's backend plans them)
+        self.program_inputs: ProgramInputs | None = None
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
         self._next_check = 0.0         # when the step's loop next looks for dead workers

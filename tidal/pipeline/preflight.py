@@ -4,9 +4,11 @@ a config that validates is one that starts (and one that does not start fails va
     inputs, kind = preflight(cfg, tracked=True, resume_from=None)
 
 Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1),
-the model, tokenizer, prompts and verifier (`read_inputs`), the device kind (`cuda` needs
-a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is tracked, and a
-resume checkpoint (marker, checksums, model, and that it leaves steps to train). Reads; writes nothing.
+the actor backend (`actor.backend: megatron` needs megatron-core importable here, and the model and actor TP in
+what megatron-core can express), the model, tokenizer, prompts and verifier (`read_inputs`), the device kind
+(`cuda` needs a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is
+tracked, and a resume checkpoint (marker, checksums, model, and that it leaves steps to train). Reads; writes
+nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 
 from db.session import parse_url
 from tidal.core.config import TidalConfig
-from tidal.core.errors import ConfigError
+from tidal.core.errors import ConfigError, LayoutError
+from tidal.engine.backends.megatron_map import check_megatron_args, check_megatron_tp
+from tidal.engine.backends.protocol import BACKEND_NEEDS, backend_available
+from tidal.engine.model import ModelArgs
 from tidal.pipeline.checkpointing import check_resumable
 from tidal.pipeline.inputs import RunInputs, read_inputs
 
@@ -30,6 +35,23 @@ def check_runnable(cfg: TidalConfig) -> None:
         raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
                           "the pipeline runs rollout and inference instances on one device each for now",
                           "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
+
+
+def check_backend(cfg: TidalConfig, args: ModelArgs) -> None:
+    """`actor.backend` can be built here for this model: its package is importable (no worker would start
+    otherwise), and with megatron the model and the actor's TP size are what megatron-core 0.16.1 expresses."""
+    name = cfg.actor.backend
+    install = backend_available(name)
+    if install is not None:
+        raise ConfigError("actor.backend", name, f"needs {BACKEND_NEEDS[name][0]}, which is not importable in this "
+                          "environment", f"{install} (or actor.backend: native)")
+    if name == "megatron":
+        try:
+            check_megatron_args(args)
+            check_megatron_tp(args, cfg.actor.tensor_parallel_size)
+        except LayoutError as err:   # the same words, as the config key the user sets
+            field = "actor.tensor_parallel_size" if err.field == "tp" else err.field
+            raise ConfigError(field, err.value, f"{err.problem} (actor.backend: megatron)", err.fix) from None
 
 
 def device_kind(cfg: TidalConfig) -> Literal["cpu", "cuda"]:
@@ -60,6 +82,7 @@ def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None
     """The run's inputs and device kind, after every check above (see the module doc)."""
     check_runnable(cfg)
     inputs = read_inputs(cfg)
+    check_backend(cfg, inputs.args)
     kind = device_kind(cfg)
     check_cores(cfg, kind)
     if tracked:

@@ -152,7 +152,7 @@ def run_spec(cfg: TidalConfig, inputs):
                    kl_coef=cfg.algorithm.kl_coef, tokenizer=inputs.tokenizer_spec, reward=inputs.reward,
                    reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed,
                    gpu_memory_utilization=r.gpu_memory_utilization, dtype=cfg.actor.dtype,
-                   activation_checkpointing=cfg.actor.activation_checkpointing)
+                   activation_checkpointing=cfg.actor.activation_checkpointing, backend=cfg.actor.backend)
 
 
 class TrainingRun:

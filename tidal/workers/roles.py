@@ -6,8 +6,10 @@ its `WorkerContext`. One call runs at a time per worker, so a role never races w
 state is one typed object, `WorkerRoles` (`roles_of(ctx)`), kept between calls:
 
     run        RunSpec: model args, optimizer config, sampling, task, seeds (set once by `setup`)
-    actor      ActorShard (every worker has one: world-collective group creation and reshard votes; it holds
-               memory only while the device is in the actor's layout)
+    actor      ActorBackend (`actor.backend`: native or megatron, built by the registry; every worker has one:
+               world-collective group creation and reshard votes; it holds memory only while the device is in the
+               actor's layout). Every actor call below goes through the protocol's verbs
+               (tidal/engine/backends/protocol.py), so the roles do not depend on which engine trains
     rollout    RolloutSlot (RolloutInstance + NativeEngine) while the device serves rollout
     inference  InferenceSlot (the model with the current weights) while the device serves inference
     kept       KeptCopy: the actor's full weights as they were at the last step end, on devices where the actor
@@ -26,7 +28,8 @@ from typing import Any, cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.actor import ActorShard, Coord, IterReport, LossFn, SharedQueue
+from tidal.engine.actor import Coord, IterReport, LossFn, SharedQueue
+from tidal.engine.backends.protocol import ActorBackend, PolicyModel, ProgramInputs, make_backend
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import RequestState, SamplingParams
@@ -84,6 +87,8 @@ class RunSpec:
     activation_checkpointing: bool = False
     max_tokens_per_micro_batch: int | None = None
     """`actor.max_tokens_per_micro_batch`: the actor's micro-batches by token budget (None: micro_batch_size rows)."""
+    backend: str = "native"
+    """`actor.backend`: the registry name of the actor's training engine (`make_backend`)."""
 
 
 @dataclass
@@ -119,7 +124,7 @@ class WorkerRoles:
     run: RunSpec
     tok: Any
     verifier: Verifier
-    actor: ActorShard | None = None
+    actor: ActorBackend | None = None
     rollout: RolloutSlot | None = None
     inference: InferenceSlot | None = None
     kept: KeptCopy | None = None
@@ -129,10 +134,10 @@ def roles_of(ctx) -> WorkerRoles:
     return ctx.state["roles"]
 
 
-def actor_of(ctx) -> ActorShard:
-    shard = roles_of(ctx).actor
-    assert shard is not None, "actor_init runs before any other actor call"
-    return shard
+def actor_of(ctx) -> ActorBackend:
+    actor = roles_of(ctx).actor
+    assert actor is not None, "actor_init runs before any other actor call"
+    return actor
 
 
 def _rollout(ctx) -> RolloutSlot:
@@ -173,15 +178,16 @@ def freeze_gc(ctx) -> None:
 
 # ---- actor ------------------------------------------------------------------------------------------------
 def actor_init(ctx, layout: Layout, weights: Any) -> bool:
-    """Every worker: build its ActorShard (holding state only if in `layout`) from global `weights`."""
+    """Every worker: build its actor backend (`RunSpec.backend`; holding state only if in `layout`) from global
+    `weights` (the engines' names)."""
     roles = roles_of(ctx)
     spec = roles.run
     weights = _resolve(weights)
-    roles.actor = shard = ActorShard(spec.args, spec.optim, layout, ctx.rank, seed=spec.seed, device=ctx.device,
-                                     dtype=compute_dtype(spec.dtype, ctx.device),
-                                     activation_checkpointing=spec.activation_checkpointing,
-                                     weights=weights if layout.coord(ctx.rank) is not None else "empty")
-    return shard.state is not None
+    roles.actor = actor = make_backend(spec.backend, spec.args, spec.optim, layout, ctx.rank, seed=spec.seed,
+                                       device=ctx.device, dtype=compute_dtype(spec.dtype, ctx.device),
+                                       activation_checkpointing=spec.activation_checkpointing,
+                                       weights=weights if layout.coord(ctx.rank) is not None else "empty")
+    return actor.member
 
 
 def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
@@ -208,7 +214,7 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     """Ranks of the actor's layout: one optimizer step on the iter's samples (micro-batches from one shared
     queue; static claim order, so the update is identical whatever the DP size). Others return None."""
     shard = actor_of(ctx)
-    if shard.state is None:
+    if not shard.member:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
     scored: list[ScoredSample] = _resolve(samples)
@@ -219,7 +225,7 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    # None only on ranks outside the layout, returned above (shard.state is None)
+    # None only on ranks outside the layout, returned above
     report = cast(IterReport, shard.train_iter(SharedQueue(batches), loss_fn, num_tokens))
     out = report.metrics()
     if cuda:   # the iter's peak on this device (the step's metric is the largest over ranks and iters)
@@ -238,10 +244,10 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     """The actor's own log-probs of each group's responses (collective over the layout; TP rank 0 of DP rank 0
     returns them), packed exactly as the training loss packs them. Used to check inference against the actor."""
     shard = actor_of(ctx)
-    if shard.state is None:
+    if not shard.member:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
-    model = cast(Transformer, shard.model)   # bound whenever the shard holds state (checked above)
+    model = cast(PolicyModel, shard.model)   # bound whenever the rank is in the layout (checked above)
     out = []
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
@@ -251,8 +257,9 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     return out if shard.coord == (0, 0) else None
 
 
-def actor_program_inputs(ctx) -> dict:
-    """Specs, parameter bytes and bucket size of this worker's actor: what the driver needs to prepare programs."""
+def actor_program_inputs(ctx) -> ProgramInputs | None:
+    """Specs, parameter bytes and bucket size of this worker's actor: what the driver needs to prepare programs
+    (None: the backend plans its own moves on the ranks)."""
     return actor_of(ctx).program_inputs()
 
 
@@ -319,7 +326,7 @@ def drop_kept(ctx) -> None:
 
 
 def actor_offload(ctx, optimizer: bool, grad: bool, weight: bool) -> dict[str, float]:
-    """Hand this device to generation: the actor's state as `ActorShard.offload` says. Returns the bytes moved,
+    """Hand this device to generation: the actor's state as `ActorBackend.offload` says. Returns the bytes moved,
     the seconds, the actor's bytes still on the device, and (CUDA) the device's peak since the last hand-over:
     the training phase's."""
     return _hand_over(ctx, lambda shard: shard.offload(optimizer=optimizer, grad=grad, weight=weight))
@@ -328,7 +335,7 @@ def actor_offload(ctx, optimizer: bool, grad: bool, weight: bool) -> dict[str, f
 def actor_onload(ctx) -> dict[str, float]:
     """Hand this device back to training: what `actor_offload` moved comes back (bit for bit). Returns as
     `actor_offload` does; the peak is the generation (and scoring) phase's."""
-    return _hand_over(ctx, ActorShard.onload)
+    return _hand_over(ctx, lambda actor: actor.onload())
 
 
 def _hand_over(ctx, move) -> dict[str, float]:

@@ -43,6 +43,24 @@ old stack stays as it was (no global state to restore) and ReshardError is raise
 `save_megatron` / `load_megatron` go through megatron-core's dist_checkpointing, which reads the global
 parallel_state: they need the layout to be the whole world in rank order (`megatron_groups.parallel_state_for`).
 
+In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
+
+    export_weights / gather_replica   the engines' names, TP split and compute dtype: the layout's TP shards are
+                                      all-gathered (Megatron splits every tensor evenly, so the pieces are equal)
+                                      to GPTModel's global weights, `from_megatron` unfuses QKV and [gate; up] and
+                                      drops the padded vocab rows, then our TP shard t is cut (TP 1: no gather)
+    save_checkpoint / load_checkpoint the native run-checkpoint format (tidal/engine/checkpoint.py), so a run
+                                      resumes on either backend: the full state (params, fp32 main params, Adam
+                                      moments, step, data cursor) is gathered over the layout in global terms,
+                                      converted to our names and written through an `ActorShard` of the same
+                                      layout; a load reads it into an `ActorShard` at the target layout (the native
+                                      loader's resharding) and sets this backend's state from its global view.
+                                      Costs one full fp32 copy of the state per layout rank while it runs
+    program_inputs                    None: the moves are planned on the ranks (`megatron_state_reshard`)
+    offload / onload                  only the all-off hand-over (nothing moves); the state cannot go to host
+                                      memory yet, so `actor.offload_*` with this backend is refused by the config
+    held_bytes / resident_bytes       DDP's param and grad buffers, fp32 main params and moments on this rank
+
 CPU: megatron-core's DDP and optimizer run on gloo inside `megatron_cpu.optimizer_shim()` (its table lists the
 sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded per TP rank
 (`model_parallel_cuda_manual_seed(seed, tp_rank=t)`).
@@ -53,18 +71,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.core.errors import LayoutError
-from tidal.engine.actor import ExportedWeights, IterReport
+from tidal.core.errors import ConfigError, LayoutError, TrainingError
+from tidal.engine.actor import ActorShard, ExportedWeights, IterReport
 from tidal.engine.backends import megatron_cpu as mc
 from tidal.engine.backends.megatron_groups import MegatronGroups, init_process_state, layout_gather, parallel_state_for
 from tidal.engine.backends.megatron_map import (
     FC1,
+    from_megatron,
     gpt_layer_spec,
     gpt_model_kwargs,
     megatron_tp_shard,
@@ -81,11 +100,13 @@ from tidal.engine.backends.megatron_state_reshard import (
     plan_state,
     split_unit_range,
 )
-from tidal.engine.backends.protocol import register_backend
+from tidal.engine.backends.native import save_shard
+from tidal.engine.backends.protocol import CheckpointLoad, register_backend
+from tidal.engine.checkpoint import CheckpointMeta, ShardRecord, load_actor
 from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec, synced_layout
-from tidal.engine.model import ModelArgs, init_global_weights
-from tidal.engine.optim import OptimConfig, lr_at
+from tidal.engine.model import ModelArgs, init_global_weights, param_specs
+from tidal.engine.optim import OPT_KINDS, OptimConfig, ShardState, lr_at
 from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
 from tidal.engine.tp import vocab_parallel_logprobs
 
@@ -242,8 +263,14 @@ class MegatronBackend:
 
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
-                 weights: dict[str, torch.Tensor] | None = None, padded_vocab: int | None = None,
-                 groups: GroupCache | None = None):
+                 weights: dict[str, torch.Tensor] | Literal["empty"] | None = None, padded_vocab: int | None = None,
+                 groups: GroupCache | None = None, activation_checkpointing: bool = False):
+        """`weights`: our global weights; None: `init_global_weights(args, seed)`; "empty": GPTModel's params as
+        built (a state set later, e.g. by a checkpoint load). `activation_checkpointing` is not wired to
+        megatron-core's recompute here, so True is refused (the config refuses it first)."""
+        if activation_checkpointing:
+            raise ConfigError("actor.activation_checkpointing", True, "is not supported by the megatron actor "
+                              "backend", "set actor.activation_checkpointing: false or actor.backend: native")
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -257,18 +284,19 @@ class MegatronBackend:
         self.groups = groups or GroupCache()   # the layouts' TP / DP / all-ranks groups, as ActorShard's
         self._pgs = MegatronGroups(self.groups)
         self.step, self.data_cursor = 0, 0
+        self._phases: dict[str, float] = {}   # the last forward_backward's compute and sync seconds
         if layout.coord(rank) is not None and weights is None:
             weights = init_global_weights(args, seed)
-        self.stack = self._build(layout, weights)
+        self.stack = self._build(layout, None if weights == "empty" else weights)
         self.layout = layout
 
-    def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | None) -> _Stack | None:
+    def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | Literal["empty"] | None) -> _Stack | None:
         """The stack of `layout` on this rank (collective over the world: the layout's groups); None outside it."""
         pgc = self._pgs.collection(layout, self.rank)
         if pgc is None:
             return None
         return _Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
-                      weights, pgc)
+                      None if weights == "empty" else weights, pgc)
 
     @property
     def member(self) -> bool:
@@ -313,6 +341,7 @@ class MegatronBackend:
         """Zero the grad buffer, run the iter's micro-batches, sync grads over DP (reduce-scatter: each rank's
         owned ranges of `param.main_grad` hold the DP sum). Returns (this rank's loss sum, micro-batches run)."""
         st = self._stack()
+        t0 = time.perf_counter()
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
         losses = []
@@ -320,6 +349,7 @@ class MegatronBackend:
             loss = loss_fn(st.adapter, item[1], num_tokens_in_iter)
             loss.backward()
             losses.append(loss.detach().double())
+        t1 = time.perf_counter()
         with mc.optimizer_shim():
             st.ddp.finish_grad_sync()
             if st.tp_group is not None and self.args.qk_norm:
@@ -327,6 +357,7 @@ class MegatronBackend:
                 # grads over TP, as Megatron-LM's finalize_model_grads does (ours: RMSNorm(grad_group=tp))
                 from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
                 _allreduce_non_tensor_model_parallel_grads([st.ddp], st.cfg, st.tp_group)
+        self._phases = {"compute": t1 - t0, "sync": time.perf_counter() - t1}
         return float(torch.stack(losses).sum()) if losses else 0.0, len(losses)
 
     def train_iter(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> IterReport | None:
@@ -336,14 +367,19 @@ class MegatronBackend:
         start = time.perf_counter()
         st = self.stack
         loss, n = self.forward_backward(source, loss_fn, num_tokens_in_iter)
+        t_update = time.perf_counter()
         lr = lr_at(self.hp, self.step)
         for dopt in st.dopts:
             for group in dopt.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = lr, self.hp.weight_decay
         with mc.optimizer_shim():
             ok, grad_norm, _ = st.opt.step()
-        if not ok:
-            raise FloatingPointError(f"megatron optimizer step skipped (non-finite grads) at step {self.step}")
+        if not ok or not torch.isfinite(torch.tensor(grad_norm)) or not torch.isfinite(torch.tensor(loss)):
+            # megatron-core's optimizer has applied the update when the norm is non-finite without a loss scaler:
+            # the run stops here (the config refuses actor.on_nonfinite: skip with this backend)
+            raise TrainingError("actor.on_nonfinite", self.hp.on_nonfinite, f"optimizer step {self.step} has "
+                                f"gradient norm {grad_norm} and loss {loss} on rank {self.rank} (megatron backend)",
+                                "resume from the last good checkpoint with a lower actor.lr or actor.grad_clip")
         self.step += 1
         self.data_cursor += len(source) if hasattr(source, "__len__") else 0
         loss_t = torch.tensor([loss], dtype=torch.float64, device=self.device)
@@ -351,8 +387,10 @@ class MegatronBackend:
             dist.all_reduce(loss_t, group=st.dp_group)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        # the distributed optimizer's step also all-gathers the new params over DP: "update" holds the publish
+        phases = {**self._phases, "update": time.perf_counter() - t_update}
         return IterReport(float(loss_t.item()), float(grad_norm), lr, float(grad_norm) > self.hp.grad_clip, n,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, phases)
 
     # ---- resharding ----------------------------------------------------------------------------------
     def reshard(self, new_layout: Layout, fault: Callable[[str], None] | None = None, *, local: bool = False,
@@ -429,20 +467,27 @@ class MegatronBackend:
 
     # ---- views -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def state_dict_global(self) -> dict[str, torch.Tensor]:
-        """Every tensor in global Megatron coordinates on every rank (collective; checks only): param/<spec>
-        (as fp32), master|exp_avg|exp_avg_sq/<spec>, step (owned ranges summed from their single owner; ranks
-        outside the layout add zeros)."""
+    def state_dict_global(self, over_layout: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor in global Megatron coordinates on every rank (collective over the world, or with
+        `over_layout` over the layout's ranks only, where the others return {}): param/<spec> (as fp32),
+        master|exp_avg|exp_avg_sq/<spec>, step (owned ranges summed from their single owner; ranks outside the
+        layout add zeros)."""
+        if over_layout and self.stack is None:
+            return {}
+        group = self.groups.get(self.layout).all if over_layout else None
+        reduce = not over_layout or group is not None   # a one-rank layout holds everything itself
         keys = [(i, k) for i in range(len(self.specs)) for k in ("param", "master", "exp_avg", "exp_avg_sq")]
         sizes = [self.specs[i].numel for i, _ in keys]
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
         fulls = [part.view(self.specs[i].shape) for part, (i, _) in zip(flat.split(sizes), keys)]
         if self.stack is not None:
             self._fill_global(keys, fulls)
-        dist.all_reduce(flat)  # each element has exactly one non-zero contributor: the sum is exact
+        if reduce:
+            dist.all_reduce(flat, group=group)  # each element has exactly one non-zero contributor: the sum is exact
         out = {f"{k}/{self.specs[i].name}": full for (i, k), full in zip(keys, fulls)}
         out["step"] = torch.tensor(self.step if self.stack is not None else 0)
-        dist.all_reduce(out["step"], op=dist.ReduceOp.MAX)  # the layout's ranks hold it (others may lag)
+        if reduce:
+            dist.all_reduce(out["step"], op=dist.ReduceOp.MAX, group=group)  # layout ranks hold it (others lag)
         return out
 
     def _fill_global(self, keys: list[tuple[int, str]], fulls: list[torch.Tensor]) -> None:
@@ -463,7 +508,7 @@ class MegatronBackend:
                 piece[lo:hi] = bufs[("master", "exp_avg", "exp_avg_sq").index(kind)]
                 shard.copy_(piece.view(shard.shape))
 
-    def export_weights(self) -> ExportedWeights | None:
+    def export_megatron(self) -> ExportedWeights | None:
         """TP-local weights in GPTModel terms (specs = `inventory()`; fc1 halves are views); None outside the
         layout."""
         if self.stack is None:
@@ -471,6 +516,138 @@ class MegatronBackend:
         views = self.stack.views(self.specs, self.step)
         return ExportedWeights(self.layout.tp, self.stack.t, self.specs,
                                {s.name: p for s, p in zip(self.specs, views.params)})
+
+    @torch.no_grad()
+    def gather_replica(self) -> dict[str, torch.Tensor] | None:
+        """Our global weights (the engines' names, compute dtype, on this device) on every rank of the layout: the
+        TP shards of this rank's DP replica all-gathered over its TP group (collective over the layout), unfused
+        and with the padded vocab rows dropped (`from_megatron`). None outside the layout."""
+        if self.stack is None:
+            return None
+        st, tp = self.stack, self.layout.tp
+        views = st.views(self.specs, self.step)
+        full: dict[str, torch.Tensor] = {}
+        for spec, local in zip(self.specs, views.params):
+            if spec.tp_dim is not None and tp > 1:
+                parts = [torch.empty_like(local) for _ in range(tp)]   # Megatron's splits are even
+                dist.all_gather(parts, local.contiguous(), group=st.tp_group)
+                local = torch.cat(parts, dim=spec.tp_dim)
+            full[spec.name] = local
+        return from_megatron(_join_halves(full), self.args)
+
+    def export_weights(self) -> ExportedWeights | None:
+        """TP shard t of our weights (`param_specs` names and split, compute dtype) for the weight sync: cut from
+        `gather_replica` (collective over the layout at TP > 1). None outside the layout."""
+        whole = self.gather_replica()
+        if whole is None:
+            return None
+        tp, t = self.layout.tp, cast(_Stack, self.stack).t
+        specs = tuple(param_specs(self.args))
+        return ExportedWeights(tp, t, specs, {s.name: whole[s.name][s.tp_slices(tp, t)] for s in specs})
+
+    def program_inputs(self) -> None:
+        """None: the driver prepares no program; `reshard` plans the moves on the ranks."""
+        return None
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def offload(self, *, optimizer: bool, grad: bool, weight: bool) -> int:
+        """The all-off hand-over only (nothing moves); see the module doc."""
+        if optimizer or grad or weight:
+            flag = "offload_optimizer" if optimizer else "offload_grad" if grad else "offload_weight"
+            raise ConfigError(f"actor.{flag}", True, "the megatron actor backend keeps its state on the device",
+                              f"set actor.{flag}: false, or actor.backend: native")
+        return 0
+
+    def onload(self) -> int:
+        return 0
+
+    def held_bytes(self) -> int:
+        """DDP's param and grad buffers, fp32 main params and Adam moments of this rank."""
+        if self.stack is None:
+            return 0
+        st = self.stack
+        n = 0
+        for buf in st.ddp.buffers + st.ddp.expert_parallel_buffers:
+            for t in (buf.param_data, buf.grad_data):
+                if t is not None:
+                    n += t.numel() * t.element_size()
+        for name, (_, _, main) in st.main.items():
+            state = st.inner_of[id(st.params[name])].optimizer.state.get(main, {})
+            n += sum(x.numel() * x.element_size() for x in (main, state.get("exp_avg"), state.get("exp_avg_sq"))
+                     if x is not None)
+        return n
+
+    def resident_bytes(self) -> int:
+        return self.held_bytes()   # nothing is ever offloaded
+
+    # ---- run checkpoints (the native format) --------------------------------------------------------
+    @torch.no_grad()
+    def _global_ours(self, over_layout: bool) -> dict[str, dict[str, torch.Tensor]]:
+        """kind -> our global tensors (fp32) of this backend's state, kinds "param" and OPT_KINDS."""
+        g = self.state_dict_global(over_layout=over_layout)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for kind in ("param",) + OPT_KINDS:
+            meg = {spec.name: g[f"{kind}/{spec.name}"] for spec in self.specs}
+            out[kind] = from_megatron(_join_halves(meg), self.args)
+        return out
+
+    def _native_twin(self, layout: Layout) -> ActorShard:
+        """An `ActorShard` at `layout` on this rank, its state unset (collective over the world only for a layout
+        whose groups are new)."""
+        return ActorShard(self.args, self.hp, layout, self.rank, self.seed, self.device, self.dtype,
+                          groups=self.groups, weights="empty")
+
+    def save_checkpoint(self, tmp: str | Path, meta: CheckpointMeta) -> ShardRecord | None:
+        """This rank's shard of a run checkpoint in the native format (module doc; collective over the layout)."""
+        if self.stack is None:
+            return None
+        ours = self._global_ours(over_layout=True)
+        twin = self._native_twin(self.layout)
+        try:
+            st = cast(ShardState, twin.state)
+            st.step, st.data_cursor = self.step, self.data_cursor
+            _fill_shard(twin, ours)
+            return save_shard(twin, tmp, meta)
+        finally:
+            twin.free()
+
+    @torch.no_grad()
+    def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad:
+        """Every world rank: this backend's state from a native-format generation at `layout` (module doc). A
+        failed read leaves every rank's state as it was (the native loader's vote) and raises."""
+        check_layout(self.args, self.padded_vocab, layout)
+        twin = self._native_twin(self.layout)
+        try:
+            m = load_actor(twin, gen, layout)
+            g = twin.state_dict_global()   # collective over the world
+        finally:
+            twin.free()
+        if layout != self.layout or self.stack is None:
+            self.stack = self._build(layout, None)
+            self.layout = layout
+        self.step, self.data_cursor = int(g["step"]), int(g["data_cursor"])
+        if self.stack is not None:
+            self._set_state(g)
+        return CheckpointLoad(self.stack is not None, self.step if self.stack else m.optimizer_step,
+                              self.data_cursor if self.stack else m.data_cursor, self.held_bytes())
+
+    def _set_state(self, g: dict[str, torch.Tensor]) -> None:
+        """This rank's params, main params and moments from our global tensors `g` (keys kind/<name>)."""
+        st = cast(_Stack, self.stack)
+        st.set_step(self.step)
+        names = [s.name for s in param_specs(self.args)]
+        meg = {kind: _split_halves(to_megatron({n: g[f"{kind}/{n}"] for n in names}, self.args, self.padded_vocab))
+               for kind in ("param",) + OPT_KINDS}
+        views = st.views(self.specs, self.step)
+        tp, t = self.layout.tp, st.t
+        for i, spec in enumerate(self.specs):
+            views.params[i].copy_(meg["param"][spec.name][spec.tp_slices(tp, t)])
+            opt = views.opt[i]
+            if opt is None:
+                continue
+            lo, hi, *bufs = opt
+            for kind, buf in zip(OPT_KINDS, bufs):
+                buf.copy_(meg[kind][spec.name][spec.tp_slices(tp, t)].reshape(-1)[lo:hi])
 
     def grads(self) -> dict[str, torch.Tensor]:
         """TP-local fp32 grads after `forward_backward` (module names; at DP > 1 only owned ranges are summed)."""
@@ -505,6 +682,42 @@ class MegatronBackend:
         if reset_optimizer:
             self.step = 0
             st.set_step(0)
+
+
+def _join_halves(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Spec-named tensors (fc1 as `#gate` / `#up` halves) -> GPTModel module names ([gate; up] rows)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        base, _, half = name.partition("#")
+        if half == "up":
+            continue
+        out[base] = torch.cat([w, state[base + "#up"]]) if half == "gate" else w
+    return out
+
+
+def _split_halves(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `_join_halves`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        if name.endswith(FC1):
+            out[name + "#gate"], out[name + "#up"] = w.chunk(2)
+        else:
+            out[name] = w
+    return out
+
+
+@torch.no_grad()
+def _fill_shard(shard: ActorShard, ours: dict[str, dict[str, torch.Tensor]]) -> None:
+    """`shard`'s params (TP shard) and owned optimizer ranges from our global tensors per kind."""
+    st = cast(ShardState, shard.state)
+    t = cast("tuple[int, int]", shard.coord)[0]
+    for i, spec in enumerate(shard.specs):
+        local = {k: ours[k][spec.name][spec.tp_slices(shard.layout.tp, t)].reshape(-1) for k in ours}
+        st.param(i).copy_(local["param"].view(st.param(i).shape))
+        lo, hi = st.shape.owned[i]
+        o = st.shape.opt_offsets[i]
+        for kind in OPT_KINDS:
+            st.buffer(kind)[o:o + hi - lo].copy_(local[kind][lo:hi])
 
 
 def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
