@@ -20,7 +20,8 @@ batch (which captures its CUDA graphs: the decode graph and the prefill graph of
 
 Kernels (`kernels`): `fused` is the CUDA engine's default (packed q/k/v and gate/up GEMMs, elementwise stages
 compiled by torch.compile: `tidal.engine.generation.fused`), `eager` the same engine launching torch's own kernels;
-`triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`); `speedup_vs_eager` =
+`triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is `triton`
+with each step launched before the previous one is read back (`EngineConfig.overlap`); `speedup_vs_eager` =
 eager ms per step / the variant's ms per step at the same batch, measured side by side. HF `generate` runs once
 per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
 per step.
@@ -255,7 +256,8 @@ def throughput(a, device, dtype, report):
     for batch, kernels in ((b, k) for b in a.batches for k in a.kernels):
         ids = prompts(args, batch, a.prompt_len)
         engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels != "eager",
-                                              decode_attention="triton" if kernels == "triton" else "sdpa"))
+                                              decode_attention="triton" if kernels in ("triton", "overlap")
+                                              else "sdpa", overlap=kernels == "overlap"))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
         native_generate(engine, ids, a.new_tokens, "warm")
         runs, tokens = [], None
@@ -425,8 +427,8 @@ def batches(text: str) -> list[int]:
 
 def kernel_variants(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(k not in ("fused", "triton", "eager") for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, eager")
+    if not out or any(k not in ("fused", "triton", "overlap", "eager") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, eager")
     return out
 
 
@@ -450,8 +452,8 @@ def main(argv=None):
     p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")
     p.add_argument("--kernels", type=kernel_variants, default=None, metavar="K[,K...]",
                    help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
-                        "CUDA with Triton), triton (fused + the Triton decode attention) and/or eager "
-                        "(default: fused,eager on CUDA, eager on CPU)")
+                        "CUDA with Triton), triton (fused + the Triton decode attention), overlap (triton + "
+                        "overlapped decode) and/or eager (default: fused,eager on CUDA, eager on CPU)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"

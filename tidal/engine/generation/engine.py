@@ -38,6 +38,15 @@ Two modes (`EngineConfig.batch_invariant`, default: on for CPU, off for CUDA):
   round-off depends on which prompts share it, so a request's tokens equal a one-at-a-time prefill's only up to
   round-off (a near-tie can flip).
 
+Overlap (`EngineConfig.overlap`): each `step()` admits, launches the next decode step, then reads back the
+step launched by the previous call (on CUDA through pinned buffers and an event, so the read waits for that
+step only). The launched step's rows take their input token from the device (the token the in-flight step
+samples) and their position one past it; a row that finishes in the in-flight step (a stop token) computes one
+throw-away row, like an empty slot's. Anything that must see a settled engine (`export_state`, weight updates,
+memory release) first discards the launched step: its generator draws are rolled back and its K/V write lands at
+the position the next real step writes again with the same values. A request's tokens therefore equal those of
+the same engine without overlap: the same inputs at the same positions, the same draws in the same order.
+
 Migration: `export_state` freezes requests (they keep their slot but do not advance) and returns their state
 with KV; `commit_export` forgets them, `cancel_export` unfreezes them. `import_state` queues them first in
 line; a KV state continues at once, a KV-less one is re-prefilled: with `reprefill="replay"` (default) the
@@ -108,6 +117,11 @@ class EngineConfig:
     (`tidal.engine.generation.decode_attention`: split-K, each row reading its own keys, its K/V written in the
     same launch; needs the fused kernels). `sdpa` is the default until `benchmarks/rollout.py --kernels
     fused,triton` has measured the Triton kernel on the GPU in question."""
+    overlap: bool = False
+    """Launch decode step n+1 before reading step n's tokens back, its inputs fed from the device (each row's
+    token of step n, its position + 1), so the host's per-step work (recording tokens, drawing the next uniforms)
+    runs while the GPU computes. `step()` then returns the events of the step launched by the call before.
+    A request's tokens are the same as without it (see module doc); off by default until measured on the GPU."""
     vocab_limit: int | None = None
     """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
     rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
@@ -127,6 +141,20 @@ class EngineConfig:
     @staticmethod
     def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> EngineConfig:
         return EngineConfig(rollout_cfg.max_running_requests, kv_budget_bytes)
+
+
+@dataclass
+class _Launched:
+    """A decode step on its way: its rows (request, slot, samples: False for a replay row), the generator states
+    before its draws (overlap: restored if the step is discarded), the keys it reads, and its tokens and
+    log-probs (host copies once `ready` has passed; None: read them directly)."""
+
+    rows: list[tuple[_Live, int, bool]]
+    drew: list[tuple[_Live, torch.Tensor]]
+    keys: int
+    tok: torch.Tensor
+    lp: torch.Tensor
+    ready: Any
 
 
 @dataclass
@@ -223,6 +251,9 @@ class NativeEngine(GenerationEngine):
         self._top_p = torch.ones(self.rows, device=self.device)
         self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
+        self._overlap = config.overlap
+        self._launched: _Launched | None = None   # overlap: the decode step launched ahead, not read back yet
+        self._prev_tok = torch.zeros(self.rows, dtype=torch.long, device=self.device)   # its tokens, per row
         self._graphs: dict[tuple[int, bool], tuple] = {}   # (decode span, filtered) -> (graph, its outputs)
         self._prefill_graphs: dict[int, tuple] = {}
         self._graph_pool: Any = None   # one memory pool for every captured decode graph
@@ -273,7 +304,12 @@ class NativeEngine(GenerationEngine):
         self._need_ready("step")
         events: list[RequestEvent] = []
         self._admit(events)
-        if any(rid is not None and not self._live[rid].frozen for rid in self._slots):
+        if self._overlap:   # launch the next step, then read back the one launched by the previous call
+            inflight, self._launched = self._launched, None
+            self._launched = self._launch(inflight)
+            if inflight is not None:
+                self._consume(inflight, events)
+        elif any(rid is not None and not self._live[rid].frozen for rid in self._slots):
             self._decode(events)
         return events
 
@@ -401,48 +437,112 @@ class NativeEngine(GenerationEngine):
         return out
 
     def _decode(self, events: list[RequestEvent]) -> None:
-        ids, pos, active, sampling = [0] * self.rows, [0] * self.rows, [], []
+        """One decode step, launched and read back (without overlap)."""
+        launched = self._launch(None)
+        if launched is not None:
+            self._consume(launched, events)
+
+    def _launch(self, inflight: _Launched | None) -> _Launched | None:
+        """Start a decode step over the active rows; `inflight`: the step launched before and not read back
+        yet, whose rows this one continues (input token from the device, position + 1). None: no active row."""
+        ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
+        ids, pos, prev = [0] * self.rows, [0] * self.rows, [False] * self.rows
+        rows: list[tuple[_Live, int, bool]] = []
         for slot, rid in enumerate(self._slots):
             if rid is None:
                 continue
             live = self._live[rid]
-            pos[slot] = live.kv_len  # frozen rows write past their valid length: harmless, overwritten later
+            was = ahead.get(id(live))   # None: not in the in-flight step; True: sampling there; False: replaying
+            pos[slot] = live.kv_len + (was is not None)  # frozen rows write past their valid length: harmless
             if live.frozen:
                 continue
-            ids[slot] = live.replay[0] if live.replay else live.tokens[-1]
-            active.append(live)
-            sampling.append(not live.replay)
+            replay = len(live.replay) - (was is False)   # recorded tokens still to feed after the in-flight step
+            if was is True and self._finishes_by_length(live, 1):
+                pos[slot] = live.kv_len   # ends in the in-flight step: no row here (a throw-away write)
+                continue
+            if was is True:
+                prev[slot] = True
+            elif replay > 0:
+                ids[slot] = live.replay[len(live.replay) - replay]
+            else:
+                ids[slot] = live.tokens[-1]
+            rows.append((live, slot, replay <= 0))
+        if not rows:
+            return None
+        drew = [(lv, lv.generator.get_state()) for lv, _, samples in rows if samples and not lv.request.params.greedy
+                ] if self._overlap else []
         u_list = [0.0] * self.rows   # built on the host, one tensor a step: no per-row tensor writes or syncs
-        for live, x in zip(active, self._draws(active, sampling)):
-            u_list[cast(int, live.slot)] = x
-        u = torch.tensor(u_list, dtype=torch.float32)
-        ids_R = torch.tensor(ids, dtype=torch.long)
-        pos_R = torch.tensor(pos, dtype=torch.long)
+        for (_, slot, _), x in zip(rows, self._draws([lv for lv, _, _ in rows], [sm for _, _, sm in rows])):
+            u_list[slot] = x
+        u, ids_R, pos_R = self._host(u_list, torch.float32), self._host(ids, torch.long), self._host(pos, torch.long)
+        prev_R = self._host(prev, torch.bool) if self._overlap else None
         # the vocab sort of top-k / top-p runs only in steps where some row asks for it (a row's token never
         # depends on this: `sampler.sample`)
-        filtered = any(lv.request.params.top_p < 1 or lv.request.params.top_k > 0 for lv in active)
+        filtered = any(lv.request.params.top_p < 1 or lv.request.params.top_k > 0 for lv, _, _ in rows)
         if self._row_spans:
             groups = self._row_groups(pos)
-            self.keys_read += sum(len(g.rows) * g.span for g in groups)
-            tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
-                                           filtered, groups=groups)
+            keys = sum(len(g.rows) * g.span for g in groups)
+            tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, groups=groups)
         else:
             # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
-            span = padded_len(max(live.kv_len for live in active) + 1, self.args.max_seq_len)
+            span = padded_len(max(pos[slot] for _, slot, _ in rows) + 1, self.args.max_seq_len)
             # the fused kernel reads each row's keys 0..pos (empty rows: one key); SDPA the step's span
-            self.keys_read += sum(p + 1 for p in pos) if self._fused_attention else self.rows * span
+            keys = sum(p + 1 for p in pos) if self._fused_attention else self.rows * span
             if self._use_graph and self.rows == self.width:
-                tok, lp = self._graph_decode(ids_R, pos_R, u, filtered, span)
+                tok, lp = self._graph_decode(ids_R, pos_R, u, prev_R, filtered, span)
             else:
-                tok, lp = self._decode_forward(ids_R.to(self.device), pos_R.to(self.device), u.to(self.device),
-                                               filtered, span=span)
-        tok_l, lp_l = tok.tolist(), lp.tolist()
-        for live, samples in zip(active, sampling):
+                tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, span=span)
+        return _Launched(rows, drew, keys, *self._read_back(tok, lp))
+
+    def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step input on the host; pinned where overlap copies it to a GPU (an async copy from pageable memory
+        would wait for the device to finish its queue)."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self._overlap and self.device.type == "cuda")
+
+    def _to_device(self, ids: torch.Tensor, pos: torch.Tensor, u: torch.Tensor, prev: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        ids, pos, u = (x.to(self.device, non_blocking=True) for x in (ids, pos, u))
+        return ids, pos, u, prev.to(self.device, non_blocking=True) if prev is not None else None
+
+    def _read_back(self, tok: torch.Tensor, lp: torch.Tensor):
+        """Host copies of a step's tokens and log-probs: on CUDA with overlap, pinned buffers filled after the
+        step on its stream and an event marking them (so reading them waits for this step only)."""
+        if not (self._overlap and tok.is_cuda):
+            return tok, lp, None
+        tok_h = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True).copy_(tok, non_blocking=True)
+        lp_h = torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True).copy_(lp, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return tok_h, lp_h, ready
+
+    def _consume(self, launched: _Launched, events: list[RequestEvent]) -> None:
+        """Read a launched step's tokens back and record them. Rows whose request finished, left or was aborted
+        since the launch are skipped (their row was a throw-away)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tok_l, lp_l = launched.tok.tolist(), launched.lp.tolist()
+        self.keys_read += launched.keys
+        for live, slot, samples in launched.rows:
+            if self._live.get(live.request.request_id) is not live or live.slot != slot:
+                continue
             live.kv_len += 1
             if not samples:
                 live.replay.popleft()
                 continue
-            self._record(live, tok_l[live.slot], lp_l[live.slot], events)
+            self._record(live, tok_l[slot], lp_l[slot], events)
+
+    def _discard_launched(self) -> None:
+        """Drop the step launched ahead (overlap) unread: roll its rows' generators back to before its draws.
+        Its K/V writes sit at the positions the next real step writes again, with the same values."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            for live, state in launched.drew:
+                live.generator.set_state(state)
+
+    def _finishes_by_length(self, live: _Live, more: int) -> bool:
+        """The request reaches max_new_tokens or max_seq_len once `more` further tokens are recorded."""
+        n = len(live.tokens) + more
+        return n >= live.request.params.max_new_tokens or len(live.request.prompt_ids) + n >= self.args.max_seq_len
 
     def _row_groups(self, pos: list[int]) -> list[RowGroup]:
         """Rows by their own key span (position + 1, bucketed): the exact path, whatever shares the step."""
@@ -452,38 +552,49 @@ class NativeEngine(GenerationEngine):
         return [RowGroup(rows, [self._row_slot_list[r] for r in rows], [pos[r] for r in rows], span, self.device)
                 for span, rows in sorted(by_span.items())]
 
-    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool, *,
-                        span: int | None = None, groups: list[RowGroup] | None = None):
-        """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs."""
+    def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor,
+                        prev_R: torch.Tensor | None, filtered: bool, *, span: int | None = None,
+                        groups: list[RowGroup] | None = None):
+        """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs. With overlap, rows
+        marked in `prev_R` take the token the previous decode step sampled (kept on the device)."""
+        if prev_R is not None:
+            ids_R = torch.where(prev_R, self._prev_tok, ids_R)
         decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups,
                                      fused=self._fused_attention and span is not None)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R, filtered)
+        if prev_R is not None:
+            self._prev_tok.copy_(tok)
         return tok, sampler.logprobs(logits, tok)
 
-    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor, filtered: bool,
-                      span: int):
+    def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor,
+                      prev_R: torch.Tensor | None, filtered: bool, span: int):
         """CUDA: replay the captured graph of `_decode_forward` at this key span and sampler (one capture per
         pair, all in one memory pool; the kernels are the eager ones, so the results are too). Captured lazily,
         dropped on release."""
+        inputs = (ids_R, pos_R, u_R) + ((prev_R,) if prev_R is not None else ())
         if not self._graphs:
-            self._static = [ids_R.to(self.device), pos_R.to(self.device), u_R.to(self.device)]
+            self._static = [x.to(self.device) for x in inputs]
             self._graph_pool = torch.cuda.graph_pool_handle()
-        for buf, src in zip(self._static, (ids_R, pos_R, u_R)):
+        for buf, src in zip(self._static, inputs):
             buf.copy_(src, non_blocking=True)
         entry = self._graphs.get((span, filtered))
         if entry is None:
-            ids_s, pos_s, u_s = self._static
+            ids_s, pos_s, u_s = self._static[:3]
+            prev_s = self._static[3] if prev_R is not None else None
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
+                kept = self._prev_tok.clone()   # the in-flight step's tokens, which the warm-up overwrites
                 for _ in range(2):
-                    self._decode_forward(ids_s, pos_s, u_s, filtered, span=span)
+                    self._prev_tok.copy_(kept)
+                    self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span)
+                self._prev_tok.copy_(kept)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = self._decode_forward(ids_s, pos_s, u_s, filtered, span=span)
+                out = self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span)
             self._graphs[(span, filtered)] = entry = (graph, out)
         entry[0].replay()
         return entry[1]
@@ -506,8 +617,7 @@ class NativeEngine(GenerationEngine):
         reason = None
         if token in p.stop_token_ids:
             reason = "stop"
-        elif (len(live.tokens) >= p.max_new_tokens
-              or len(live.request.prompt_ids) + len(live.tokens) >= self.args.max_seq_len):
+        elif self._finishes_by_length(live, 0):
             reason = "length"
         new: tuple[tuple[int, ...], tuple[float, ...]] = ((token,), (logprob,)) if live.request.stream else ((), ())
         if reason is None:
@@ -539,6 +649,7 @@ class NativeEngine(GenerationEngine):
 
     def export_state(self, ids: Sequence[str]) -> list[RequestState]:
         self._need_ready("export_state")
+        self._discard_launched()   # the state as of the last step() returned: generators before unread draws
         out = []
         for rid in self._check_ids("export_state", ids, False):
             live = self._live[rid]
@@ -629,6 +740,7 @@ class NativeEngine(GenerationEngine):
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self._need_ready("update_weights")
         self._need_idle("update_weights")
+        self._discard_launched()
         self._check_version(version)
         self._load(weights)
         self._version = version
@@ -643,6 +755,7 @@ class NativeEngine(GenerationEngine):
         `keep_weights`: free the KV cache only (a scorer on this device reads the same model next); a later
         `release_memory()` then frees the weights it kept."""
         self._need_idle("release_memory")
+        self._discard_launched()
         if not (self.status is EngineStatus.RELEASED and self._weights_kept and not keep_weights):
             self._move(EngineStatus.RELEASED, "release_memory")
         self._weights_kept = keep_weights
