@@ -177,9 +177,9 @@ class ActorConfig(Section):
     backend: Literal["native", "megatron"] = Field(
         "native",
         description="Training engine of the actor, resharded online either way: `native` (Tidal's TP + ZeRO-1 "
-                    "engine) or `megatron` (megatron-core's GPTModel, DDP and distributed optimizer; install with pip "
-                    "install -e '.[megatron]'). `megatron` refuses actor.offload_* on devices shared with rollout, "
-                    "actor.activation_checkpointing and actor.on_nonfinite: skip (docs/megatron.md).")
+                    "engine) or `megatron` (megatron-core's GPTModel, DDP and distributed optimizer; install with "
+                    "`pip install -e '.[megatron]'`). `megatron` refuses `actor.offload_*` on devices shared with "
+                    "rollout, actor.activation_checkpointing and `actor.on_nonfinite: skip` (docs/megatron.md).")
     training_backend: str | None = Field(
         None,
         description="RLinf's name for actor.backend, accepted as RLinf configs spell it: `megatron` (or `native`); "
@@ -479,6 +479,12 @@ class RunConfig(Section):
         0, ge=0, le=1 << 24,
         description="Checkpoint (`<run folder>/checkpoints/gen-N`) every N steps; the end of the run always gets one; "
                     "0: only at the end (RLinf: runner.save_interval).")
+    max_restarts: int = Field(
+        2, ge=0, le=1000,
+        description="Times a run restarts itself from its newest checkpoint after losing a device beyond what a "
+                    "step recovers (an actor device, the last device of a component, a hung call): new workers, the "
+                    "checkpoint's state, its steps run again, in the same process; 0: the run ends on record and "
+                    "`--resume` continues it. Needs checkpoints (run.checkpoint_every).")
     save_hf: bool = Field(
         False,
         description="With each checkpoint also write the model as a Hugging Face directory `<run folder>/hf/step-N` "

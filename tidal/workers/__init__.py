@@ -30,8 +30,8 @@ Invariants:
   unless the caller `retire`s the device and needs no collective over the whole world any more;
 - tensors move over torch.distributed (gloo on CPU, NCCL on GPU); values through Ray are records and small dicts;
   with an embedded Ray, Ray and the world's rendezvous listen on 127.0.0.1 only and Ray's gRPC needs a token;
-- every worker holds an `ActorShard` (group creation and reshard votes are collective), holding memory only while
-  its device is in the actor's layout;
+- every worker holds an actor backend (`actor.backend`, `tidal.engine.backends.protocol.ActorBackend`: group
+  creation and reshard votes are collective), holding memory only while its device is in the actor's layout;
 - a rollout group's samples are seeded by `derive_seed(run_seed, step, group_id, k)`, so their tokens do not
   depend on the instance or migrations; a migrated group is emitted exactly once, by its target;
 - inference scores each group as its own batch, so a dynamic run stays bit-identical to a static one;

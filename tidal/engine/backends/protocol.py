@@ -43,12 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
 from tidal.core.errors import ConfigError
 from tidal.engine.layout import Layout, ParamSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # annotations only: the registry imports no torch-heavy engine module until a backend is built
+    import torch
+
     from tidal.engine.actor import ExportedWeights, IterReport, MicrobatchSource
     from tidal.engine.checkpoint import CheckpointMeta, ShardRecord
     from tidal.engine.groups import GroupCache
