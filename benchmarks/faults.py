@@ -1,0 +1,272 @@
+"""A device lost mid-step: recovery in place against stop-and-resume from the last checkpoint, on the same run.
+
+    python benchmarks/faults.py --json benchmarks/results/faults/<date>_<commit7>_<machine>.json
+    python benchmarks/faults.py --quick --json /tmp/faults.json        # CPU virtual devices, a few minutes
+
+One run (actor on device 0, rollout instances 1-2, inference 3-4, `run.checkpoint_every` = 10), in four parts, all
+real `TrainingRun`s (Ray workers, the native engine, the actor), in this process:
+
+    clean       steps 0 .. K+1 without a fault: per-step seconds and tokens; checkpoints after step 10 (the run's)
+                and after step K-1 (only to start the faulted parts there: the same run, resumed bit-exactly; step
+                K-1 runs first, so the faulted step is not the first of its process)
+    rollout     from step K-1: kill -9 of rollout instance 2's worker during step K's generation (as it is handed
+                more groups, some groups back); the run recovers in place (`tidal.pipeline.faults`), a replacement
+                worker rejoins (`cluster.replace_failed`), and step K+1 runs; then, outside the run's time, the
+                benchmark waits for the replacement, to report when the device was back in the free pool
+    inference   the same with inference device 4's worker, as it is handed its first groups to score in step K
+    resume      stop-and-resume: a new run resumed from the checkpoint of step 10 (workers started, checkpoint
+                loaded, held-out evaluation, as `tidal train --resume` does) redoes steps 10 .. K
+
+K = 15 by default: a fault falls on average half a checkpoint interval after the last checkpoint.
+
+Figures per case (`cases.rollout`, `cases.inference`), recovery beside stop-and-resume:
+
+    kill_offset_s          when in step K the worker was killed (from the step's start)
+    kill_to_step_end_s     kill -> step K's end (its update made: the next useful step), measured
+    lost_s                 kill_to_step_end_s - what step K had left without the fault (that run's step K seconds
+                           - kill_offset_s): the wall time the fault cost the run. Resume: the new process (its
+                           imports, measured in a fresh interpreter), opening the run, steps 10 .. K-1 again and step
+                           K's first kill_offset_s again; recovery: the faulted step's extra time
+    tokens_redone          response tokens generated or scored again, once per operation (recovery: the
+                           `device_recovered` event; resume: steps 10 .. K-1 generated and scored, plus step K's
+                           groups generated before the kill offset); the actor's iters redone are not counted
+    lost_work_ratio        lost_s of stop-and-resume / lost_s of recovery (goal: >= 5)
+    tokens_ratio           tokens_redone likewise
+    recovery_within_steps  kill_to_step_end_s / the clean run's median step (goal: <= 2)
+
+and `same_final_weights`: each faulted part ends with the clean run's weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tidal.core.config import build_config
+from tidal.core.provenance import commit
+from tidal.pipeline.cluster import CallKind
+from tidal.pipeline.run import TrainingRun
+
+CHECKPOINT_EVERY = 10
+QUICK = {
+    "run": {"seed": 5, "checkpoint_every": CHECKPOINT_EVERY, "eval_every": 1000},
+    "cluster": {"num_devices_per_node": 5, "component_placement": {"actor": "0", "rollout": "1-2",
+                                                                    "inference": "3-4"},
+                "replace_failed": True},
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,
+              "max_seq_len": 32},
+    "actor": {"micro_batch_size": 4, "lr": 1e-3, "warmup_iters": 0},
+    "rollout": {"max_new_tokens": 8, "max_running_requests": 8},
+    "algorithm": {"group_size": 4, "n_minibatches": 2},
+    "data": {"rollout_batch_size": 32, "eval_size": 8},
+    "warm_start": {"iters": 600, "num_examples": 500, "lr": 3e-3, "eval_every": 1000},
+}
+FULL = {**QUICK, "model": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+                           "intermediate_size": 512, "max_seq_len": 64},
+        "rollout": {"max_new_tokens": 24, "max_running_requests": 16},
+        "data": {"rollout_batch_size": 32, "eval_size": 16}}
+
+
+def machine() -> str:
+    import torch
+    info = f"{os.cpu_count()} {platform.machine()} CPU cores, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        info = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, " + info
+    return info
+
+
+def step_tokens(pipe) -> tuple[int, dict[int, float]]:
+    """The step's response tokens (each generated once and scored once), and when each group was back generated
+    (seconds from the step's start)."""
+    st = pipe.step_state
+    tokens = sum(len(r) for g in st.scored.values() for r in g.response_ids)
+    return tokens, {gid: t - st.t_start for gid, t in st.gen_time.items()}
+
+
+def group_tokens(pipe) -> dict[int, int]:
+    return {gid: sum(len(r) for r in g.response_ids) for gid, g in pipe.step_state.scored.items()}
+
+
+def run_steps(run: TrainingRun, until: int, checkpoints: dict[int, Path] | None = None) -> list[dict]:
+    """Steps up to `until` (exclusive): per step its seconds, tokens and group times; checkpoints after the steps
+    `checkpoints` names (the run's next step then)."""
+    out = []
+    while run.next_step < until:
+        t0 = time.monotonic()
+        run.step()
+        end = time.monotonic()
+        pipe = run.pipe
+        tokens, gen = step_tokens(pipe)
+        out.append({"step": run.next_step - 1, "seconds": end - t0, "tokens": tokens, "gen_s": gen,
+                    "group_tokens": group_tokens(pipe), "ended_at": end})
+        if checkpoints and run.next_step in checkpoints:
+            run.checkpoint(checkpoints[run.next_step])
+    return out
+
+
+def import_seconds() -> float:
+    """A fresh interpreter importing what `tidal train` imports before it starts a run."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import ray, torch, tidal.pipeline.run, tidal.cli.train"], check=True)
+    return time.monotonic() - t0
+
+
+def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
+    """From the checkpoint after step `kill_step` - 1: that step, step `kill_step` with a worker killed in it, then
+    one more step."""
+    run = TrainingRun(cfg, out / f"faulted-{which}")
+    killed: list[tuple[float, float]] = []   # (monotonic, the pipeline's clock) at the kill
+    try:
+        run.open(resume_from=start)
+        pipe = run.pipe
+        assert pipe is not None
+
+        def kill(device: int) -> None:
+            killed.append((time.monotonic(), pipe.clock()))
+            os.kill(pipe.group.pid(device), signal.SIGKILL)
+
+        if which == "rollout":
+            submit_slice = pipe.cluster.submit_slice
+
+            def spy_slice(device, groups, budget_s):
+                f = submit_slice(device, groups, budget_s)
+                st = pipe.step_state
+                if device == 2 and st.step == kill_step and groups and st.generated and not killed:
+                    kill(2)
+                return f
+            pipe.cluster.submit_slice = spy_slice
+        else:
+            submit = pipe.cluster.submit
+
+            def spy_submit(kind, device, fn, payload=None, **kw):
+                f = submit(kind, device, fn, payload, **kw)
+                if kind is CallKind.INFERENCE and device == 4 and pipe.step_state.step == kill_step and not killed:
+                    kill(4)
+                return f
+            pipe.cluster.submit = spy_submit
+        steps = run_steps(run, kill_step + 2)
+        pipe.rejoin.wait(kill_step + 1, timeout_s=180)   # only to report when it came back: the run never waits
+        summary = run.finish()
+        events = [e for e in pipe.cluster.events if e["kind"].startswith("device_")]
+        t_close = time.monotonic()
+    finally:
+        run.close()
+    close_s = time.monotonic() - t_close
+    step = steps[1]
+    assert killed and step["step"] == kill_step, f"no {which} worker was killed in step {kill_step}"
+    started = step["ended_at"] - step["seconds"]
+    ev = {e["kind"]: e for e in events}
+    failed, recovered = ev["device_failed"], ev["device_recovered"]
+    rejoined = ev.get("device_rejoined")
+    return {"kill_offset_s": killed[0][0] - started, "kill_to_step_end_s": step["ended_at"] - killed[0][0],
+            "step_s": step["seconds"], "next_step_s": steps[2]["seconds"], "detect_s": failed["time"] - killed[0][1],
+            "handover_s": failed["seconds"], "handover_bytes": failed["bytes"], "groups_redone": failed["groups"],
+            "recovery_s": recovered["seconds"], "tokens_redone": recovered["tokens"],
+            "rejoin_s": rejoined["seconds"] if rejoined else None,
+            "rejoin_start_s": rejoined["start_s"] if rejoined else None,
+            "rejoined_in_step": rejoined["step"] if rejoined else None, "close_s": close_s,
+            "final_weights_sha": summary.final_weights_sha, "events": events}
+
+
+def resumed(cfg, out: Path, ckpt: Path, kill_step: int) -> dict:
+    """Stop-and-resume: a new run from the checkpoint of step 10, through step `kill_step`."""
+    run = TrainingRun(cfg, out / "resumed")
+    try:
+        t0 = time.monotonic()
+        run.open(resume_from=ckpt)
+        open_s = time.monotonic() - t0
+        first = run.next_step
+        steps = run_steps(run, kill_step + 1)
+    finally:
+        run.close()
+    return {"from_step": first, "open_s": open_s, "steps": steps, "t_open": t0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="write results here")
+    ap.add_argument("--quick", action="store_true", help="tiny model, CPU virtual devices (a few minutes)")
+    ap.add_argument("--kill-step", type=int, default=15, help="the step a worker is killed in (> 11)")
+    ap.add_argument("--work", default="runs/faults", help="run folders, checkpoints, the warm start's cache")
+    a = ap.parse_args(argv)
+    if a.kill_step <= CHECKPOINT_EVERY + 1:
+        raise SystemExit(f"--kill-step {a.kill_step}: give a step after the checkpoint of step {CHECKPOINT_EVERY}")
+    work = Path(a.work) / datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    K = a.kill_step
+    overrides = [f"run.output_dir={Path(a.work).resolve()}", f"run.num_steps={K + 2}"]
+    if a.quick:
+        overrides.append("cluster.device=cpu")
+    cfg = build_config(QUICK if a.quick else FULL, overrides)
+    res: dict = {"name": "faults", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                 "commit": commit(), "machine": machine(), "command": " ".join(sys.argv),
+                 "config": {"placement": "actor 0, rollout 1-2, inference 3-4", "checkpoint_every": CHECKPOINT_EVERY,
+                            "kill_step": K, "model": cfg.model.model_dump(), "prompts": cfg.data.rollout_batch_size,
+                            "group_size": cfg.algorithm.group_size, "max_new_tokens": cfg.rollout.max_new_tokens}}
+
+    def save() -> None:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+
+    ck10, ckk = work / "checkpoints-10", work / f"checkpoints-{K - 1}"
+    run = TrainingRun(cfg, work / "clean")
+    try:
+        run.open()
+        clean = run_steps(run, K + 2, {CHECKPOINT_EVERY: ck10, K - 1: ckk})
+        clean_sha = run.finish().final_weights_sha
+    finally:
+        run.close()
+    by_step = {s["step"]: s for s in clean}
+    median_step = statistics.median(s["seconds"] for s in clean[1:])
+    res["clean"] = {"median_step_s": median_step, "final_weights_sha": clean_sha,
+                    "steps": [{k: s[k] for k in ("step", "seconds", "tokens")} for s in clean]}
+    save()
+    imports = import_seconds()
+    back = resumed(cfg, work, ck10, K)
+    res["resume"] = {"import_s": imports, "open_s": back["open_s"],
+                     "steps": [{k: s[k] for k in ("step", "seconds", "tokens")} for s in back["steps"]]}
+    save()
+    cases = {}
+    for which in ("rollout", "inference"):
+        rec = faulted(cfg, work, ckk, K, which)
+        off = rec["kill_offset_s"]
+        rec_lost = rec["kill_to_step_end_s"] - (by_step[K]["seconds"] - off)
+        # stop-and-resume of the same kill: a new process and run, steps 10 .. K-1 again, step K's first `off` again
+        redo, last = back["steps"][:-1], back["steps"][-1]
+        stop_s = rec["detect_s"] + rec["close_s"]   # the fault seen, the old run's workers shut down
+        to_end = stop_s + imports + back["open_s"] + sum(s["seconds"] for s in redo) + last["seconds"]
+        res_lost = to_end - (last["seconds"] - off)
+        before_kill = sum(n for gid, n in by_step[K]["group_tokens"].items() if last["gen_s"].get(gid, 1e9) < off)
+        res_tokens = sum(2 * s["tokens"] for s in redo) + before_kill   # generated and scored again
+        cases[which] = {
+            "recovery": {**{k: v for k, v in rec.items() if k != "final_weights_sha"}, "lost_s": rec_lost},
+            "stop_and_resume": {"kill_to_step_end_s": to_end, "lost_s": res_lost, "stop_s": stop_s,
+                                "restart_s": imports + back["open_s"], "steps_redone": len(redo),
+                                "tokens_redone": res_tokens},
+            "lost_work_ratio": res_lost / rec_lost if rec_lost > 0 else None,
+            "tokens_ratio": res_tokens / rec["tokens_redone"] if rec["tokens_redone"] else None,
+            "recovery_within_steps": rec["kill_to_step_end_s"] / median_step,
+            "same_final_weights": rec["final_weights_sha"] == clean_sha}
+        res["cases"] = cases
+        save()
+    print(f"{'case':<10} {'kill->end s':>11} {'lost s':>7} {'tokens':>7} | {'resume kill->end s':>18} "
+          f"{'lost s':>7} {'tokens':>7} | {'lost ratio':>10} {'steps':>6} same")
+    for which, c in cases.items():
+        r, s = c["recovery"], c["stop_and_resume"]
+        ratio = "-" if c["lost_work_ratio"] is None else f"{c['lost_work_ratio']:.1f}"
+        print(f"{which:<10} {r['kill_to_step_end_s']:11.2f} {r['lost_s']:7.2f} {r['tokens_redone']:7d} | "
+              f"{s['kill_to_step_end_s']:18.2f} {s['lost_s']:7.2f} {s['tokens_redone']:7d} | {ratio:>10} "
+              f"{c['recovery_within_steps']:6.2f} {c['same_final_weights']}")
+    return 0 if all(c["same_final_weights"] for c in cases.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
