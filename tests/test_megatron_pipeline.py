@@ -126,6 +126,8 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         assert reshards == [("tp=1,dp=2,devices=0-1", "tp=2,dp=1,devices=0-1"),
                             ("tp=2,dp=1,devices=0-1", "tp=1,dp=1,devices=0"),
                             ("tp=1,dp=1,devices=0", "tp=1,dp=2,devices=0-1")], reshards
+        # the Megatron actor plans its moves on the ranks (no driver-made program: `program_inputs` is None)
+        assert not any(e["prepared"] for e in events if e["kind"] == "reshard")
         assert {(e["tp"], e["dp"]) for e in events if e["kind"] == "iter"} == {(1, 2), (2, 1), (1, 1)}
         assert _actor_vs_inference(run) < 1e-5
         ckpt = run.checkpoint(root / "ckpt-megatron")
@@ -142,6 +144,8 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
     run = _open(root, "native", ["cluster.auto_scheduler=true", *files], scripted)
     try:
         native = _train(run)
+        moves = [e for e in run.pipe.cluster.events if e["kind"] == "reshard"]
+        assert len(moves) == 3 and all(e["prepared"] for e in moves)   # the native actor runs the driver's programs
         resume(run.pipe, ckpt)   # the Megatron actor's checkpoint in the native actor: the same weights
         assert _max_diff(run.pipe.global_weights(), meg) == 0.0
     finally:
