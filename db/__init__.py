@@ -37,6 +37,7 @@ from db.repository import (
     add_step,
     attach_mlflow_run,
     finish_run,
+    forget_steps_from,
     get_run,
     heartbeat,
     list_faults,
@@ -63,5 +64,5 @@ __all__ = [
     "list_reshards", "mark_lost",
     "list_runs", "list_scheduler_events", "list_steps", "list_transitions", "record_migration", "record_reshard",
     "record_scheduler_event", "record_transition", "record_transitions", "make_engine", "session_scope",
-    "list_faults", "record_fault",
+    "list_faults", "record_fault", "forget_steps_from",
 ]

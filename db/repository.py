@@ -182,6 +182,18 @@ def list_steps(session: Session, run_id: int) -> list[Step]:
     return list(session.scalars(select(Step).where(Step.run_id == run_id).order_by(Step.step)))
 
 
+def forget_steps_from(session: Session, run_id: int, step: int) -> int:
+    """Delete the rows of steps >= `step` (a run restarted from a checkpoint of that step runs them again);
+    returns how many. Events of those steps stay: they happened."""
+    get_run(session, run_id)
+    rows = list(session.scalars(select(Step).where(Step.run_id == run_id,
+                                                   Step.step >= check_nonneg_int("step.step", step))))
+    for row in rows:
+        session.delete(row)
+    session.flush()
+    return len(rows)
+
+
 # --- device ownership -----------------------------------------------------------------------------------------
 
 

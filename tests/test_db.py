@@ -27,6 +27,7 @@ from db import (
     current_revision,
     downgrade,
     finish_run,
+    forget_steps_from,
     head_revision,
     list_faults,
     list_migrations,
@@ -272,6 +273,18 @@ def test_a_lost_device_its_recovery_and_its_rejoin_are_rows_with_seconds_and_byt
     with pytest.raises(InvalidRecord, match="fault.kind"), session_scope(engine) as s:
         record_fault(s, run_id, step=0, time=0.0, kind="crashed", device_id=1, role="rollout", reason="r",
                      seconds=0.0)
+
+
+def test_a_restart_forgets_the_steps_it_runs_again(engine):
+    run_id = _new_run(engine)
+    with session_scope(engine) as s:
+        for step in range(4):
+            add_step(s, run_id, step=step, step_seconds=1.0, phase_seconds={"actor": 0.5})
+    with session_scope(engine) as s:
+        assert forget_steps_from(s, run_id, 2) == 2
+        add_step(s, run_id, step=2, step_seconds=2.0, phase_seconds={"actor": 0.5})   # recorded again, once
+    with session_scope(engine) as s:
+        assert [(r.step, r.step_seconds) for r in list_steps(s, run_id)] == [(0, 1.0), (1, 1.0), (2, 2.0)]
 
 
 def test_a_run_row_holds_its_flow_run_and_mlflow_run_ids(engine):

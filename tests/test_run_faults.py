@@ -1,6 +1,8 @@
-"""An actor device's worker killed in the middle of a real `tidal train` run: the driver notices, ends the run on record
-(exit 1, database `failed`, one line naming the device and how to resume), and the run resumed from its last
-checkpoint ends with the same weights, bit for bit, as a run that was never interrupted."""
+"""An actor device's worker killed in the middle of a real `tidal train` run. The first time the run restarts itself
+from its newest checkpoint (new workers, in the same process: `run.max_restarts`); the second time, restarts spent,
+it ends on record (exit 1, database `failed`, one line naming the device and how to resume). Resumed from its last
+checkpoint it ends with the same weights, bit for bit, as a run that was never interrupted: the restarted steps were
+exact too."""
 
 import json
 import os
@@ -37,8 +39,18 @@ def _device_worker(pid: int, device: int) -> psutil.Process | None:
     return None
 
 
+def _kill_actor_after(proc: subprocess.Popen, log: Path, line: str) -> None:
+    """SIGKILL device 0's worker (the actor's) once `line` is in the run's log."""
+    deadline = time.monotonic() + 300
+    while line not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim = _device_worker(proc.pid, 0)
+    assert proc.poll() is None and victim, log.read_text()[-3000:]
+    victim.send_signal(signal.SIGKILL)
+
+
 @pytest.mark.slow
-def test_a_killed_worker_fails_the_run_on_record_and_resume_is_bit_exact(tmp_path):
+def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resume_is_bit_exact(tmp_path):
     clean = _train(f"run.output_dir={tmp_path}/clean", "--no-track", "--json", f"{tmp_path}/clean.json")
     assert clean.returncode == 0, clean.stderr[-3000:]
     want = json.loads((tmp_path / "clean.json").read_text())["final_weights_sha"]
@@ -47,26 +59,28 @@ def test_a_killed_worker_fails_the_run_on_record_and_resume_is_bit_exact(tmp_pat
     track = [f"tracking.db_url=sqlite:///{tmp_path}/tidal.db", f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db",
              f"tracking.mlflow_artifacts={tmp_path}/artifacts"]
     with open(log, "w") as out:
-        proc = subprocess.Popen([TIDAL, "train", *COMMON, f"run.output_dir={tmp_path}/killed", *track], cwd=REPO,
-                                env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([TIDAL, "train", *COMMON, f"run.output_dir={tmp_path}/killed", "run.max_restarts=1",
+                                 *track], cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while f"step   2/{STEPS}" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
         # an actor device: a lost rollout or inference device is recovered within the step (tests/test_faults.py)
-        victim = _device_worker(proc.pid, 0)
-        assert proc.poll() is None and victim, log.read_text()[-3000:]
-        victim.send_signal(signal.SIGKILL)
+        _kill_actor_after(proc, log, f"step   2/{STEPS}")          # restarts from the checkpoint of step 2
+        _kill_actor_after(proc, log, f"step   3/{STEPS}")          # restarts spent: ends on record
         rc = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     said = log.read_text()
     assert rc == 1, said[-3000:]
-    assert "died" in said and "--resume" in said and "Traceback" not in said, said[-3000:]
+    assert said.count("restarting from") == 1 and "died" in said and "--resume" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
     from sqlalchemy import create_engine, text
     with create_engine(f"sqlite:///{tmp_path}/tidal.db").connect() as conn:
         assert conn.execute(text("SELECT status FROM runs")).scalar_one() == "failed"
+        faults = conn.execute(text("SELECT kind, device_id FROM fault_events ORDER BY id")).all()
+        assert [tuple(f) for f in faults] == [("failed", 0), ("recovered", 0)], faults   # the restart
+        steps = [r[0] for r in conn.execute(text("SELECT step FROM steps ORDER BY step"))]
+        assert steps == [0, 1, 2], steps   # each step recorded once, the restarted one included
 
     (ckpt,) = (tmp_path / "killed").glob("addition-dynamic-*/checkpoints")
     resumed = _train(f"run.output_dir={tmp_path}/resumed", "--no-track", "--resume", str(ckpt), "--json",

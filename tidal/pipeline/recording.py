@@ -61,3 +61,14 @@ class DbRecorder:
     def transitions(self, history) -> None:
         with session_scope(self.engine) as s:
             repo.record_transitions(s, self.run_id, history)
+
+    def restart(self, failed: dict, restarted: dict, history) -> None:
+        """A run restarted from a checkpoint: the failure and the restart as fault rows (`failed`, `recovered`),
+        the lost pipeline's ledger history, and the steps it will run again forgotten."""
+        with session_scope(self.engine) as s:
+            repo.record_transitions(s, self.run_id, history)
+            for ev, kind in ((failed, "failed"), (restarted, "recovered")):
+                repo.record_fault(s, self.run_id, step=ev["step"], time=float(ev["time"]), kind=kind,
+                                  device_id=ev["device"], role=ev["role"], reason=ev["reason"],
+                                  seconds=float(ev["seconds"]))
+            repo.forget_steps_from(s, self.run_id, restarted["resumed_step"])

@@ -43,6 +43,7 @@ from tidal.pipeline.preflight import Preflight, preflight
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.tracking import NullSink
+from tidal.workers.errors import WorkerDied, WorkerError, WorkerTimeout
 from tidal.workers.roles import RunSpec
 from tidal.workers.runtime import WorkerGroup
 
@@ -78,6 +79,8 @@ class RunSummary:
     """Where the prompts came from; for data files, prompts kept and filtered as too long (train and val)."""
     warnings: list[dict] = field(default_factory=list)
     """`tidal.pipeline.run_warnings`: what the run raised, each kind once ({kind, message})."""
+    restarts: list[dict] = field(default_factory=list)
+    """`TrainingRun.restart`: each restart from a checkpoint (the failure, the step resumed, seconds, steps redone)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -174,7 +177,9 @@ class TrainingRun:
         self.phase: dict[str, float] = {}
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
+        self.first_step = 0   # the step this process started at (a resume's), the index of `rewards[0]`
         self.n_moves_logged = 0   # placement changes (`placement_changes`) already sent to the sink
+        self.restarts: list[dict] = []
 
     def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None) -> TrainingRun:
         """Inputs, warm start, workers, the pipeline (and the resumed state). `checked`: this config's `preflight`,
@@ -209,6 +214,8 @@ class TrainingRun:
             self.pipe.start()
             if resume_from is not None:  # tidal/pipeline/checkpointing.py: the actor, data position, version
                 self.next_step = resume(self.pipe, resume_from)
+            if not self.restarts:
+                self.first_step = self.next_step
             self.evals.append((self.next_step, self.pipe.evaluate(self.heldout)))
         except BaseException:
             self.close()
@@ -344,7 +351,7 @@ class TrainingRun:
                              self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
                              {k: v for k, v in self.ws_meta.items() if k != "history"},
                              weights_sha(self.final_weights), self.inputs.source.summary(),
-                             [asdict(w) for w in self.warnings])
+                             [asdict(w) for w in self.warnings], self.restarts)
         (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
         return summary
 
@@ -361,6 +368,38 @@ class TrainingRun:
         out, self._pending_warnings = self._pending_warnings, []
         return out
 
+    def restart(self, failure: WorkerError) -> dict:
+        """Continue after a failure the step could not absorb (an actor device lost, the last device of a
+        component, a hung call): every worker replaced, the state of the newest checkpoint loaded, its steps run
+        again. Bit for bit what `--resume` from that checkpoint gives, without leaving the process. Returns the
+        restart's record (also in the summary, the events table, the database's faults); raises `failure` again
+        when no checkpoint exists."""
+        ckpt = latest(self.out_dir / "checkpoints")
+        if ckpt is None:
+            raise failure
+        t0, now, failed_step = time.monotonic(), self._pipe.clock(), self.next_step
+        device = failure.device_id if isinstance(failure, WorkerDied) else cast(WorkerTimeout, failure).device_ids[0]
+        role = self._pipe.ledger.owner(device).value
+        history = list(self._pipe.ledger.history)
+        t_run = self.t_run
+        log.warning("step %d: device %d (%s) lost (%s); restarting from %s", failed_step, device, role, failure, ckpt)
+        self.close()
+        self.open(resume_from=ckpt, checked=(self.inputs, self.kind))
+        self.t_run, self.n_moves_logged = t_run, 0   # the run's wall clock goes on; a new ledger's moves
+        keep = self.next_step - self.first_step   # per-step figures of the steps to run again are dropped
+        del self.rewards[keep:], self.step_s[keep:]
+        failed = {"kind": "device_failed", "step": failed_step, "time": now, "device": device, "role": role,
+                  "reason": str(failure), "seconds": 0.0}
+        record = {"kind": "restart", "step": failed_step, "time": now, "device": device, "role": role,
+                  "reason": f"restarted from {ckpt.name}", "resumed_from": str(ckpt), "resumed_step": self.next_step,
+                  "steps_redone": failed_step - self.next_step, "seconds": time.monotonic() - t0}
+        for ev in (failed, record):
+            self.sink.log_event(ev["kind"], table_fields(ev))
+        if self.recorder:
+            self.recorder.restart(failed, record, history)
+        self.restarts.append(record)
+        return record
+
     def close(self) -> None:
         if self.group is not None:
             self.group.shutdown()
@@ -372,7 +411,10 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                  resume_from: str | Path | None = None, checked: Preflight | None = None,
                  on_warning: Callable[[RunWarning], None] | None = None) -> RunSummary:
     """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
-    Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints."""
+    Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints. A device lost
+    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) restarts the run from its newest checkpoint, up to
+    `run.max_restarts` times (`TrainingRun.restart`); an error inside a worker's code (`WorkerCallError`) would
+    only repeat, so it ends the run."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
     tell = on_warning or (lambda w: None)   # the run logs, tags and keeps every warning itself
@@ -380,13 +422,19 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
         run.open(resume_from=resume_from, checked=checked)
         every = cfg.run.checkpoint_every
         while run.next_step < cfg.run.num_steps:
-            m = run.step()
+            try:
+                m = run.step()
+                if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
+                    run.checkpoint()
+            except (WorkerDied, WorkerTimeout) as failure:
+                if len(run.restarts) >= cfg.run.max_restarts:
+                    raise
+                run.restart(failure)
+                continue
             if on_step:
                 on_step(run.next_step - 1, m)
             for w in run.drain_warnings():
                 tell(w)
-            if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
-                run.checkpoint()
         run.checkpoint()
         summary = run.finish()
         for w in run.drain_warnings():

@@ -98,6 +98,10 @@ def table_fields(ev: Mapping[str, Any]) -> dict[str, Any]:
     elif kind == "device_recovered":   # its lost work done again on the survivors
         col["component"], col["what"] = rec.pop("role", ""), "work redone"
         col["devices"] = [rec.pop("device", "?")]
+    elif kind == "restart":   # the run restarted from a checkpoint (`TrainingRun.restart`): every worker replaced
+        col["component"], col["what"] = rec.pop("role", ""), "run restarted"
+        col["devices"] = [rec.pop("device", "?")]
+        col["from"], col["to"] = f"step {rec.get('step', '?')}", f"step {rec.get('resumed_step', '?')}"
     elif kind == "device_rejoined":   # a replacement worker answers (tidal/pipeline/rejoin.py): back in the free pool
         col["component"], col["from"], col["to"] = rec.pop("role", ""), "failed", "free"
         col["devices"] = [rec.pop("device", "?")]
