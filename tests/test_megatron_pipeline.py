@@ -155,13 +155,20 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         static = _train(run)
     finally:
         run.close()
-    # collocated on one device (offloads off: the Megatron actor keeps its state there): the engines load the
-    # copy the actor kept at the step end (`gather_replica`), never through the driver
-    run = _open(root, "megatron-collocated", ["actor.backend=megatron", *files], base=COLLOCATED)
+    # collocated on one device with every offload on: the engines load the copy the actor kept at the step end
+    # (`gather_replica`), never through the driver, and the actor's state waits in host memory while they run
+    offloads = [f"actor.offload_{k}=true" for k in ("optimizer", "grad", "weight")]
+    run = _open(root, "megatron-collocated", ["actor.backend=megatron", *offloads, *files], base=COLLOCATED)
     try:
         collocated = _train(run)
-        syncs = [e for e in run.pipe.cluster.events if e["kind"] == "weight_sync"]
+        events = run.pipe.cluster.events
+        syncs = [e for e in events if e["kind"] == "weight_sync"]
         assert [(e["local"], e["remote"]) for e in syncs] == [([0], [])], syncs
+        hand = [(e["direction"], e["bytes"], e["actor_resident"]) for e in events if e["kind"] == "handover"]
+        assert [d for d, _, _ in hand] == ["to_generation", "to_training", "to_generation"], hand
+        assert all(moved > 0 for _, moved, _ in hand) and hand[0][2] == hand[-1][2] == 0, hand
+        back = run.pipe.group.call(0, roles.actor_onload)   # the engines hold the weights; the actor's come back
+        assert back["bytes"] == hand[0][1] and back["actor_resident"] > 0, back
         assert _actor_vs_inference(run) < 1e-5
     finally:
         run.close()
@@ -188,18 +195,49 @@ def test_training_backend_is_rlinf_s_name_for_backend():
 
 
 def test_megatron_refuses_what_it_cannot_do_at_config_time():
-    collocated = {"cluster": {"num_devices_per_node": 1, "component_placement": {"actor,rollout,inference": "0"}}}
-    for flag in ("offload_optimizer", "offload_grad", "offload_weight"):
-        with pytest.raises(ConfigError) as err:
-            build_config({**collocated, "actor": {"backend": "megatron", flag: True}})
-        assert err.value.field == f"actor.{flag}" and "actor.backend: native" in err.value.fix
-        # the same flag on a disjoint placement is unused (no hand-over), so it is no reason to refuse
-        assert build_config({"actor": {"backend": "megatron", flag: True}}).actor.backend == "megatron"
-    assert build_config({**collocated, "actor": {"backend": "megatron"}}).actor.backend == "megatron"
     for key, value in (("activation_checkpointing", True), ("on_nonfinite", "skip")):
         with pytest.raises(ConfigError) as err:
             build_config({"actor": {"backend": "megatron", key: value}})
-        assert err.value.field == f"actor.{key}", err.value
+        assert err.value.field == f"actor.{key}" and "actor.backend: native" in err.value.fix, err.value
+        assert build_config({"actor": {key: value}}).actor.backend == "native"   # the native actor does both
+
+
+def _offload_round_trip(rank, world):
+    """World 1: two Megatron actors train three iters on the same data; one hands every part of its state to
+    host memory and takes it back between iters (and exports its weights while away)."""
+    from tidal.engine.actor import SharedQueue, nll_loss
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.layout import Layout
+    from tidal.engine.model import ModelArgs, init_global_weights
+    from tidal.engine.optim import OptimConfig
+
+    args = ModelArgs(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     max_seq_len=32, qkv_bias=True)
+    hp = OptimConfig(lr=1e-3, warmup_iters=0, total_iters=10)
+    w = init_global_weights(args, 3)
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, args.vocab_size, (2, 12), generator=g) for _ in range(2)]
+    ref, x = (make_backend("megatron", args, hp, Layout(1, 1, (0,)), 0, weights=w) for _ in range(2))
+    out = []
+    for _ in range(3):
+        for a in (ref, x):
+            a.train_iter(SharedQueue(mbs), nll_loss, 44)
+        held, replica = x.held_bytes(), x.gather_replica()
+        moved = x.offload(optimizer=True, grad=True, weight=True)
+        away = x.resident_bytes(), x.held_bytes(), x.gather_replica()
+        back = x.onload()
+        out.append((moved, back, held, *away[:2], all(torch.equal(replica[k], away[2][k]) for k in replica)))
+    a, b = ref.state_dict_global(), x.state_dict_global()
+    return out, all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_megatron
+def test_megatron_offload_and_onload_are_exact():
+    from tidal.engine.testing import run_ranks
+    rounds, same = run_ranks(1, _offload_round_trip)[0]
+    assert same   # params, fp32 main params, Adam moments, step: bit for bit with the actor that never left
+    for moved, back, held, resident, held_away, export_same in rounds:
+        assert moved == back == held > 0 and resident == 0 and held_away == held and export_same
 
 
 def test_rlinf_training_backend_converts():

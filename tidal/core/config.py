@@ -178,8 +178,8 @@ class ActorConfig(Section):
         "native",
         description="Training engine of the actor, resharded online either way: `native` (Tidal's TP + ZeRO-1 "
                     "engine) or `megatron` (megatron-core's GPTModel, DDP and distributed optimizer; install with "
-                    "`pip install -e '.[megatron]'`). `megatron` refuses `actor.offload_*` on devices shared with "
-                    "rollout, actor.activation_checkpointing and `actor.on_nonfinite: skip` (docs/megatron.md).")
+                    "`pip install -e '.[megatron]'`). `megatron` refuses actor.activation_checkpointing and "
+                    "`actor.on_nonfinite: skip` (docs/megatron.md).")
     training_backend: str | None = Field(
         None,
         description="RLinf's name for actor.backend, accepted as RLinf configs spell it: `megatron` (or `native`); "
@@ -628,13 +628,6 @@ def _check_actor_backend(cfg: TidalConfig) -> None:
     a = cfg.actor
     if a.backend != "megatron":
         return
-    p = cfg.placement
-    if set(p.actor) & set(p.rollout):   # the hand-over keys apply (tidal.pipeline.sharing)
-        for flag in ("offload_optimizer", "offload_grad", "offload_weight"):
-            if getattr(a, flag):
-                raise ConfigError(f"actor.{flag}", True, "with actor.backend: megatron on devices the actor shares "
-                                  "with rollout: the megatron backend keeps its state on the device (no host "
-                                  "offload yet)", f"set actor.{flag}: false, or actor.backend: native")
     if a.activation_checkpointing:
         raise ConfigError("actor.activation_checkpointing", True, "with actor.backend: megatron: recompute is not "
                           "wired to megatron-core's", "set it false, or actor.backend: native")

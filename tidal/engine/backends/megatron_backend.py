@@ -57,8 +57,14 @@ In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
                                       loader's resharding) and sets this backend's state from its global view.
                                       Costs one full fp32 copy of the state per layout rank while it runs
     program_inputs                    None: the moves are planned on the ranks (`megatron_state_reshard`)
-    offload / onload                  only the all-off hand-over (nothing moves); the state cannot go to host
-                                      memory yet, so `actor.offload_*` with this backend is refused by the config
+    offload / onload                  `optimizer`: the fp32 main-param shards that are tensors of their own (bf16
+                                      params; fp32 params' shards are views of the param buffer and go with it)
+                                      and the Adam moments to host memory (pinned on CUDA), each tensor object
+                                      kept (its `.data` swapped), so the optimizer, our range index and the
+                                      reshard views stay bound; `grad`: DDP's grad buffers freed (storage resized
+                                      to 0, megatron-core's `offload_grad_buffers`; every `main_grad` view stays a
+                                      view and is zeroed on restore, as before every iter); `weight`: DDP's param
+                                      buffers copied out and freed the same way. `onload` restores each bit for bit
     held_bytes / resident_bytes       DDP's param and grad buffers, fp32 main params and moments on this rank
 
 CPU: megatron-core's DDP and optimizer run on gloo inside `megatron_cpu.optimizer_shim()` (its table lists the
@@ -69,7 +75,8 @@ sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded per TP
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -285,6 +292,11 @@ class MegatronBackend:
         self._pgs = MegatronGroups(self.groups)
         self.step, self.data_cursor = 0, 0
         self._phases: dict[str, float] = {}   # the last forward_backward's compute and sync seconds
+        # what `offload` moved ("optimizer", "grad", "weight") until `onload`: each buffer's storage size and the
+        # host copy of its params
+        self.offloaded: set[str] = set()
+        self._sizes: dict[tuple[int, str], int] = {}
+        self._host: dict[int, torch.Tensor] = {}
         if layout.coord(rank) is not None and weights is None:
             weights = init_global_weights(args, seed)
         self.stack = self._build(layout, None if weights == "empty" else weights)
@@ -313,7 +325,8 @@ class MegatronBackend:
 
     @property
     def model(self) -> GPTAdapter | None:
-        return self.stack.adapter if self.stack is not None else None
+        """The policy on this rank; None outside the layout or while its weights are offloaded."""
+        return self.stack.adapter if self.stack is not None and "weight" not in self.offloaded else None
 
     def _stack(self) -> _Stack:
         if self.stack is None:
@@ -364,6 +377,7 @@ class MegatronBackend:
         """One optimizer step over the iter's queue (collective over the layout). None on ranks outside it."""
         if self.stack is None:
             return None
+        self._require_resident("train_iter")
         start = time.perf_counter()
         st = self.stack
         loss, n = self.forward_backward(source, loss_fn, num_tokens_in_iter)
@@ -403,6 +417,7 @@ class MegatronBackend:
         `old_layout`: the layout as the caller knows it (a rank that sat out local reshards catches up first).
         `prepared` (the native executor's programs) is not used: the plan is made here."""
         check_layout(self.args, self.padded_vocab, new_layout)
+        self._require_resident("reshard")
         self.sync_layout(old_layout)
         if local:
             missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
@@ -474,6 +489,10 @@ class MegatronBackend:
         layout add zeros)."""
         if over_layout and self.stack is None:
             return {}
+        with self._resident():
+            return self._state_dict_global(over_layout)
+
+    def _state_dict_global(self, over_layout: bool) -> dict[str, torch.Tensor]:
         group = self.groups.get(self.layout).all if over_layout else None
         reduce = not over_layout or group is not None   # a one-rank layout holds everything itself
         keys = [(i, k) for i in range(len(self.specs)) for k in ("param", "master", "exp_avg", "exp_avg_sq")]
@@ -519,12 +538,17 @@ class MegatronBackend:
 
     @torch.no_grad()
     def gather_replica(self) -> dict[str, torch.Tensor] | None:
-        """Our global weights (the engines' names, compute dtype, on this device) on every rank of the layout: the
-        TP shards of this rank's DP replica all-gathered over its TP group (collective over the layout), unfused
-        and with the padded vocab rows dropped (`from_megatron`). None outside the layout."""
+        """Our global weights (the engines' names, compute dtype, on this device; new tensors, never views of the
+        actor's) on every rank of the layout: the TP shards of this rank's DP replica all-gathered over its TP
+        group (collective over the layout), unfused and with the padded vocab rows dropped (`from_megatron`). None
+        outside the layout."""
         if self.stack is None:
             return None
-        st, tp = self.stack, self.layout.tp
+        with self._resident():
+            return self._gather_replica(self.stack)
+
+    def _gather_replica(self, st: _Stack) -> dict[str, torch.Tensor]:
+        tp = self.layout.tp
         views = st.views(self.specs, self.step)
         full: dict[str, torch.Tensor] = {}
         for spec, local in zip(self.specs, views.params):
@@ -532,6 +556,8 @@ class MegatronBackend:
                 parts = [torch.empty_like(local) for _ in range(tp)]   # Megatron's splits are even
                 dist.all_gather(parts, local.contiguous(), group=st.tp_group)
                 local = torch.cat(parts, dim=spec.tp_dim)
+            else:   # a copy: the params are views of DDP's buffer, which `offload(weight=True)` frees
+                local = local.clone()
             full[spec.name] = local
         return from_megatron(_join_halves(full), self.args)
 
@@ -549,36 +575,120 @@ class MegatronBackend:
         """None: the driver prepares no program; `reshard` plans the moves on the ranks."""
         return None
 
-    # ---- memory ------------------------------------------------------------------------------------
+    # ---- memory (devices shared with generation) ----------------------------------------------------
+    def _buffers(self) -> list:
+        st = cast(_Stack, self.stack)
+        return st.ddp.buffers + st.ddp.expert_parallel_buffers
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's own device tensors: main-param shards not aliasing a param buffer, and Adam moments."""
+        st = cast(_Stack, self.stack)
+        params = {b.param_data.untyped_storage().data_ptr() for b in self._buffers() if b.param_data is not None}
+        out = []
+        for name, (_, _, main) in st.main.items():
+            if main.untyped_storage().data_ptr() not in params:
+                out.append(main)
+            out.extend(st.moments(name, self.step))
+        return out
+
     def offload(self, *, optimizer: bool, grad: bool, weight: bool) -> int:
-        """The all-off hand-over only (nothing moves); see the module doc."""
-        if optimizer or grad or weight:
-            flag = "offload_optimizer" if optimizer else "offload_grad" if grad else "offload_weight"
-            raise ConfigError(f"actor.{flag}", True, "the megatron actor backend keeps its state on the device",
-                              f"set actor.{flag}: false, or actor.backend: native")
-        return 0
-
-    def onload(self) -> int:
-        return 0
-
-    def held_bytes(self) -> int:
-        """DDP's param and grad buffers, fp32 main params and Adam moments of this rank."""
+        """Hand the device to generation (module doc); returns the bytes that left it. A no-op outside the layout
+        or for what is off already; until `onload` this rank neither trains nor reshards."""
         if self.stack is None:
             return 0
-        st = self.stack
-        n = 0
-        for buf in st.ddp.buffers + st.ddp.expert_parallel_buffers:
-            for t in (buf.param_data, buf.grad_data):
-                if t is not None:
-                    n += t.numel() * t.element_size()
-        for name, (_, _, main) in st.main.items():
-            state = st.inner_of[id(st.params[name])].optimizer.state.get(main, {})
-            n += sum(x.numel() * x.element_size() for x in (main, state.get("exp_avg"), state.get("exp_avg_sq"))
-                     if x is not None)
-        return n
+        moved, pin = 0, self.device.type == "cuda"
+        if optimizer and "optimizer" not in self.offloaded:
+            for t in self._optimizer_tensors():
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                host.copy_(t)
+                moved += t.numel() * t.element_size()
+                t.data = host
+            self.offloaded.add("optimizer")
+        for kind, on in (("grad", grad), ("weight", weight)):
+            if not on or kind in self.offloaded:
+                continue
+            for buf in self._buffers():
+                data = buf.grad_data if kind == "grad" else buf.param_data
+                if data is None:
+                    continue
+                n = data.untyped_storage().nbytes()
+                if kind == "weight":   # the grad buffer holds nothing between iters: freed without a copy
+                    host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=pin)
+                    host.copy_(data)
+                    self._host[id(buf)] = host
+                self._sizes[(id(buf), kind)] = data.untyped_storage().size()
+                data.untyped_storage().resize_(0)
+                moved += n
+            self.offloaded.add(kind)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return moved
+
+    def onload(self) -> int:
+        """Back on the device what `offload` moved, bit for bit (the grad buffers zeroed); returns the bytes."""
+        if self.stack is None or not self.offloaded:
+            return 0
+        moved = 0
+        if "optimizer" in self.offloaded:
+            for t in self._optimizer_tensors():
+                dev = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                dev.copy_(t, non_blocking=True)
+                moved += t.numel() * t.element_size()
+                t.data = dev
+        for kind in ("grad", "weight"):
+            if kind not in self.offloaded:
+                continue
+            for buf in self._buffers():
+                data = buf.grad_data if kind == "grad" else buf.param_data
+                if data is None:
+                    continue
+                data.untyped_storage().resize_(self._sizes.pop((id(buf), kind)))
+                if kind == "weight":
+                    data.copy_(self._host.pop(id(buf)), non_blocking=True)
+                else:
+                    data.zero_()
+                moved += data.numel() * data.element_size()
+        self.offloaded.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return moved
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """The state on the device for a read (a checkpoint, an export while the engines generate), then handed
+        back as it was: the device holds it again meanwhile."""
+        flags = set(self.offloaded)
+        if flags:
+            self.onload()
+        try:
+            yield
+        finally:
+            if flags:
+                self.offload(optimizer="optimizer" in flags, grad="grad" in flags, weight="weight" in flags)
+
+    def _require_resident(self, op: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"megatron actor rank {self.rank}: {op} while {sorted(self.offloaded)} are offloaded "
+                               "(onload first)")
+
+    def held_bytes(self) -> int:
+        """DDP's param and grad buffers, fp32 main params and Adam moments of this rank, wherever they are."""
+        if self.stack is None:
+            return 0
+        n = sum(t.numel() * t.element_size() for buf in self._buffers() for t in (buf.param_data, buf.grad_data)
+                if t is not None)
+        return n + sum(t.numel() * t.element_size() for t in self._optimizer_tensors())
 
     def resident_bytes(self) -> int:
-        return self.held_bytes()   # nothing is ever offloaded
+        """What of `held_bytes` is on the device (what `offload` leaves)."""
+        if self.stack is None:
+            return 0
+        n = sum(t.untyped_storage().nbytes() for buf in self._buffers() for t in (buf.param_data, buf.grad_data)
+                if t is not None)
+        if "optimizer" not in self.offloaded:
+            n += sum(t.numel() * t.element_size() for t in self._optimizer_tensors())
+        return n
 
     # ---- run checkpoints (the native format) --------------------------------------------------------
     @torch.no_grad()
@@ -616,6 +726,7 @@ class MegatronBackend:
         """Every world rank: this backend's state from a native-format generation at `layout` (module doc). A
         failed read leaves every rank's state as it was (the native loader's vote) and raises."""
         check_layout(self.args, self.padded_vocab, layout)
+        self.onload()   # the loaded state is built on the device, as the native actor's
         twin = self._native_twin(self.layout)
         try:
             m = load_actor(twin, gen, layout)
