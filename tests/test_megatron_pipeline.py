@@ -231,6 +231,41 @@ def _offload_round_trip(rank, world):
     return out, all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _exports_at_tp2(rank, world):
+    """World 2, tp2dp1: what each rank exports for the engines, and the replica it keeps."""
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.layout import Layout
+    from tidal.engine.model import ModelArgs, init_global_weights
+    from tidal.engine.optim import OptimConfig
+
+    # vocab 51: our TP split gives 25 / 26 rows, Megatron's padded one 64 / 64; q/k/v biases and q/k norms fused
+    args = ModelArgs(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     max_seq_len=32, qkv_bias=True, qk_norm=True, head_dim=24)
+    w = init_global_weights(args, 3)
+    g = torch.Generator().manual_seed(1)
+    w = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in w.items()}   # no two tensors alike
+    meg = make_backend("megatron", args, OptimConfig(), Layout(2, 1, (0, 1)), rank, weights=w)
+    exported, replica = meg.export_weights(), meg.gather_replica()
+    return exported.tp, exported.t, exported.tensors, replica, w
+
+
+@needs_megatron
+def test_megatron_exports_the_engines_weights_at_tp2():
+    """The engines get our names and TP split (rollout_shard takes them as from a native actor), exactly the
+    weights the actor was built from: fused QKV and [gate; up] undone, the padded vocab rows dropped."""
+    from tidal.engine.generation.weights import rollout_shard
+    from tidal.engine.model import ModelArgs
+    from tidal.engine.testing import run_ranks
+    out = run_ranks(2, _exports_at_tp2)
+    w = out[0][4]
+    args = ModelArgs(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     max_seq_len=32, qkv_bias=True, qk_norm=True, head_dim=24)
+    assert [(tp, t) for tp, t, *_ in out] == [(2, 0), (2, 1)]
+    merged = rollout_shard(args, [out[0][2], out[1][2]], 1, 0)
+    for got in (merged, out[0][3], out[1][3]):
+        assert set(got) == set(w) and all(torch.equal(got[k], w[k]) for k in w)
+
+
 @needs_megatron
 def test_megatron_offload_and_onload_are_exact():
     from tidal.engine.testing import run_ranks
