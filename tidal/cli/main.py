@@ -105,6 +105,7 @@ def validate_main(argv: list[str]) -> int:
         ids = p.of(comp)
         sizes.add_row(comp, format_ids(ids), str(tp), str(len(ids) // tp))
     console.print(sizes)
+    console.print(f"actor backend: [bold]{cfg.actor.backend}[/] (actor.backend)")
     if p.mode is Mode.AUTO:
         tp = cfg.actor.tensor_parallel_size
         lo, hi = len(p.actor) // tp, p.num_devices // tp
