@@ -247,7 +247,9 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     if not shard.member:
         return None
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
-    model = cast(PolicyModel, shard.model)   # bound whenever the rank is in the layout (checked above)
+    model: PolicyModel | None = shard.model
+    if model is None:   # the driver's order: a hand-over to generation unbinds it until `actor_onload`
+        raise RuntimeError(f"device {ctx.device_id}: the actor's weights are offloaded (actor_onload first)")
     out = []
     for g in groups:
         ids_BT, mask_BT = pack_sequences([g.prompt_ids] * len(g.response_ids), list(g.response_ids), tok.pad_id,
