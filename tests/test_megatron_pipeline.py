@@ -1,12 +1,13 @@
 """`actor.backend: megatron` in the pipeline: real device workers (Ray, gloo, CPU virtual devices) train a tiny
 Qwen2-style Hugging Face checkpoint written by transformers, with the actor resharded through TP and DP changes at
-fixed iters, and the run compared against the native backend and against its own static run.
+fixed iters, and the run compared against the native backend, against its own static run and against a collocated
+run on one device with every offload on.
 
 What holds and why (the numbers are measured, the bounds carry margin):
 - megatron vs native, same dynamic run: final weights within `MEGATRON_VS_NATIVE` (lr 1e-3). Both are fp32 on
   CPU, but GPTModel's kernels are not ours (unfused attention, its own RoPE and vocab-parallel cross entropy), so
   grads agree to fp32 round-off only, and Adam turns a round-off difference of a grad near zero into up to one
-  step (lr) of difference in that weight; the step-1 rollouts then see weights that differ at that level.
+  step (lr) of difference in that weight.
 - megatron dynamic vs megatron static: *not* bit for bit, unlike the native backend. Megatron's DDP sums each DP
   rank's micro-batch grads in its own buffer and reduce-scatters the partial sums, so the addition order depends on
   the DP size (the native actor adds every micro-batch's grad in index order, whatever the DP size), and a TP
@@ -17,6 +18,8 @@ What holds and why (the numbers are measured, the bounds carry margin):
   log-probs (two attention kernels in fp32).
 - run checkpoints: a Megatron actor writes the native format; loading it back changes no weight, and the native
   backend loads it to exactly the Megatron actor's weights.
+- hand-overs: offload / onload of the optimizer state, grads and weights are exact (world 1, three iters), and the
+  export at TP 2 is exactly the weights the actor was built from (world 2).
 """
 
 import importlib.util
