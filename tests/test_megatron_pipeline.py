@@ -18,8 +18,9 @@ What holds and why (the numbers are measured, the bounds carry margin):
   log-probs (two attention kernels in fp32).
 - run checkpoints: a Megatron actor writes the native format; loading it back changes no weight, and the native
   backend loads it to exactly the Megatron actor's weights.
-- hand-overs: offload / onload of the optimizer state, grads and weights are exact (world 1, three iters), and the
-  export at TP 2 is exactly the weights the actor was built from (world 2).
+- hand-overs: offload / onload of the optimizer state, grads and weights are exact (world 1, three iters); the
+  export at TP 2 is exactly the weights the actor was built from, and a checkpoint written at TP 2 loads at DP 2
+  as the in-memory reshard does (world 2).
 """
 
 import importlib.util
@@ -267,6 +268,52 @@ def test_megatron_exports_the_engines_weights_at_tp2():
     merged = rollout_shard(args, [out[0][2], out[1][2]], 1, 0)
     for got in (merged, out[0][3], out[1][3]):
         assert set(got) == set(w) and all(torch.equal(got[k], w[k]) for k in w)
+
+
+def _checkpoint_at_tp2(rank, world, root):
+    """World 2: an actor at tp2dp1 trains two iters and writes a run checkpoint; a fresh actor (other weights)
+    loads it at tp1dp2, and the first reshards to tp1dp2 in memory: their global states."""
+    import torch.distributed as dist
+
+    from tidal.engine.actor import SharedQueue, nll_loss
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.checkpoint import CheckpointMeta, begin, commit
+    from tidal.engine.layout import Layout
+    from tidal.engine.model import ModelArgs
+    from tidal.engine.optim import OptimConfig
+
+    args = ModelArgs(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     max_seq_len=32, qkv_bias=True)
+    hp = OptimConfig(lr=1e-3, warmup_iters=0, total_iters=10)
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, args.vocab_size, (2, 12), generator=g) for _ in range(2)]
+    a, b = Layout(2, 1, (0, 1)), Layout(1, 2, (0, 1))
+    x = make_backend("megatron", args, hp, a, rank, seed=1)
+    y = make_backend("megatron", args, hp, a, rank, seed=2, groups=x.groups)
+    for _ in range(2):
+        x.train_iter(SharedQueue(mbs), nll_loss, 44)
+    if rank == 0:
+        begin(root, 2)
+    dist.barrier()
+    x.save_checkpoint(f"{root}/tmp-2", CheckpointMeta(step=2, data_pos=0, policy_version=2))
+    dist.barrier()
+    if rank == 0:
+        commit(root, 2)
+    dist.barrier()
+    loaded = y.load_checkpoint(f"{root}/gen-2", b)
+    x.reshard(b)
+    sx, sy = x.state_dict_global(), y.state_dict_global()
+    return loaded, y.layout == b, all(torch.equal(sx[k], sy[k]) for k in sx), float(sx["exp_avg/output_layer.weight"]
+                                                                                  .abs().max())
+
+
+@needs_megatron
+def test_megatron_run_checkpoint_at_tp2_loads_at_another_layout(tmp_path):
+    """The native format carries the whole Megatron state: written at tp2dp1, read at tp1dp2 (the native loader
+    reshards on load), it equals the in-memory reshard of the same state bit for bit, Adam moments and step too."""
+    from tidal.engine.testing import run_ranks
+    for loaded, moved, same, moments in run_ranks(2, _checkpoint_at_tp2, str(tmp_path)):
+        assert loaded.in_layout and loaded.optimizer_step == 2 and moved and same and moments > 0, loaded
 
 
 @needs_megatron

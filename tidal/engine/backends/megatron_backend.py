@@ -721,7 +721,6 @@ class MegatronBackend:
         finally:
             twin.free()
 
-    @torch.no_grad()
     def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad:
         """Every world rank: this backend's state from a native-format generation at `layout` (module doc). A
         failed read leaves every rank's state as it was (the native loader's vote) and raises."""
@@ -733,7 +732,7 @@ class MegatronBackend:
             g = twin.state_dict_global()   # collective over the world
         finally:
             twin.free()
-        if layout != self.layout or self.stack is None:
+        if layout != self.layout or self.stack is None:   # built with grad mode on: DDP hooks its grad accumulators
             self.stack = self._build(layout, None)
             self.layout = layout
         self.step, self.data_cursor = int(g["step"]), int(g["data_cursor"])
@@ -742,6 +741,7 @@ class MegatronBackend:
         return CheckpointLoad(self.stack is not None, self.step if self.stack else m.optimizer_step,
                               self.data_cursor if self.stack else m.data_cursor, self.held_bytes())
 
+    @torch.no_grad()
     def _set_state(self, g: dict[str, torch.Tensor]) -> None:
         """This rank's params, main params and moments from our global tensors `g` (keys kind/<name>)."""
         st = cast(_Stack, self.stack)
