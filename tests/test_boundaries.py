@@ -44,10 +44,11 @@ MUST_NOT_IMPORT = {
     "tasks": {"mlflow", "torch", "ray"},
     "flows": {"mlflow", "torch", "ray"},
 }
-# Heavy to import: a function-level import of one of these (or of our module that loads one) is a lazy import
-# with a reason, provided the importing module does not load it anyway. Everything else is imported at the top.
+# Heavy to import, or present only on some machines (triton: beside a CUDA build of torch): a function-level import
+# of one of these (or of our module that loads one) is a lazy import with a reason, provided the importing module
+# does not load it anyway. Everything else is imported at the top.
 HEAVY = {"torch", "ray", "prefect", "mlflow", "optuna", "optuna_dashboard", "megatron", "vllm", "transformers",
-         "matplotlib", "sqlalchemy", "alembic", "pyarrow", "math_verify"}
+         "matplotlib", "sqlalchemy", "alembic", "pyarrow", "math_verify", "triton"}
 
 
 @cache
