@@ -14,12 +14,15 @@ import pytest
 from db import add_run, list_faults, list_transitions, open_database, session_scope
 from tidal.core.config import build_config
 from tidal.core.devices import DeviceLedger, IllegalTransition, Owner
+from tidal.engine.checkpoint import latest, verify
 from tidal.pipeline.cluster import CallKind, Flight
 from tidal.pipeline.faults import lost_groups, overdue
 from tidal.pipeline.recording import DbRecorder
 from tidal.pipeline.run import TrainingRun, weights_sha
 from tidal.pipeline.run_metrics import step_event_metrics, table_fields
 from tidal.pipeline.timeline import Timeline
+from tidal.workers import roles_ckpt
+from tidal.workers.errors import WorkerDied
 
 
 def test_a_failed_device_is_in_no_role_until_it_rejoins_the_free_pool():
@@ -247,3 +250,49 @@ def test_a_replaced_rollout_device_rejoins_and_is_given_work_in_a_later_step(out
     assert faults == [("failed", 2, "rollout", True), ("recovered", 2, "rollout", False),
                       ("rejoined", 2, "rollout", True)], faults
     assert owners[:4] == ["rollout", "failed", "free", "rollout"], owners
+
+
+@pytest.mark.slow
+def test_an_actor_worker_killed_during_a_checkpoint_write_stops_the_run_and_leaves_no_partial_checkpoint(out):
+    """The actor's worker is killed as the checkpoint after step 1 is handed to it: the run stops on `WorkerDied`
+    naming device 0 (an actor device is not recovered in place), the half-made generation is gone, the one before
+    it is intact, and resuming from it ends with the weights the run had before the kill, bit for bit."""
+    ckpt = out / "ckpt-killed" / "checkpoints"
+    cfg = build_config(SMALL, [f"run.output_dir={out}", "run.name=ckpt-killed"])
+    run = TrainingRun(cfg, out / "ckpt-killed")
+    try:
+        run.open()
+        run.step()
+        first = run.checkpoint(ckpt)
+        run.step()
+        want = weights_sha(run.pipe.global_weights())
+        g = run.group
+        submit_all = g.submit_all
+
+        def spy(fn, **kw):
+            handles = submit_all(fn, **kw)
+            if fn is roles_ckpt.actor_save:
+                os.kill(g.pid(0), signal.SIGKILL)
+            return handles
+        g.submit_all = spy   # type: ignore[method-assign]
+        with pytest.raises(WorkerDied) as died:
+            run.checkpoint(ckpt)
+        assert died.value.device_id == 0
+    finally:
+        run.close()
+    assert sorted(p.name for p in ckpt.iterdir()) == [first.name] and latest(ckpt) == first
+    verify(first)
+    sha, _, _ = _resume(out, "ckpt-resumed", ckpt)
+    assert sha == want
+
+
+def _resume(out, name, ckpt):
+    cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}"])
+    run = TrainingRun(cfg, out / name)
+    try:
+        run.open(resume_from=ckpt)
+        while run.next_step < cfg.run.num_steps:
+            run.step()
+        return run.finish().final_weights_sha, None, run.pipe
+    finally:
+        run.close()
