@@ -26,8 +26,9 @@ device's late results are never read. Nothing changes either: every sample draws
 (run seed, step, group id, sample index), and a group is scored on its own, so a regenerated group has the same
 tokens and log-probs, and the run the same parameters, bit for bit, as a run without the fault.
 
-Not recovered here (the run stops on record, as `WorkerDied`): the actor's devices, lent and shared devices, the
-last device of a component, and a loss outside a step's streaming loop (the weight sync, a checkpoint).
+Not recovered here (the step raises `WorkerDied`): the actor's devices, lent and shared devices, the last device of
+a component, and a loss outside a step's streaming loop (the weight sync, a checkpoint); `run_training` restarts the
+run from its newest checkpoint (`TrainingRun.restart`, `run.max_restarts`).
 """
 
 from __future__ import annotations
