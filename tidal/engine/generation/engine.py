@@ -458,8 +458,7 @@ class NativeEngine(GenerationEngine):
                 continue
             replay = len(live.replay) - (was is False)   # recorded tokens still to feed after the in-flight step
             if was is True and self._finishes_by_length(live, 1):
-                pos[slot] = live.kv_len   # ends in the in-flight step: no row here (a throw-away write)
-                continue
+                continue   # ends in the in-flight step: no row here (its throw-away write lands past its tokens)
             if was is True:
                 prev[slot] = True
             elif replay > 0:
