@@ -4,7 +4,14 @@ inference's old log-probs equal the actor's, and a dynamic run equals a static o
 import pytest
 import torch
 
-from scheduler.actions import LendToRollout, MigrateBatch, MigrateRequests, ReleaseRollout, ReshardActor
+from scheduler.actions import (
+    LendToRollout,
+    MigrateBatch,
+    MigrateRequests,
+    ReleaseRollout,
+    ReshardActor,
+    StartRollout,
+)
 from scheduler.signals import ActorLayout
 from tidal.core.config import build_config
 from tidal.pipeline.run import TrainingRun
@@ -204,6 +211,30 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path, small_stat
         assert len(failed) == MAX_FAILURES_PER_STEP, len(failed)
         assert [e["step"] for e in events if e["kind"] == "scheduler_paused"].count(step) == 1
     assert versions == [1, 2]
+    assert summary.final_weights_sha == s_sum.final_weights_sha
+
+
+def test_instances_started_on_the_actors_devices_end_with_the_step(tmp_path, small_static):
+    """At iter 0 the actor shrinks to device 0 and device 1 starts an ordinary rollout instance (as the tidal
+    policy's hand-over to a throughput-bound rollout does), and nothing returns it: the step end stops that instance
+    and the actor grows back onto device 1 for the next step. The run learns exactly what the static run learns."""
+    done: set[int] = set()
+
+    def give(state, sig, now):
+        lay = sig.actor.layout
+        if sig.trigger != "boundary" or sig.step in done or not sig.actor.at_boundary or lay.dp != 2:
+            return []
+        done.add(sig.step)
+        return [ReshardActor("script", lay, ActorLayout(1, 1, (0,))),
+                StartRollout("script", devices=(1,), instance_ids=(1,))]
+
+    s_sum, s_scored = small_static
+    run, summary, scored, _ = _run(tmp_path, "give", ["cluster.auto_scheduler=true", *SMALL_WAVES], give)
+    events = run.pipe.cluster.events
+    started = [e for e in events if e["kind"] == "action" and e["action"] == "StartRollout"]
+    assert [e["ok"] for e in started] == [True, True], started
+    assert done == {0, 1} and run.pipe.cluster.actor_layout.devices == (0, 1)
+    assert scored == s_scored
     assert summary.final_weights_sha == s_sum.final_weights_sha
 
 

@@ -408,6 +408,9 @@ class RayActuator:
         self.return_lent("step end")
         if self.inf_lent:
             self.return_inference(list(self.inf_lent))
+        started = [d for d in c.rollout if d not in rollout]   # instances started mid-step (StartRollout): their
+        if started:                                            # devices go FREE, the actor or placement takes them
+            self.finish_instances(started)
         if c.actor_layout != initial_layout:
             self.reshard(initial_layout)
         failed = set(ledger.owned(Owner.FAILED))   # lost devices stay out (`tidal.pipeline.faults`)
