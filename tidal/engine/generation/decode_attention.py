@@ -30,6 +30,9 @@ import torch
 CHUNK = 256
 #: keys per online-softmax block inside a chunk
 BLOCK_N = 64
+#: stage 1's launch: warps per program, software-pipeline stages of the key loop
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 def supported(head_dim: int, dtype: torch.dtype) -> bool:
@@ -120,9 +123,12 @@ def _kernels():
 
 def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_RKD: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots_R: torch.Tensor, pos_R: torch.Tensor,
-                           span: int) -> torch.Tensor:
+                           span: int, *, chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                           num_stages: int = NUM_STAGES) -> torch.Tensor:
     """out [R, H, D] of one decode step; also writes each row's new K/V at [slot, :, pos] of the caches
-    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1)."""
+    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1). The keyword arguments are
+    the launch's tuning knobs (`benchmarks/decode_attention.py` sweeps them); `chunk` and `block_n` are part of
+    the numerics (they set the order of the sums), the warps and stages are not."""
     import triton
 
     r, h, d = q_RHD.shape
@@ -132,7 +138,7 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention_fused: the KV caches must be contiguous")
     g = h // kv
-    max_chunks = triton.cdiv(span, CHUNK)
+    max_chunks = triton.cdiv(span, chunk)
     mid_o = torch.empty((r, h, max_chunks, d), dtype=torch.float32, device=q_RHD.device)
     mid_lse = torch.empty((r, h, max_chunks), dtype=torch.float32, device=q_RHD.device)
     out = torch.empty((r, h, d), dtype=q_RHD.dtype, device=q_RHD.device)
@@ -142,7 +148,8 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK_N_=BLOCK_N, num_warps=4)
-    stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=CHUNK,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n, num_warps=num_warps,
+        num_stages=num_stages)
+    stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=chunk,
                    num_warps=1)
     return out
