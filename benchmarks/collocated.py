@@ -19,8 +19,18 @@ the hand-over events: the actor's bytes left on the device while it generates (`
 device's peak during training (`train_peak`, CUDA). Goals: actor_resident / train_peak < 0.1 with the offloads
 on, and (offload + onload) / step < 0.1. Every variant must end with the same weights (the offloads are exact).
 
-Model: a Qwen2.5-1.5B-shaped Hugging Face checkpoint (random weights, written by `transformers`) with a small
-BPE tokenizer, on GSM8K-format addition problems (`--quick`: a tiny Qwen2 on CPU).
+Model: a Qwen2.5-1.5B-shaped Hugging Face checkpoint (`--model qwen2.5-0.5b`: 0.5B; random weights, written by
+`transformers`) with a small BPE tokenizer, on GSM8K-format addition problems (`--quick`: a tiny Qwen2 on CPU).
+A random model earns none of the task's reward, so its steps train nothing; `--reward parity` rewards responses of
+even length (about half of every group), so every iter has a loss and a gradient.
+
+Backends (`--backends native,megatron`: `actor.backend`; variants named `<backend>-<variant>`): each variant per
+backend, and `backend_parity`: per actor iter (from the run's `iter` events) loss, gradient norm, tokens/s and
+MFU of both, with the loss's absolute and the gradient norm's relative difference (GRPO's loss is near 0
+on-policy). Step 0's iters see the same samples in both runs (same weights and
+seeds); later rollouts come from weights that differ by round-off, so later iters may train on other samples
+(`same_tokens`). MFU per iter: model FLOPs (6 N + 12 L hidden T per token, T the iter's mean sequence length, as
+benchmarks/train_throughput.py) over the iter's seconds, against 790 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -37,12 +47,22 @@ from pathlib import Path
 
 from tidal.core.provenance import commit
 
+#: a reward that rewards about half of any model's samples (the repository root is on the workers' path)
+PARITY_REWARD = "tests.parity_reward:score"
+
 VARIANTS = {"none": {}, "optimizer": {"offload_optimizer": True}, "grad": {"offload_grad": True},
             "weight": {"offload_weight": True},
             "all": {"offload_optimizer": True, "offload_grad": True, "offload_weight": True}}
 QWEN25_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                    intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
                    max_position_embeddings=4096)
+QWEN25_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                   max_position_embeddings=4096)
+MODELS = {"qwen2.5-1.5b": QWEN25_1_5B, "qwen2.5-0.5b": QWEN25_0_5B}
+BACKENDS = ("native", "megatron")
+#: dense bf16 peak for MFU (as benchmarks/train_throughput.py: the H200's measured bf16 GEMM ceiling)
+PEAK_TFLOPS = 790.0
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=384, tie_word_embeddings=True, max_position_embeddings=512)
 
@@ -84,11 +104,19 @@ def make_inputs(root: Path, shape: dict, n_train: int = 256) -> tuple[Path, Path
     return ckpt, train, val
 
 
-def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], out: Path):
+def matmul_params(shape: dict) -> int:
+    """Parameters that take part in a matmul per token (the output head counted, the input lookup not; as
+    benchmarks/train_throughput.py's N, norms left out)."""
+    h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + shape["vocab_size"] * h
+
+
+def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], out: Path, backend: str = "native"):
     from tidal.core.config import build_config
     ckpt, train, val = inputs
     return build_config({
-        "run": {"name": f"collocated-{variant}", "num_steps": a.steps, "seed": 0, "output_dir": str(out),
+        "run": {"name": f"collocated-{backend}-{variant}", "num_steps": a.steps, "seed": 0, "output_dir": str(out),
                 "eval_every": 10_000},
         "cluster": {"num_devices_per_node": 1, "device": a.device,
                     "component_placement": {"actor,rollout,inference": "0"}},
@@ -97,17 +125,18 @@ def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], 
                  "max_prompt_length": 32, "rollout_batch_size": a.prompts, "eval_size": 8, "seed": 0},
         "actor": {"micro_batch_size": a.micro_batch, "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
                   "activation_checkpointing": a.activation_checkpointing, "lr": 1e-6, "warmup_iters": 0,
-                  **VARIANTS[variant]},
+                  "backend": backend, **VARIANTS[variant]},
         "rollout": {"max_new_tokens": a.new_tokens, "max_running_requests": a.prompts * a.group_size,
                     "gpu_memory_utilization": a.gpu_memory_utilization},
         "algorithm": {"group_size": a.group_size, "n_minibatches": 2},
         "warm_start": {"iters": 0},
+        **({"reward": {"function": PARITY_REWARD}} if a.reward == "parity" else {}),
     }, [])
 
 
-def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
+def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path, backend: str = "native") -> dict:
     from tidal.pipeline.run import TrainingRun
-    cfg = build(variant, a, inputs, out)
+    cfg = build(variant, a, inputs, out, backend)
     run = TrainingRun(cfg, out / cfg.run.name)
     steps = []
     try:
@@ -143,7 +172,9 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
                           "actor_resident_bytes": to_gen["actor_resident"],
                           "train_peak_bytes": to_gen.get("phase_peak", 0.0),
                           "generate_score_peak_bytes": to_train.get("phase_peak", 0.0),
-                          "reward_mean": run.rewards[-1] if run.rewards else 0.0})
+                          "reward_mean": run.rewards[-1] if run.rewards else 0.0,
+                          "iters": [iter_figures(e, a) for e in events
+                                    if e["kind"] == "iter" and e["step"] == res.step]})
             print(f"  [{variant}] step {res.step}: {res.seconds:.2f}s, offload {to_gen['seconds']:.3f}s, onload "
                   f"{to_train['seconds']:.3f}s, actor resident {to_gen['actor_resident'] / 2**30:.2f} GiB, train "
                   f"peak {to_gen.get('phase_peak', 0.0) / 2**30:.2f} GiB", flush=True)
@@ -155,7 +186,12 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
     step_s = mean(s["seconds"] for s in measured)
     train_peak = max(s["train_peak_bytes"] for s in measured)
     resident = max(s["actor_resident_bytes"] for s in measured)
-    return {"variant": variant, "offload": VARIANTS[variant], "open_s": open_s, "step_s": step_s,
+    iters = [i for s in measured for i in s["iters"]]
+    return {"variant": variant, "backend": backend, "offload": VARIANTS[variant], "open_s": open_s,
+            "step_s": step_s,
+            "actor_iter_tokens_per_s": mean(i["tokens_per_s"] for i in iters) if iters else None,
+            "actor_mfu": mean(i["mfu"] for i in iters if i["mfu"] is not None) if any(
+                i["mfu"] is not None for i in iters) else None,
             "phase_seconds": {k: mean(s["phase_seconds"].get(k, 0.0) for s in measured)
                               for k in sorted({k for s in measured for k in s["phase_seconds"]})},
             "offload_s": mean(s["offload_s"] for s in measured), "onload_s": mean(s["onload_s"] for s in measured),
@@ -168,6 +204,46 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path) -> dict:
             "generate_score_peak_bytes": max(s["generate_score_peak_bytes"] for s in measured),
             "resident_over_train_peak": resident / train_peak if train_peak else None,
             "final_weights_sha": summary.final_weights_sha, "steps": steps}
+
+
+def iter_figures(e: dict, a: argparse.Namespace) -> dict:
+    """One actor iter from its event: loss, gradient norm, tokens/s (real tokens over the iter's seconds) and MFU
+    (model FLOPs, as benchmarks/train_throughput.py: 6 N per token + 12 L hidden T per token, T the iter's mean
+    sequence length; CUDA only)."""
+    import torch
+    shape = a.shape
+    seqs = a.prompts * a.group_size / 2   # n_minibatches 2
+    flops = (6 * matmul_params(shape) + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * e["tokens"] / seqs
+             ) * e["tokens"]
+    return {"step": e["step"], "iter": e["iter"], "loss": e.get("loss"), "grad_norm": e.get("grad_norm"),
+            "tokens": e["tokens"], "seconds": e["seconds"], "tokens_per_s": e["tokens"] / e["seconds"],
+            "mfu": flops / e["seconds"] / (PEAK_TFLOPS * 1e12) if torch.cuda.is_available() else None}
+
+
+def backend_parity(variants: dict) -> dict | None:
+    """Per iter, megatron against native on the same variant: loss and gradient norm, relative differences. Step
+    0's iters train on the same samples (both runs start from the same weights and seeds); later steps' rollouts
+    come from weights that already differ by round-off, so their samples may differ (`same_tokens` says)."""
+    pairs = [(variants[k], variants[f"megatron-{k[len('native-'):]}"]) for k in variants
+             if k.startswith("native-") and f"megatron-{k[len('native-'):]}" in variants]
+    if not pairs:
+        return None
+    nat, meg = pairs[0]
+    rows = []
+    for x, y in zip((i for s in nat["steps"] for i in s["iters"]), (i for s in meg["steps"] for i in s["iters"])):
+        rows.append({"step": x["step"], "iter": x["iter"], "same_tokens": x["tokens"] == y["tokens"],
+                     "loss": [x["loss"], y["loss"]], "grad_norm": [x["grad_norm"], y["grad_norm"]],
+                     "loss_abs_diff": abs(y["loss"] - x["loss"]),
+                     "grad_norm_rel_diff": abs(y["grad_norm"] - x["grad_norm"]) / x["grad_norm"],
+                     "tokens_per_s": [x["tokens_per_s"], y["tokens_per_s"]], "mfu": [x["mfu"], y["mfu"]]})
+    same = [r for r in rows if r["same_tokens"]]
+    # GRPO's loss is near 0 on-policy (advantages are centred per group): its difference is absolute
+    return {"iters": rows, "columns": "[native, megatron]",
+            "max_diff_same_tokens": {"loss_abs": max((r["loss_abs_diff"] for r in same), default=None),
+                                     "grad_norm_rel": max((r["grad_norm_rel_diff"] for r in same), default=None)},
+            "actor_iter_tokens_per_s": {"native": nat["actor_iter_tokens_per_s"],
+                                        "megatron": meg["actor_iter_tokens_per_s"]},
+            "actor_mfu": {"native": nat["actor_mfu"], "megatron": meg["actor_mfu"]}}
 
 
 def main(argv=None) -> int:
@@ -186,14 +262,27 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-checkpointing", action="store_true", help="actor.activation_checkpointing")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--work", default="runs/collocated", help="checkpoint, data and run folders")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b", help="the checkpoint's shape")
+    ap.add_argument("--backends", default="native", help=f"actor.backend, comma-separated, of {', '.join(BACKENDS)}")
+    ap.add_argument("--reward", choices=("task", "parity"), default="task",
+                    help="task: the GSM8K verifier (a random model earns none of it: the steps train nothing); "
+                         "parity: 1 for a response of even length, so every step trains (for loss and gradient "
+                         "norm comparisons)")
     a = ap.parse_args(argv)
+    if a.reward == "parity":   # tests/parity_reward.py: importable by the driver and by the workers it starts
+        root = str(Path(__file__).resolve().parent.parent)
+        sys.path.insert(0, root)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    backends = a.backends.split(",")
+    if any(b not in BACKENDS for b in backends):
+        raise SystemExit(f"--backends: {a.backends!r}: each of {', '.join(BACKENDS)}")
     a.prompts = a.prompts or (4 if a.quick else 16)
     a.new_tokens = a.new_tokens or (16 if a.quick else 256)
-    shape = TINY if a.quick else QWEN25_1_5B
+    shape = a.shape = TINY if a.quick else MODELS[a.model]
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    inputs = make_inputs(work / ("tiny" if a.quick else "qwen2.5-1.5b"), shape)
+    inputs = make_inputs(work / ("tiny" if a.quick else a.model), shape)
     make_s = time.monotonic() - t0
     res = {"name": "collocated", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "commit": commit(), "machine": machine(),
@@ -204,16 +293,21 @@ def main(argv=None) -> int:
                       "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
                       "activation_checkpointing": a.activation_checkpointing,
                       "steps": a.steps, "step_figures": "means over steps >= 1 (step 0: warm-up)",
-                      "checkpoint_made_s": make_s},
+                      "checkpoint_made_s": make_s, "backends": backends, "reward": a.reward,
+                      "mfu_peak_tflops": PEAK_TFLOPS},
            "variants": {}}
-    for v in a.variants.split(","):
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
-        res["variants"][v] = run_variant(v, a, inputs, work)
+    variants = a.variants.split(",")
+    if any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants: {a.variants!r}: each of {', '.join(VARIANTS)}")
+    for b in backends:
+        for v in variants:
+            res["variants"][v if backends == ["native"] else f"{b}-{v}"] = run_variant(v, a, inputs, work, b)
+            res["backend_parity"] = backend_parity(res["variants"])
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))   # what is done so far survives a cut-off run
-    shas = {r["final_weights_sha"] for r in res["variants"].values()}
-    res["same_final_weights"] = len(shas) == 1
+    # the offloads are exact: each backend's variants end with the same weights (two backends differ by round-off)
+    res["same_final_weights"] = all(len({r["final_weights_sha"] for r in res["variants"].values()
+                                         if r["backend"] == b}) == 1 for b in backends)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))
     gib = 2 ** 30
@@ -224,6 +318,11 @@ def main(argv=None) -> int:
         print(f"{v:<10} {r['step_s']:7.2f} {r['offload_s']:9.3f} {r['onload_s']:8.3f} {r['handover_fraction']:14.3f} "
               f"{r['actor_resident_bytes'] / gib:18.2f} {r['train_peak_bytes'] / gib:14.2f} "
               f"{'-' if ratio is None else f'{ratio:.3f}':>13}")
+    parity = res.get("backend_parity")
+    if parity:
+        print(f"megatron vs native, iters on the same samples: max difference "
+              f"{parity['max_diff_same_tokens']}; actor tokens/s {parity['actor_iter_tokens_per_s']}, "
+              f"MFU {parity['actor_mfu']}")
     print(f"same final weights across variants: {res['same_final_weights']}")
     return 0 if res["same_final_weights"] else 1
 

@@ -18,11 +18,11 @@ batch (which captures its CUDA graphs: the decode graph and the prefill graph of
 - `ms_per_decode_step`: the `engine.step()` loop until no work is left, per step (`decode_steps` = new_tokens - 1);
 - `native_s`: both; `native_tokens_per_s` = batch x new_tokens / native_s. Each is the median of the repeats.
 
-Kernels (`kernels`): `fused` is the CUDA engine's default (packed q/k/v and gate/up GEMMs, elementwise stages
-compiled by torch.compile: `tidal.engine.generation.fused`), `eager` the same engine launching torch's own kernels;
-`triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is `triton`
-with each step launched before the previous one is read back (`EngineConfig.overlap`); `speedup_vs_eager` =
-eager ms per step / the variant's ms per step at the same batch, measured side by side. HF `generate` runs once
+Kernels (`kernels`): `fused` is packed q/k/v and gate/up GEMMs with elementwise stages compiled by torch.compile
+(`tidal.engine.generation.fused`) and torch's SDPA for decode attention, `eager` the same engine launching torch's
+own kernels; `triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is
+`triton` with each step launched before the previous one is read back (`EngineConfig.overlap`): the CUDA engine's
+default. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same batch, measured side by side. HF `generate` runs once
 per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
 per step.
 

@@ -589,8 +589,12 @@ class Pipeline:
         gids = self._iter_groups(f.payload)
         since = {"generated": max(st.gen_time[i] for i in gids), "scored": max(st.score_time[i] for i in gids),
                  "started": f.t0}
+        # the iter's loss as the step metric averages it (over ranks), its gradient norm (global: any rank's)
+        loss = [r["actor/loss"] for r in st.iter_ranks if "actor/loss" in r]
+        norm = [r["actor/grad_norm"] for r in st.iter_ranks if "actor/grad_norm" in r]
         c.record("iter", step=st.step, iter=f.payload, tp=lay.tp, dp=lay.dp, seconds=st.last_iter_s,
-                 tokens=st.iter_tokens, phases_s=phases, at_s={k: round(v - st.t_start, 4) for k, v in since.items()})
+                 tokens=st.iter_tokens, phases_s=phases, at_s={k: round(v - st.t_start, 4) for k, v in since.items()},
+                 loss=sum(loss) / len(loss) if loss else None, grad_norm=max(norm) if norm else None)
         st.iter_ranks = []
 
     # ---- end of step ----------------------------------------------------------------------------------------

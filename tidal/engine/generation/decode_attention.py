@@ -31,8 +31,8 @@ CHUNK = 256
 #: keys per online-softmax block inside a chunk
 BLOCK_N = 64
 #: stage 1's launch: warps per program, software-pipeline stages of the key loop
-NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_WARPS = 2
+NUM_STAGES = 1
 
 
 def supported(head_dim: int, dtype: torch.dtype) -> bool:
