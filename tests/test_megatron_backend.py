@@ -496,7 +496,7 @@ def test_megatron_registered_when_installed():
 
 
 def _ckpt(rank, world, path):
-    """The megatron backend (one trained iter) writes dist_checkpointing; our loader reads it bit for bit.
+    """The megatron backend (one trained iter) writes dist_checkpointing; our loader reads its weights bit for bit.
     Llama, and one model with every new tensor (q/k/v biases, q/k norms, head_dim 24): two writes, not four."""
     from tidal.engine.actor import SharedQueue, nll_loss
     from tidal.engine.backends.megatron_backend import MegatronBackend
@@ -513,10 +513,10 @@ def _ckpt(rank, world, path):
         meg.save_megatron(d)
         want = from_megatron({n: p.detach().clone() for n, p in meg.stack.params.items()}, args)
         got = load_megatron(d, args, 1, 0)
-        meg.load_megatron(d)  # back into the same actor: weights unchanged, optimizer reset
+        loaded = meg.load_megatron(d)  # back into the same actor: weights unchanged, its optimizer state read back
         again = from_megatron({n: p.detach().clone() for n, p in meg.stack.params.items()}, args)
         out.append((set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want),
-                    all(torch.equal(again[k], want[k]) for k in want), meg.step))
+                    all(torch.equal(again[k], want[k]) for k in want), meg.step, loaded.optimizer))
     return out
 
 
@@ -524,5 +524,6 @@ def _ckpt(rank, world, path):
 def test_megatron_backend_checkpoint_roundtrip(tmp_path):
     path = str(tmp_path / "ckpt")
     for out in run_ranks(1, _ckpt, path, daemon=False):
-        for read_by_us, read_back, step in out:
-            assert read_by_us and read_back and step == 0
+        for read_by_us, read_back, step, optimizer in out:
+            # the optimizer state travels with the weights (tests/test_megatron_optimizer_ckpt.py: bit for bit)
+            assert read_by_us and read_back and step == 1 and optimizer == "checkpoint"

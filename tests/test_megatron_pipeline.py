@@ -16,8 +16,9 @@ What holds and why (the numbers are measured, the bounds carry margin):
 - the weight sync: inference's native engine, loaded with the weights the Megatron actor exported (the engines'
   names, unfused, padded vocab rows dropped), scores the step's groups within 1e-5 of the Megatron actor's own
   log-probs (two attention kernels in fp32).
-- run checkpoints: a Megatron actor writes the native format; loading it back changes no weight, and the native
-  backend loads it to exactly the Megatron actor's weights.
+- run checkpoints: a Megatron actor writes the native format (and, when its layout spans the world, the same state
+  in megatron-core's format); loading it back changes no weight, and the native backend loads it to exactly the
+  Megatron actor's weights.
 - hand-overs: offload / onload of the optimizer state, grads and weights are exact (world 1, three iters); the
   export at TP 2 is exactly the weights the actor was built from, and a checkpoint written at TP 2 loads at DP 2
   as the in-memory reshard does (world 2).
@@ -300,20 +301,30 @@ def _checkpoint_at_tp2(rank, world, root):
     if rank == 0:
         commit(root, 2)
     dist.barrier()
-    loaded = y.load_checkpoint(f"{root}/gen-2", b)
+    loaded = y.load_checkpoint(f"{root}/gen-2", b)   # world-wide layouts: the megatron-format copy is read
     x.reshard(b)
     sx, sy = x.state_dict_global(), y.state_dict_global()
-    return loaded, y.layout == b, all(torch.equal(sx[k], sy[k]) for k in sx), float(sx["exp_avg/output_layer.weight"]
-                                                                                  .abs().max())
+    same = all(torch.equal(sx[k], sy[k]) for k in sx)
+    if rank == 0:   # without the copy: the native shards
+        os.rename(f"{root}/gen-2/megatron", f"{root}/megatron-gen-2")
+    dist.barrier()
+    native = y.load_checkpoint(f"{root}/gen-2", b)
+    sn = y.state_dict_global()
+    return (loaded, native, y.layout == b, same and all(torch.equal(sx[k], sn[k]) for k in sx),
+            float(sx["exp_avg/output_layer.weight"].abs().max()))
 
 
 @needs_megatron
 def test_megatron_run_checkpoint_at_tp2_loads_at_another_layout(tmp_path):
-    """The native format carries the whole Megatron state: written at tp2dp1, read at tp1dp2 (the native loader
-    reshards on load), it equals the in-memory reshard of the same state bit for bit, Adam moments and step too."""
+    """A run checkpoint carries the whole Megatron state twice: the native shards, and (the layout spans the world)
+    megatron-core's format with the distributed optimizer's state. Written at tp2dp1, read at tp1dp2 from either
+    (megatron-core's load or the native loader reshard on load), it equals the in-memory reshard of the same state
+    bit for bit, Adam moments and step too."""
     from tidal.engine.testing import run_ranks
-    for loaded, moved, same, moments in run_ranks(2, _checkpoint_at_tp2, str(tmp_path)):
-        assert loaded.in_layout and loaded.optimizer_step == 2 and moved and same and moments > 0, loaded
+    for loaded, native, moved, same, moments in run_ranks(2, _checkpoint_at_tp2, str(tmp_path), daemon=False):
+        assert (loaded.source, loaded.optimizer, native.source) == ("megatron", "checkpoint", "native"), loaded
+        assert loaded.in_layout and loaded.optimizer_step == native.optimizer_step == 2, (loaded, native)
+        assert moved and same and moments > 0
 
 
 @needs_megatron

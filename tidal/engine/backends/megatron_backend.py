@@ -74,6 +74,7 @@ sites). GPU: every shim is a no-op; megatron's CUDA RNG tracker is seeded per TP
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,7 +88,13 @@ from torch import nn
 from tidal.core.errors import ConfigError, LayoutError, TrainingError
 from tidal.engine.actor import ActorShard, ExportedWeights, IterReport
 from tidal.engine.backends import megatron_cpu as mc
-from tidal.engine.backends.megatron_groups import MegatronGroups, init_process_state, layout_gather, parallel_state_for
+from tidal.engine.backends.megatron_groups import (
+    MegatronGroups,
+    init_process_state,
+    layout_gather,
+    require_whole_world,
+    spans_world,
+)
 from tidal.engine.backends.megatron_map import (
     FC1,
     from_megatron,
@@ -99,6 +106,7 @@ from tidal.engine.backends.megatron_map import (
     transformer_config,
 )
 from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
+from tidal.engine.backends.megatron_state_ckpt import StateLoad, load_state, save_state
 from tidal.engine.backends.megatron_state_reshard import (
     OptView,
     StateViews,
@@ -109,13 +117,18 @@ from tidal.engine.backends.megatron_state_reshard import (
 )
 from tidal.engine.backends.native import save_shard
 from tidal.engine.backends.protocol import CheckpointLoad, register_backend
-from tidal.engine.checkpoint import CheckpointMeta, ShardRecord, load_actor
+from tidal.engine.checkpoint import CheckpointError, CheckpointMeta, ShardRecord, load_actor, read_manifest
 from tidal.engine.groups import GroupCache, reshard_rank_sets
 from tidal.engine.layout import Layout, ParamSpec, synced_layout
 from tidal.engine.model import ModelArgs, init_global_weights, param_specs
 from tidal.engine.optim import OPT_KINDS, OptimConfig, ShardState, lr_at
 from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
 from tidal.engine.tp import vocab_parallel_logprobs
+
+log = logging.getLogger("tidal.checkpoint")
+
+#: the run-checkpoint generation's subfolder holding the megatron-format copy of the state
+MEGATRON_DIR = "megatron"
 
 
 class GPTAdapter(nn.Module):
@@ -708,7 +721,8 @@ class MegatronBackend:
                           groups=self.groups, weights="empty")
 
     def save_checkpoint(self, tmp: str | Path, meta: CheckpointMeta) -> ShardRecord | None:
-        """This rank's shard of a run checkpoint in the native format (module doc; collective over the layout)."""
+        """This rank's shard of a run checkpoint in the native format and, when the layout spans the world, the
+        same state in megatron-core's format under `<tmp>/megatron/` (module doc; collective over the layout)."""
         if self.stack is None:
             return None
         ours = self._global_ours(over_layout=True)
@@ -717,14 +731,35 @@ class MegatronBackend:
             st = cast(ShardState, twin.state)
             st.step, st.data_cursor = self.step, self.data_cursor
             _fill_shard(twin, ours)
-            return save_shard(twin, tmp, meta)
+            record = save_shard(twin, tmp, meta)
         finally:
             twin.free()
+        if spans_world(self.layout):
+            self._save_state(Path(tmp) / MEGATRON_DIR)
+        elif self.rank == self.layout.devices[0]:
+            log.info("run checkpoint %s: no megatron-format copy (layout %s is not the whole world of %d ranks in "
+                     "order, which megatron-core's dist_checkpointing needs); the native shards hold the full state",
+                     tmp, self.layout, dist.get_world_size())
+        return record
 
     def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad:
-        """Every world rank: this backend's state from a native-format generation at `layout` (module doc). A
-        failed read leaves every rank's state as it was (the native loader's vote) and raises."""
+        """Every world rank: this backend's state from a run-checkpoint generation at `layout` (module doc): its
+        megatron-format copy when it has one and `layout` spans the world, else its native shards. A failed read
+        leaves every rank's state as it was (a vote) and raises."""
         check_layout(self.args, self.padded_vocab, layout)
+        copy = Path(gen) / MEGATRON_DIR
+        if spans_world(layout) and (copy / "metadata.json").is_file():
+            m = read_manifest(gen)   # the marker and the manifest: the generation is complete
+            loaded = self._load_state(copy, layout, reset_optimizer=True)
+            if loaded.optimizer != "checkpoint":
+                raise CheckpointError("checkpoint", str(copy), "holds weights without the optimizer state a run "
+                                      "checkpoint's megatron copy always has", f"remove {copy} to load the native "
+                                      "shards, or resume from another generation")
+            if self.data_cursor != m.data_cursor or self.step != m.optimizer_step:
+                raise CheckpointError("checkpoint", str(copy), f"is at step {self.step}, data cursor "
+                                      f"{self.data_cursor}; the manifest says {m.optimizer_step}, {m.data_cursor}",
+                                      f"remove {copy} to load the native shards")
+            return loaded
         self.onload()   # the loaded state is built on the device, as the native actor's
         twin = self._native_twin(self.layout)
         try:
@@ -765,34 +800,69 @@ class MegatronBackend:
         return {name: p.main_grad for name, p in self._stack().params.items()}
 
     def save_megatron(self, ckpt_dir: str | Path, padded_vocab: int | None = None) -> Path:
-        """GPTModel's own `sharded_state_dict` through megatron-core's dist_checkpointing (weights)."""
-        from megatron.core import dist_checkpointing
+        """Weights and distributed-optimizer state (fp32 main params, Adam moments, step) through megatron-core's
+        dist_checkpointing, Megatron-LM's keys (tidal/engine/backends/megatron_state_ckpt.py). Collective over the
+        world; the layout must span it."""
         if padded_vocab not in (None, self.padded_vocab):
             raise LayoutError("padded_vocab", padded_vocab, f"the megatron backend's model is padded to "
                               f"{self.padded_vocab}", "omit padded_vocab")
-        path = Path(ckpt_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        with parallel_state_for(self.layout), mc.cpu_shim():
-            dist_checkpointing.save(self._stack().model.sharded_state_dict(), str(path))
-        return path
+        require_whole_world(self.layout)
+        return self._save_state(Path(ckpt_dir))
 
-    @torch.no_grad()
-    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> None:
-        """Weights of a dist_checkpointing checkpoint (any writer TP) into params and fp32 main params; moments
-        and step reset unless `reset_optimizer=False`."""
-        from megatron.core import dist_checkpointing
-        with parallel_state_for(self.layout), mc.cpu_shim():
-            st = self._stack()
-            st.model.load_state_dict(dist_checkpointing.load(st.model.sharded_state_dict(), str(ckpt_dir)),
-                                     strict=False)
-        for name, (lo, hi, main) in st.main.items():
-            main.copy_(st.params[name].data.reshape(-1)[lo:hi].float())
-            if reset_optimizer:
-                for m in st.moments(name, 0):
-                    m.zero_()
-        if reset_optimizer:
-            self.step = 0
-            st.set_step(0)
+    def _save_state(self, path: Path) -> Path:
+        st = self._stack()
+        with self._resident():
+            st.set_step(self.step)   # every param has its Adam state (megatron-core reads one step per param)
+            return save_state(st, self.layout, path, self.step, self.data_cursor)
+
+    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> CheckpointLoad:
+        """Weights of a dist_checkpointing checkpoint (any writer layout, by megatron-core or by us) and, when it
+        holds them, fp32 main params, Adam moments and step, at this backend's layout. A weights-only checkpoint
+        resets the moments and step (`reset_optimizer`, the default) or keeps this actor's; the returned
+        `optimizer` says which. Collective over the world; the layout must span it."""
+        return self._load_state(Path(ckpt_dir), self.layout, reset_optimizer)
+
+    def _load_state(self, path: Path, layout: Layout, reset_optimizer: bool) -> CheckpointLoad:
+        """`load_megatron` at `layout`: read into a new stack, vote over the world, then adopt it (a failed read
+        leaves every rank's state as it was)."""
+        require_whole_world(layout)
+        self.onload()
+        # every rank is in a whole-world layout; built with grad mode on (DDP hooks its grad accumulators)
+        new = cast(_Stack, self._build(layout, None))
+        with torch.no_grad():
+            return self._adopt(new, path, layout, reset_optimizer)
+
+    def _adopt(self, new: _Stack, path: Path, layout: Layout, reset_optimizer: bool) -> CheckpointLoad:
+        new.set_step(0)
+        got, error = None, None
+        try:
+            got = load_state(new, layout, path, 0)
+        except Exception as e:   # reported through the vote so no peer adopts a state this rank could not read
+            error = e
+        if not _vote(error is None, self.device):
+            raise error or CheckpointError("checkpoint", str(path), "was not read by another rank (its error is "
+                                           "on that rank)", "fix that rank's error and load again")
+        got = cast(StateLoad, got)
+        opt: Literal["checkpoint", "reset", "kept"] = "checkpoint"
+        if got.optimizer:
+            self.step = cast(int, got.optimizer_step)
+            new.set_step(self.step)
+        else:   # weights only: main params from the weights; moments zero (as built) or the actor's own
+            for name, (lo, hi, main) in new.main.items():
+                main.copy_(new.params[name].data.reshape(-1)[lo:hi].float())
+            keep = not reset_optimizer and self.stack is not None and layout == self.layout
+            if keep:
+                old = cast(_Stack, self.stack)
+                for name in new.main:
+                    for dst, src in zip(new.moments(name, self.step), old.moments(name, self.step)):
+                        dst.copy_(src)
+            self.step = self.step if keep else 0
+            opt = "kept" if keep else "reset"
+            new.set_step(self.step)
+        if got.data_cursor is not None:
+            self.data_cursor = got.data_cursor
+        self.stack, self.layout = new, layout
+        return CheckpointLoad(True, self.step, self.data_cursor, self.held_bytes(), opt, "megatron")
 
 
 def _join_halves(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

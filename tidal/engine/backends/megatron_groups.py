@@ -122,16 +122,26 @@ def layout_gather(layout_group, world: int) -> Iterator[None]:
         dist.all_gather_object = real
 
 
+def spans_world(layout: Layout) -> bool:
+    """Whether `layout` is the whole world in rank order (what megatron-core's dist_checkpointing needs)."""
+    return layout.devices == tuple(range(dist.get_world_size()))
+
+
+def require_whole_world(layout: Layout) -> None:
+    """LayoutError naming the fix unless `spans_world(layout)`."""
+    world = dist.get_world_size()
+    if not spans_world(layout):
+        raise LayoutError("layout.devices", layout.devices, f"megatron-core's dist_checkpointing reads the global "
+                          f"parallel_state, which spans the world of {world} ranks in order",
+                          f"reshard to devices 0-{world - 1} before saving or loading a Megatron checkpoint")
+
+
 @contextlib.contextmanager
 def parallel_state_for(layout: Layout) -> Iterator[None]:
     """megatron-core's global parallel_state for `layout` for the duration of the block, for dist_checkpointing
     (module doc: its sharded objects and collectives read the global TP / DP ranks and the world group). Needs the
     layout to be the whole world in rank order; the process-local state is restored after."""
-    world = dist.get_world_size()
-    if layout.devices != tuple(range(world)):
-        raise LayoutError("layout.devices", layout.devices, f"megatron-core's dist_checkpointing reads the global "
-                          f"parallel_state, which spans the world of {world} ranks in order",
-                          f"reshard to devices 0-{world - 1} before saving or loading a Megatron checkpoint")
+    require_whole_world(layout)
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
@@ -143,4 +153,5 @@ def parallel_state_for(layout: Layout) -> Iterator[None]:
         init_process_state()
 
 
-__all__ = ["MegatronGroups", "init_process_state", "layout_gather", "parallel_state_for"]
+__all__ = ["MegatronGroups", "init_process_state", "layout_gather", "parallel_state_for", "spans_world",
+           "require_whole_world"]

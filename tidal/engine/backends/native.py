@@ -7,9 +7,11 @@ Megatron checkpoint verbs:
 - `save_megatron(dir)`: the weights (compute dtype) of every TP shard, written once (DP replica 0), as
   megatron-core dist_checkpointing (tidal/engine/backends/megatron_ckpt.py): GPTModel at any TP loads it.
 - `load_megatron(dir)`: this rank's TP shard of a dist_checkpointing checkpoint written at any layout, by
-  megatron-core or by us, into the parameters *and* the fp32 master weights of the owned ZeRO ranges. A Megatron
-  checkpoint here carries weights only, so by default the Adam moments and the step (LR schedule position) are
-  reset; `reset_optimizer=False` keeps them (e.g. a round trip through Megatron format of the same weights).
+  megatron-core or by us, into the parameters *and* the fp32 master weights of the owned ZeRO ranges. This
+  backend reads weights only (distributed-optimizer state a Megatron backend wrote next to them is not mapped to
+  our ZeRO ranges), so by default the Adam moments and the step (LR schedule position) are reset;
+  `reset_optimizer=False` keeps them (e.g. a round trip through Megatron format of the same weights). The
+  returned `CheckpointLoad.optimizer` says which.
 
 Both are collective over the world like every other verb.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import torch
 
@@ -133,15 +135,17 @@ class NativeBackend:
         return save_actor_megatron(self.shard, ckpt_dir, padded_vocab)
 
     @torch.no_grad()
-    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> None:
-
+    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> CheckpointLoad:
+        """Weights only (module doc): distributed-optimizer state a Megatron checkpoint may hold is not read, so the
+        record says `reset` (or `kept`)."""
         sh = self.shard
         coord = sh.coord
         local = load_megatron(ckpt_dir, sh.args, sh.layout.tp, coord[0] if coord else 0, torch.float32,
                               active=coord is not None)
         st = sh.state
+        opt: Literal["reset", "kept"] = "reset" if reset_optimizer else "kept"
         if st is None:
-            return
+            return CheckpointLoad(False, 0, 0, 0, opt, "megatron")
         for i, spec in enumerate(sh.specs):
             flat = cast(dict, local)[spec.name].reshape(-1)  # a rank with a state was active: it loaded
             st.param(i).copy_(flat.view(st.param(i).shape))
@@ -152,6 +156,7 @@ class NativeBackend:
             st.exp_avg.zero_()
             st.exp_avg_sq.zero_()
             st.step = 0
+        return CheckpointLoad(True, st.step, st.data_cursor, sh.held_bytes(), opt, "megatron")
 
 
 register_backend("native", NativeBackend)

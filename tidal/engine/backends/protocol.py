@@ -18,7 +18,8 @@ reaches inside it::
     held_bytes() / resident_bytes()         this rank's actor memory, all of it / what is on the device
     save_checkpoint(tmp, meta)              this rank's part of a run checkpoint (tidal/engine/checkpoint.py)
     load_checkpoint(gen, layout)            the state of a run checkpoint at `layout` (collective, two-phase)
-    save_megatron(dir) / load_megatron(dir) weights in megatron-core dist_checkpointing format
+    save_megatron(dir) / load_megatron(dir) megatron-core dist_checkpointing format: weights (native), weights and
+                                            distributed-optimizer state (megatron); the load says what it restored
 
 Every verb is collective over the world like `ActorShard`'s: every world rank calls it at the same point; ranks
 outside the layout take part in group creation and votes and return None where a value is returned. The
@@ -41,7 +42,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tidal.core.errors import ConfigError
 from tidal.engine.layout import Layout, ParamSpec
@@ -96,6 +97,12 @@ class CheckpointLoad:
     """Micro-batches consumed, as saved."""
     held_bytes: int
     """This rank's actor bytes after the load."""
+    optimizer: Literal["checkpoint", "reset", "kept"] = "checkpoint"
+    """Where the fp32 main params, Adam moments and step came from: `checkpoint` (read from it), `reset` (the
+    checkpoint holds weights only: main params from the weights, moments zero, step 0), `kept` (weights only, and
+    the caller asked to keep the actor's own moments and step)."""
+    source: Literal["native", "megatron"] = "native"
+    """The format read: Tidal's run-checkpoint shards, or megatron-core dist_checkpointing."""
 
 
 @runtime_checkable
@@ -147,7 +154,7 @@ class ActorBackend(Protocol):
 
     def save_megatron(self, ckpt_dir: str | Path, padded_vocab: int | None = None) -> Path: ...
 
-    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> None: ...
+    def load_megatron(self, ckpt_dir: str | Path, reset_optimizer: bool = True) -> CheckpointLoad: ...
 
 
 BackendFactory = Callable[..., ActorBackend]
