@@ -362,3 +362,70 @@ def test_megatron_without_megatron_core_fails_preflight(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "ConfigError: actor.backend" in out.stderr, out.stderr
     assert "pip install -e '.[megatron]'" in out.stderr, out.stderr
+
+
+def test_megatron_transformer_engine_switch_at_config_time():
+    """`actor.megatron_transformer_engine`: auto (default) and false always validate; true without Transformer
+    Engine is refused naming the key and the fix (TE is not installed on the machines these tests run on)."""
+    assert build_config({}).actor.megatron_transformer_engine == "auto"
+    for value in ("auto", False):
+        cfg = build_config({"actor": {"backend": "megatron", "megatron_transformer_engine": value}})
+        assert cfg.actor.megatron_transformer_engine == value
+    # the native actor ignores it
+    assert build_config({"actor": {"megatron_transformer_engine": True}}).actor.backend == "native"
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ConfigError) as err:
+            build_config({"actor": {"backend": "megatron", "megatron_transformer_engine": True}})
+        assert err.value.field == "actor.megatron_transformer_engine"
+        assert "transformer_engine" in err.value.fix and "auto" in err.value.fix, err.value
+
+
+def test_megatron_layer_spec_choice():
+    """The pure choice (both sides of `importable`), the TE names' mapping, and the build record of a real actor
+    here (no TE: the local spec, reported with the reason)."""
+    from tidal.engine.backends.megatron_map import LayerSpecChoice, choose_layer_spec, local_param_name
+
+    assert choose_layer_spec("auto", True) == LayerSpecChoice(True, "auto: transformer_engine is importable")
+    assert choose_layer_spec("auto", False) == LayerSpecChoice(False, "auto: transformer_engine is not importable")
+    assert choose_layer_spec(True, True).transformer_engine and not choose_layer_spec(False, True).transformer_engine
+    assert not choose_layer_spec(False, False).transformer_engine
+    with pytest.raises(ConfigError) as err:
+        choose_layer_spec(True, False)
+    assert err.value.field == "actor.megatron_transformer_engine" and "auto" in err.value.fix
+    te = "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert local_param_name(te, True) == "decoder.layers.3.input_layernorm.weight"
+    assert local_param_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", True) == \
+        "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert local_param_name(te, False) == te
+    assert local_param_name("decoder.layers.0.mlp.linear_fc1.weight", True) == "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def _layer_spec_report(rank, world):
+    from tidal.core.errors import ConfigError
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.layout import Layout
+    from tidal.engine.model import ModelArgs
+    from tidal.engine.optim import OptimConfig
+
+    args = ModelArgs(vocab_size=51, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                     max_seq_len=32)
+    hp, lay = OptimConfig(lr=1e-3), Layout(1, 1, (0,))
+    auto = make_backend("megatron", args, hp, lay, 0).layer_spec
+    off = make_backend("megatron", args, hp, lay, 0, transformer_engine=False).layer_spec
+    try:
+        make_backend("megatron", args, hp, lay, 0, transformer_engine=True)
+        refused = ""
+    except ConfigError as e:
+        refused = e.field
+    return str(auto), str(off), refused
+
+
+@needs_megatron
+def test_megatron_actor_reports_its_layer_spec():
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed: this checks the report where it is not")
+    from tidal.engine.testing import run_ranks
+    auto, off, refused = run_ranks(1, _layer_spec_report)[0]
+    assert auto == "local (auto: transformer_engine is not importable)"
+    assert off == "local (actor.megatron_transformer_engine: false)"
+    assert refused == "actor.megatron_transformer_engine"

@@ -13,6 +13,7 @@ Every failure to load is a `ConfigError` naming the dotted field, the value and 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from functools import cached_property
 from pathlib import Path
@@ -185,6 +186,12 @@ class ActorConfig(Section):
         description="RLinf's name for actor.backend, accepted as RLinf configs spell it: `megatron` (or `native`); "
                     "RLinf's `fsdp` is refused (use actor.backend: native, Tidal's own engine). Set one of the two "
                     "(two different values are an error). null: not given.")
+    megatron_transformer_engine: Literal["auto"] | bool = Field(
+        "auto",
+        description="With actor.backend: megatron, megatron-core's layer spec: `true` its Transformer Engine spec "
+                    "(fused TE kernels; needs `transformer_engine` importable, else a config error), `false` its "
+                    "local spec (torch modules), `auto` TE where `transformer_engine` imports, local elsewhere. The "
+                    "choice is logged when the actor is built. Checkpoints are the same either way.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Actor TP size; divides num_heads, num_kv_heads and the actor's device count, the rest being data "
@@ -635,6 +642,11 @@ def _check_actor_backend(cfg: TidalConfig) -> None:
         raise ConfigError("actor.on_nonfinite", "skip", "with actor.backend: megatron: megatron-core's optimizer "
                           "applies a non-finite update without a loss scaler, so it cannot be dropped",
                           "use actor.on_nonfinite: stop, or actor.backend: native")
+    if a.megatron_transformer_engine is True and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("actor.megatron_transformer_engine", True, "needs Transformer Engine, but "
+                          "`transformer_engine` is not installed here",
+                          "install it (pip install 'transformer_engine[pytorch]', CUDA only), or set "
+                          "actor.megatron_transformer_engine: auto (TE where it imports) or false")
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:

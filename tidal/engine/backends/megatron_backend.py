@@ -97,11 +97,14 @@ from tidal.engine.backends.megatron_groups import (
 )
 from tidal.engine.backends.megatron_map import (
     FC1,
+    choose_layer_spec,
     from_megatron,
     gpt_layer_spec,
     gpt_model_kwargs,
+    local_param_name,
     megatron_tp_shard,
     padded_vocab_size,
+    te_importable,
     to_megatron,
     transformer_config,
 )
@@ -125,7 +128,7 @@ from tidal.engine.optim import OPT_KINDS, OptimConfig, ShardState, lr_at
 from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
 from tidal.engine.tp import vocab_parallel_logprobs
 
-log = logging.getLogger("tidal.checkpoint")
+log = logging.getLogger("tidal.megatron")
 
 #: the run-checkpoint generation's subfolder holding the megatron-format copy of the state
 MEGATRON_DIR = "megatron"
@@ -173,7 +176,7 @@ class _Stack:
 
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, padded_vocab: int,
                  dtype: torch.dtype, device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None,
-                 pgc: Any):
+                 pgc: Any, transformer_engine: bool = False):
         mc.import_megatron()
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -188,13 +191,21 @@ class _Stack:
         with mc.cpu_shim():
             from megatron.core.models.gpt.gpt_model import GPTModel
 
-            model = GPTModel(cfg, gpt_layer_spec(args), **gpt_model_kwargs(args, padded_vocab), pg_collection=pgc)
+            model = GPTModel(cfg, gpt_layer_spec(args, transformer_engine), **gpt_model_kwargs(args, padded_vocab),
+                             pg_collection=pgc)
         model.to(device)
-        _set_tp_attributes(model, args, padded_vocab)
+        # GPTModel's params in the local spec's names (the TE spec fuses the pre-norms into the next linear)
+        self.params = {local_param_name(n, transformer_engine): p for n, p in model.named_parameters()}
+        _set_tp_attributes(self.params, args, padded_vocab)
         local = None
         if weights is not None:
             local = megatron_tp_shard(to_megatron(weights, args, padded_vocab), args, tp, self.t)
-            mc.load_gpt_weights(model, local)
+            if transformer_engine:
+                with torch.no_grad():
+                    for name, p in self.params.items():
+                        p.copy_(local[name])
+            else:
+                mc.load_gpt_weights(model, local)
         ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                 overlap_grad_reduce=False, overlap_param_gather=False,
                                                 average_in_collective=False)
@@ -211,7 +222,6 @@ class _Stack:
         self.dp_group = pgc.dp if layout.dp > 1 else None
         self.tp_group = tp_group
         self.adapter = GPTAdapter(self.ddp, args.vocab_size, padded_vocab, tp, self.t, tp_group, device)
-        self.params = dict(model.named_parameters())
         self._index_optimizer()
         if local is not None:  # fp32 main params from the fp32 weights (ActorShard's masters), not the cast params
             with torch.no_grad():
@@ -284,14 +294,21 @@ class MegatronBackend:
     def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, seed: int = 0,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None, *,
                  weights: dict[str, torch.Tensor] | Literal["empty"] | None = None, padded_vocab: int | None = None,
-                 groups: GroupCache | None = None, activation_checkpointing: bool = False):
+                 groups: GroupCache | None = None, activation_checkpointing: bool = False,
+                 transformer_engine: bool | Literal["auto"] = "auto"):
         """`weights`: our global weights; None: `init_global_weights(args, seed)`; "empty": GPTModel's params as
         built (a state set later, e.g. by a checkpoint load). `activation_checkpointing` is not wired to
-        megatron-core's recompute here, so True is refused (the config refuses it first)."""
+        megatron-core's recompute here, so True is refused (the config refuses it first).
+        `transformer_engine` (`actor.megatron_transformer_engine`): megatron-core's TE layer spec (True), its local
+        spec (False), or TE where `transformer_engine` imports ("auto"); True without it is a ConfigError. What
+        was chosen is `layer_spec` (logged once by rank 0)."""
         if activation_checkpointing:
             raise ConfigError("actor.activation_checkpointing", True, "is not supported by the megatron actor "
                               "backend", "set actor.activation_checkpointing: false or actor.backend: native")
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
+        self.layer_spec = choose_layer_spec(transformer_engine, te_importable())
+        if rank == 0:
+            log.info("megatron actor: layer spec %s", self.layer_spec)
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -321,7 +338,7 @@ class MegatronBackend:
         if pgc is None:
             return None
         return _Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
-                      None if weights == "empty" else weights, pgc)
+                      None if weights == "empty" else weights, pgc, self.layer_spec.transformer_engine)
 
     @property
     def member(self) -> bool:
@@ -901,7 +918,7 @@ def _fill_shard(shard: ActorShard, ours: dict[str, dict[str, torch.Tensor]]) -> 
             st.buffer(kind)[o:o + hi - lo].copy_(local[kind][lo:hi])
 
 
-def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
+def _set_tp_attributes(params: dict[str, nn.Parameter], args: ModelArgs, padded_vocab: int) -> None:
     """The `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes megatron-core 0.16.1 sets on
     TP-split weights only inside its init functions, i.e. not with perform_initialization=False (linear biases do
     get them). The optimizer reads them (`param_is_not_tensor_parallel_duplicate`): without them every TP-split
@@ -910,7 +927,7 @@ def _set_tp_attributes(model, args: ModelArgs, padded_vocab: int) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     tp_dim = {s.name.partition("#")[0]: s.tp_dim for s in megatron_specs(args, padded_vocab)}
-    for name, p in model.named_parameters():
+    for name, p in params.items():   # local-spec names
         if tp_dim[name] is not None and not getattr(p, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(p, True, tp_dim[name], 2 if name.endswith(FC1) else 1)
 

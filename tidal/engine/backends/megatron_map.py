@@ -64,11 +64,13 @@ Megatron needs H, G and F divisible by TP (`check_megatron_tp`); our own floor s
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from tidal.core.errors import LayoutError
+from tidal.core.errors import ConfigError, LayoutError
 from tidal.engine.model import ModelArgs
 
 # per-layer: our suffix -> (GPTModel module suffix, checkpoint key suffix); fused ones are handled apart
@@ -265,12 +267,70 @@ def transformer_config(args: ModelArgs, tp: int = 1, dtype: torch.dtype = torch.
     return TransformerConfig(**fields)
 
 
-def gpt_layer_spec(args: ModelArgs):
-    """The GPTModel layer spec for our model: megatron-core's local spec (no Transformer Engine), RMSNorm, with
-    q/k_layernorm when `qk_norm`. Imports megatron-core (lazily)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+#: the config key that picks the layer spec (tidal/core/config.py)
+TE_KEY = "actor.megatron_transformer_engine"
+TE_MODULE = "transformer_engine"
+#: GPTModel parameter names (after `decoder.layers.i.`) of the TE spec -> the local spec's: TE fuses each
+#: pre-norm into the linear after it (the checkpoint keys are these TE names for both specs, module doc)
+TE_PARAM_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                  "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
+
+@dataclass(frozen=True)
+class LayerSpecChoice:
+    """Which megatron-core layer spec the Megatron actor builds, and why (the backend's build record)."""
+
+    transformer_engine: bool
+    """True: `get_gpt_layer_with_transformer_engine_spec`; False: `get_gpt_layer_local_spec`."""
+    reason: str
+    """The setting and what was found, e.g. "auto: transformer_engine is not importable"."""
+
+    def __str__(self) -> str:
+        return f"{'transformer_engine' if self.transformer_engine else 'local'} ({self.reason})"
+
+
+def te_importable() -> bool:
+    """Whether `import transformer_engine` succeeds here (megatron-core's own test for its TE modules)."""
+    try:
+        importlib.import_module(TE_MODULE)
+    except (ImportError, OSError):   # OSError: installed, but its CUDA libraries do not load
+        return False
+    return True
+
+
+def choose_layer_spec(setting: bool | Literal["auto"], importable: bool) -> LayerSpecChoice:
+    """The layer spec for `actor.megatron_transformer_engine` = `setting` where Transformer Engine is (not)
+    `importable`: auto takes TE where it imports; true without it is a ConfigError naming the key and the fix."""
+    if setting == "auto":
+        return LayerSpecChoice(importable, f"auto: {TE_MODULE} is {'' if importable else 'not '}importable")
+    if setting is True and not importable:
+        raise ConfigError(TE_KEY, True, f"needs Transformer Engine, but `import {TE_MODULE}` fails here",
+                          f"install it (pip install 'transformer_engine[pytorch]', CUDA only), or set {TE_KEY}: auto "
+                          "(TE where it imports, megatron-core's local spec elsewhere) or false")
+    return LayerSpecChoice(bool(setting), f"{TE_KEY}: {str(bool(setting)).lower()}")
+
+
+def local_param_name(name: str, transformer_engine: bool) -> str:
+    """A GPTModel parameter name in the local spec's spelling (the identity without TE)."""
+    if not transformer_engine:
+        return name
+    head, sep, tail = name.partition("decoder.layers.")
+    if sep:
+        i, _, rest = tail.partition(".")
+        if rest in TE_PARAM_NAMES:
+            return f"{head}decoder.layers.{i}.{TE_PARAM_NAMES[rest]}"
+    return name
+
+
+def gpt_layer_spec(args: ModelArgs, transformer_engine: bool = False):
+    """The GPTModel layer spec for our model: megatron-core's local spec (torch modules), or with
+    `transformer_engine` its TE spec (norms fused into the next linear: `TE_PARAM_NAMES`); RMSNorm from the
+    TransformerConfig, q/k_layernorm when `qk_norm`. Imports megatron-core (lazily)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if transformer_engine:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_norm)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=args.qk_norm)
 
 
 def gpt_model_kwargs(args: ModelArgs, padded_vocab: int) -> dict:
@@ -288,6 +348,7 @@ def gpt_model_kwargs(args: ModelArgs, padded_vocab: int) -> dict:
                 share_embeddings_and_output_weights=args.tie_embeddings, **rope)
 
 
-__all__ = ["padded_vocab_size", "check_megatron_args", "check_megatron_tp", "QKVShape", "fuse_qkv", "split_qkv",
+__all__ = ["TE_KEY", "TE_PARAM_NAMES", "LayerSpecChoice", "te_importable", "choose_layer_spec", "local_param_name",
+           "padded_vocab_size", "check_megatron_args", "check_megatron_tp", "QKVShape", "fuse_qkv", "split_qkv",
            "pad_rows", "to_megatron", "from_megatron", "megatron_tp_shard", "transformer_config", "gpt_layer_spec",
            "gpt_model_kwargs", "QKV", "QKV_BIAS", "QK_NORMS", "FC1", "MEGATRON_LLAMA3_FIXED", "EXTRA_STATE_LINEARS"]
