@@ -8,11 +8,13 @@ layout (tp, dp) builds::
     process groups      a `ProcessGroupCollection` of the layout's TP / DP / all-ranks groups
                         (tidal/engine/backends/megatron_groups.py), passed to GPTModel, DDP and the optimizer;
                         megatron-core's global parallel_state is never initialized for training
-    GPTModel            local layer spec (no Transformer Engine; q/k_layernorm with qk_norm), TransformerConfig
-                        from our ModelArgs (`megatron_map.transformer_config`: head_dim, qkv_bias, qk_norm, RoPE
-                        scaling), calculate_per_token_loss=True (see grads below); built without megatron's init
-                        (perform_initialization=False), so the TP attributes its init would set on the split weights
-                        are set by `_set_tp_attributes` (the optimizer's grad norm reads them)
+    GPTModel            megatron-core's local layer spec, or its Transformer Engine spec (`transformer_engine`:
+                        auto | True | False, `layer_spec` says which and why; q/k_layernorm with qk_norm),
+                        TransformerConfig from our ModelArgs (`megatron_map.transformer_config`: head_dim,
+                        qkv_bias, qk_norm, RoPE scaling), calculate_per_token_loss=True (see grads below); built
+                        without megatron's init (perform_initialization=False), so the TP attributes its init would
+                        set on the split weights are set by `_set_tp_attributes` (the optimizer's grad norm reads
+                        them)
     weights             our global weights (HF names) -> `to_megatron` (fused QKV, [gate; up], padded vocab) ->
                         `megatron_tp_shard`; the fp32 main params are then set from the fp32 weights (not from the
                         bf16-rounded params), as ActorShard initializes its masters
@@ -40,8 +42,11 @@ the world). The new stack (its groups, GPTModel, DDP, optimizer) is built first 
 ranges of both layouts are all-gathered over the world, the moves run, two world votes commit; on a failure the
 old stack stays as it was (no global state to restore) and ReshardError is raised.
 
-`save_megatron` / `load_megatron` go through megatron-core's dist_checkpointing, which reads the global
-parallel_state: they need the layout to be the whole world in rank order (`megatron_groups.parallel_state_for`).
+`save_megatron` / `load_megatron`: weights and distributed-optimizer state (fp32 main params, Adam moments, step)
+through megatron-core's dist_checkpointing (megatron_state_ckpt.py), readable at any (tp, dp); a weights-only
+checkpoint loads with the moments reset (or kept) and `CheckpointLoad.optimizer` says which. dist_checkpointing
+reads the global parallel_state: they need the layout to be the whole world in rank order
+(`megatron_groups.parallel_state_for`).
 
 In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
 
@@ -55,7 +60,10 @@ In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
                                       converted to our names and written through an `ActorShard` of the same
                                       layout; a load reads it into an `ActorShard` at the target layout (the native
                                       loader's resharding) and sets this backend's state from its global view.
-                                      Costs one full fp32 copy of the state per layout rank while it runs
+                                      Costs one full fp32 copy of the state per layout rank while it runs. When the
+                                      layout spans the world, the generation also holds `megatron/`: the same
+                                      state through `save_megatron`; a load at a world-wide layout reads that copy
+                                      (`CheckpointLoad.source` "megatron"), any other load the native shards
     program_inputs                    None: the moves are planned on the ranks (`megatron_state_reshard`)
     offload / onload                  `optimizer`: the fp32 main-param shards that are tensors of their own (bf16
                                       params; fp32 params' shards are views of the param buffer and go with it)

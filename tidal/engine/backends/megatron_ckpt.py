@@ -25,8 +25,10 @@ with empty tensors and un-fuses them; padded vocab rows are read by the last TP 
 writes them, so `GPTModel.sharded_state_dict()` loads our checkpoint with the default strictness.
 
 Both `save_megatron` and `load_megatron` are collective over the torch.distributed world (dist_checkpointing
-all-gathers plans); the saver must be allowed to fork (megatron_cpu.py). Weights only: optimizer state in
-megatron-core's distributed-optimizer format is not written (docs/megatron.md).
+all-gathers plans); the saver must be allowed to fork (megatron_cpu.py). These two move weights (what a native
+actor holds in Megatron's terms); the Megatron actor writes its distributed-optimizer state with them
+(megatron_state_ckpt.py), and `load_megatron` here reads the weights of such a checkpoint and ignores the
+`optimizer.state.*` keys.
 
     exported = shard.export_weights()                      # ActorShard at tp=2, dp=1
     save_megatron("ckpt/iter_0000004", args, exported.tensors, tp=2, t=exported.t, d=0)
