@@ -58,3 +58,21 @@ def hf_run_inputs(tmp_path):
         return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
                 "data.prompt_key=question", "data.max_prompt_length=20"]
     return make
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One embedded Ray for a module's runs (`pytestmark = pytest.mark.usefixtures("shared_ray")`): each run's
+    worker group borrows the live connection (`tidal.workers.ray_env.connect`) and leaves Ray up when it closes, so
+    a module pays Ray's start (~3 s) and shutdown (~1.5 s) once, not once per run; its workers are still started
+    and killed by each run. Ray is shut down at the module's end: a later module may fork the test process
+    (tests/test_db.py), and a fork must not inherit Ray's threads."""
+    from tidal.workers.ray_env import connect
+
+    session = connect()
+    try:
+        yield session
+    finally:
+        import ray
+
+        ray.shutdown()

@@ -43,6 +43,8 @@ from tidal.engine.optim import OptimConfig, ZeroShape
 from tidal.engine.reshard import FaultInjected
 from tidal.engine.testing import run_ranks
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 # as tests/test_reshard.py: TP 1, 2, 4 possible; vocab 23 and SwiGLU width 40 split unevenly; tiny.
 ARGS = ModelArgs(vocab_size=23, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=4,
                  intermediate_size=40, max_seq_len=12)

@@ -16,6 +16,8 @@ from tidal.engine.optim import OptimConfig
 from tidal.engine.testing import run_ranks
 from tidal.pipeline.run import TrainingRun
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 BASE = {
     "run": {"num_steps": 2, "seed": 5},
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,

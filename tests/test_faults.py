@@ -24,6 +24,8 @@ from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles_ckpt
 from tidal.workers.errors import WorkerDied
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 
 def test_a_failed_device_is_in_no_role_until_it_rejoins_the_free_pool():
     ledger = DeviceLedger(range(3), clock=lambda: 7.0)

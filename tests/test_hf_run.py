@@ -18,6 +18,8 @@ from tidal.engine.datasets import DataPosition
 from tidal.pipeline.inputs import read_inputs
 from tidal.pipeline.run import TrainingRun
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 BASE = {
     "run": {"num_steps": 1, "seed": 1},
     "cluster": {"num_devices_per_node": 3, "component_placement": {"actor": "0", "rollout": "1", "inference": "2"}},

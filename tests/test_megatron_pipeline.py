@@ -43,6 +43,8 @@ from tidal.pipeline.checkpointing import resume
 from tidal.pipeline.run import TrainingRun
 from tidal.workers import roles
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
                                                               "(pip install -e '.[megatron]')")

@@ -17,6 +17,8 @@ from tidal.cli import model_check  # noqa: E402
 from tidal.engine.hf_tokenizer import train_bpe_tokenizer  # noqa: E402
 from tidal.engine.model import ModelArgs  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 TEXTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
          "How many clips did Natalia sell altogether? Let's think step by step. #### 72",
          "The quick brown fox jumps over the lazy dog, 12 times in 3.5 seconds."] * 10

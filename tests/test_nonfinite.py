@@ -13,6 +13,8 @@ from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout
 from tidal.engine.testing import run_ranks
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 K = 2   # clean iters before the poisoned one
 
 

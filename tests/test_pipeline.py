@@ -18,7 +18,7 @@ from tidal.pipeline.run import TrainingRun
 from tidal.workers import roles
 from tidal.workers.messages import KeptWeights
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 TINY = {
     "run": {"num_steps": 2, "seed": 3},

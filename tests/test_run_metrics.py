@@ -16,6 +16,8 @@ from tidal.core.devices import DeviceLedger, IllegalTransition, Owner
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.timeline import Timeline
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 REPO = Path(__file__).resolve().parents[1]
 #: a small disaggregated run: actor on 2 devices, rollout on 4, inference on 2 (tests/test_pipeline.py's)
 TINY = {

@@ -5,6 +5,8 @@ import pytest
 
 from tidal.pipeline.run_warnings import RunWarnings
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 
 def test_each_kind_is_raised_once_and_only_when_it_holds():
     w = RunWarnings()

@@ -12,6 +12,8 @@ from tidal.core.config import build_config, flatten, public_dump
 from tidal.core.errors import SHOWN_VALUE_CHARS, ConfigError, TidalError
 from tidal.core.secrets import redact, redacted
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 SECRET = "s3cret-Pa55"
 PG = f"postgresql+psycopg://tidal:{SECRET}@127.0.0.1:5432/tidal"
 MLFLOW = f"http://alice:{SECRET}@127.0.0.1:5000"

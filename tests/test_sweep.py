@@ -14,6 +14,8 @@ from tidal.cli.main import main as cli_main
 from tidal.core.errors import TidalError
 from tidal.sweep import check_space, load_space
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

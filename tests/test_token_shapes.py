@@ -10,6 +10,8 @@ from tidal.engine.generation import EngineConfig, NativeEngine, Request, Samplin
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 from tidal.engine.shapes import MIN_BUCKET, micro_batches, padded_len
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 ARGS = ModelArgs(vocab_size=37, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
                  max_seq_len=64)
 

@@ -9,6 +9,8 @@ from safetensors.torch import save_file
 
 from tidal.cli.main import main
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 CONFIG = str(Path(__file__).resolve().parents[1] / "experiments" / "addition_dynamic.yaml")
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tidal.cli.main import main
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 CONFIG = "experiments/addition_dynamic.yaml"
 CASES = {
     "rollout TP 2": (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size"),
