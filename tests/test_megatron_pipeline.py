@@ -157,8 +157,11 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         assert _max_diff(run.pipe.global_weights(), meg) == 0.0
     finally:
         run.close()
-    run = _open(root, "megatron-static", ["actor.backend=megatron", *files])
+    run = _open(root, "megatron-static", ["actor.backend=megatron", "actor.megatron_transformer_engine=false",
+                                          *files])
     try:
+        # the key reaches the workers' backends (RunSpec.backend_options)
+        assert run.pipe.actor_build == "megatron, local (actor.megatron_transformer_engine: false) layer spec"
         static = _train(run)
     finally:
         run.close()

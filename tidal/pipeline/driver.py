@@ -109,6 +109,7 @@ class Pipeline:
         self.policy, self.sched_state = policy, sched_state
         self.on_event = on_event or (lambda ev: None)
         self.source = source   # engine.prompt_source: the RL stream and the held-out prompts
+        self.actor_build = ""   # what the actor's ranks built (`ActorBackend.build`), set by `start`
         p = cfg.placement
         tp = cfg.actor.tensor_parallel_size
         self.initial_layout = Layout(tp, len(p.actor) // tp, p.actor)
@@ -150,7 +151,9 @@ class Pipeline:
         c, g = self.cluster, self.group
         g.gather(g.submit_all(roles.setup, spec=self.spec))
         ref = ray.put(self._weights)
-        g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
+        built = g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
+        self.actor_build = built[0]   # every rank builds alike (a backend's choices depend on config and machine)
+        log.info("actor: %s", self.actor_build)
         # what the actuator needs to plan reshards here rather than on (capped) workers
         self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
         self._assign_placement()

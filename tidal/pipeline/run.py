@@ -155,7 +155,9 @@ def run_spec(cfg: TidalConfig, inputs):
                    kl_coef=cfg.algorithm.kl_coef, tokenizer=inputs.tokenizer_spec, reward=inputs.reward,
                    reward_timeout_s=cfg.reward.timeout_s, vocab_limit=inputs.vocab_limit, seed=cfg.run.seed,
                    gpu_memory_utilization=r.gpu_memory_utilization, dtype=cfg.actor.dtype,
-                   activation_checkpointing=cfg.actor.activation_checkpointing, backend=cfg.actor.backend)
+                   activation_checkpointing=cfg.actor.activation_checkpointing, backend=cfg.actor.backend,
+                   backend_options={"transformer_engine": cfg.actor.megatron_transformer_engine}
+                   if cfg.actor.backend == "megatron" else {})
 
 
 class TrainingRun:

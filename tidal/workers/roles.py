@@ -89,6 +89,8 @@ class RunSpec:
     """`actor.max_tokens_per_micro_batch`: the actor's micro-batches by token budget (None: micro_batch_size rows)."""
     backend: str = "native"
     """`actor.backend`: the registry name of the actor's training engine (`make_backend`)."""
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments only that backend takes (megatron: `transformer_engine`)."""
 
 
 @dataclass
@@ -177,17 +179,18 @@ def freeze_gc(ctx) -> None:
 
 
 # ---- actor ------------------------------------------------------------------------------------------------
-def actor_init(ctx, layout: Layout, weights: Any) -> bool:
+def actor_init(ctx, layout: Layout, weights: Any) -> str:
     """Every worker: build its actor backend (`RunSpec.backend`; holding state only if in `layout`) from global
-    `weights` (the engines' names)."""
+    `weights` (the engines' names). Returns what it built (`ActorBackend.build`)."""
     roles = roles_of(ctx)
     spec = roles.run
     weights = _resolve(weights)
     roles.actor = actor = make_backend(spec.backend, spec.args, spec.optim, layout, ctx.rank, seed=spec.seed,
                                        device=ctx.device, dtype=compute_dtype(spec.dtype, ctx.device),
                                        activation_checkpointing=spec.activation_checkpointing,
-                                       weights=weights if layout.coord(ctx.rank) is not None else "empty")
-    return actor.member
+                                       weights=weights if layout.coord(ctx.rank) is not None else "empty",
+                                       **spec.backend_options)
+    return actor.build
 
 
 def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:

@@ -315,6 +315,7 @@ class MegatronBackend:
                               "backend", "set actor.activation_checkpointing: false or actor.backend: native")
         self.args, self.hp, self.rank, self.seed = args, hp, rank, seed
         self.layer_spec = choose_layer_spec(transformer_engine, te_importable())
+        self.build = f"megatron, {self.layer_spec} layer spec"
         if rank == 0:
             log.info("megatron actor: layer spec %s", self.layer_spec)
         self.device = torch.device(device)

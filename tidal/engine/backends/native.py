@@ -65,6 +65,7 @@ class NativeBackend:
     """`ActorShard` as an `ActorBackend`; `shard` stays reachable for code that needs the engine itself."""
 
     name = "native"
+    build = "native"
 
     def __init__(self, *args, **kwargs):
         self.shard = ActorShard(*args, **kwargs)

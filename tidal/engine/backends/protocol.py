@@ -110,6 +110,8 @@ class ActorBackend(Protocol):
     """One world rank's actor. See the module doc for the collective rule."""
 
     name: str
+    build: str
+    """What this rank built, for the run's record (the backend, and for megatron its layer spec and why)."""
     groups: GroupCache
 
     @property
