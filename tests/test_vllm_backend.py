@@ -12,6 +12,7 @@ One server per module (startup is the expensive part); `scripts/setup_vllm` make
 """
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -290,6 +291,41 @@ def test_update_weights_changes_outputs_and_records_the_version(vllm_engine):
     again = run(vllm_engine, reqs)
     assert {k: v.token_ids for k, v in again.items()} == {k: v.token_ids for k, v in before.items()}
     assert all(r.policy_version == 2 for r in again.values())
+
+
+def _megatron_export(rank, world, seed):
+    """A Megatron actor (world 1) built from `weights(seed)` and trained one iter; its export for the engines and
+    its own weights read back in our names."""
+    from tidal.engine.actor import SharedQueue
+    from tidal.engine.backends.protocol import make_backend
+    from tidal.engine.layout import Layout
+    from tidal.engine.optim import OptimConfig
+
+    actor = make_backend("megatron", ARGS, OptimConfig(lr=1e-2, warmup_iters=0), Layout(1, 1, (0,)), rank,
+                         weights=weights(seed))
+    ids = torch.tensor([list(p) + [EOS] * (10 - len(p)) for p in prompts(4, seed=seed)])
+    actor.train_iter(SharedQueue([ids]), lambda model, x, n: -model.token_logprobs_entropy(x)[0].sum() / n, 4 * 9)
+    exported = actor.export_weights()
+    return {k: v.clone() for k, v in exported.tensors.items()}, exported.tp
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed "
+                    "(pip install -e '.[megatron]')")
+def test_weights_from_a_megatron_actor_serve_in_vllm_as_in_the_native_engine(vllm_engine):
+    """`actor.backend: megatron` -> vLLM: the actor's export (GPTModel's fused QKV and [gate; up] split back into
+    the engines' names, its padded vocab rows dropped) loads into vLLM, which then decodes the native engine's
+    greedy tokens on the same weights."""
+    from tidal.engine.testing import run_ranks
+
+    (w, tp), = run_ranks(1, _megatron_export, 2)
+    assert tp == 1 and set(w) == set(weights(0)) and all(w[k].shape == weights(0)[k].shape for k in w)
+    assert any(not torch.equal(w[k], weights(2)[k]) for k in w)   # the iter trained: these are not the init's
+    version = vllm_engine.policy_version + 1
+    vllm_engine.update_weights(w, version=version)
+    reqs = [Request(f"m{i}", p, GREEDY) for i, p in enumerate(prompts(4, seed=6))]
+    got, want = run(vllm_engine, reqs), run(native(w), reqs)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
+    assert all(r.policy_version == version for r in got.values())
 
 
 # ---- other families: Qwen2 (q/k/v bias) and Qwen3 (q/k norms) ------------------------------------------------
