@@ -22,9 +22,9 @@ Kernels (`kernels`): `fused` is packed q/k/v and gate/up GEMMs with elementwise 
 (`tidal.engine.generation.fused`) and torch's SDPA for decode attention, `eager` the same engine launching torch's
 own kernels; `triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is
 `triton` with each step launched before the previous one is read back (`EngineConfig.overlap`): the CUDA engine's
-default. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same batch, measured side by side. HF `generate` runs once
-per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with the most device time
-per step.
+default. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same batch, measured side by
+side. HF `generate` runs once per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with
+the most device time per step.
 
 Memory-bandwidth bound: `copy_bandwidth_GBps` is a device-to-device copy (`dst.copy_(src)` of a 2 GiB bf16 tensor,
 CUDA events, median of 20 after warm-up; bytes read + bytes written; on CPU 256 MiB fp32 on one thread, wall
