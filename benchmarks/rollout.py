@@ -100,10 +100,10 @@ def prompts(args, batch, length, seed=0):
     return torch.randint(3, args.vocab_size, (batch, length), generator=g)
 
 
-def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, tag: str):
+def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, tag: str, temperature: float = 0.0):
     """Admission (prefill) and the decode loop of one batch, timed apart: ({prefill_s, decode_s, decode_steps},
     tokens per request)."""
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
     out: dict[str, tuple[int, ...]] = {}
 
     def collect(events):
@@ -134,12 +134,13 @@ def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int,
     return timing, [out[f"{tag}-{i}"] for i in range(ids_BT.shape[0])]
 
 
-def decode_profile(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, steps: int = 32) -> dict:
+def decode_profile(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, steps: int = 32,
+                   temperature: float = 0.0) -> dict:
     """Where a decode step's time goes (CUDA): `steps` steps mid-generation under torch.profiler, the kernels
     launched per step and their summed device time, against the wall time per step; the rest is the host's
     share (Python, launches, the per-step read-back of sampled tokens) while the device waits."""
     from torch.profiler import ProfilerActivity, profile
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
     for i, row in enumerate(ids_BT.tolist()):
         engine.add(Request(f"prof-{i}", tuple(row), params, seed=i))
     while engine.num_waiting():
@@ -247,7 +248,9 @@ def throughput(a, device, dtype, report):
     weight_bytes = sum(p.numel() for p in m.parameters()) * dtype.itemsize  # parameters() yields a tied one once
     report.update(copy_bandwidth_GBps=bandwidth, weight_bytes=weight_bytes)
     hf, hf_note = None, None
-    if not a.no_hf and (a.hf_all or min(a.batches) <= HF_MAX_BATCH):
+    if a.temperature > 0 and not a.no_hf:
+        hf_note = f"--temperature {a.temperature}: HF generate is compared greedy only"
+    elif not a.no_hf and (a.hf_all or min(a.batches) <= HF_MAX_BATCH):
         try:
             hf, report["hf_version"] = hf_model(args, weights, device, dtype)
         except ImportError:
@@ -259,12 +262,13 @@ def throughput(a, device, dtype, report):
                                               decode_attention="triton" if kernels in ("triton", "overlap")
                                               else "sdpa", overlap=kernels == "overlap"))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
-        native_generate(engine, ids, a.new_tokens, "warm")
+        native_generate(engine, ids, a.new_tokens, "warm", a.temperature)
         runs, tokens = [], None
         for rep in range(a.repeats):
-            timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}")
+            timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}", a.temperature)
             runs.append(timing)
-        profile = decode_profile(engine, ids, a.new_tokens) if device.type == "cuda" and a.profile_steps else None
+        profile = (decode_profile(engine, ids, a.new_tokens, temperature=a.temperature)
+                   if device.type == "cuda" and a.profile_steps else None)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -447,6 +451,10 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=32,
                    help="CUDA: profile this many decode steps per batch (kernels, device-busy time); 0 skips it")
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (the native engine's figures only)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (each request its own seeded generator, no stop tokens: still "
+                        "exactly --new-tokens each, as RL rollouts draw them); 0: greedy. HF generate is compared "
+                        "only greedy")
     p.add_argument("--hf-all", action="store_true", help=f"run HF generate for batches above {HF_MAX_BATCH} too")
     p.add_argument("--no-migration", action="store_true", help="skip the migration section")
     p.add_argument("--no-probe", action="store_true", help="skip the attention probe (CUDA)")
@@ -472,7 +480,7 @@ def main(argv=None):
               "commit": commit(), "machine": machine(device), "device": str(device), "dtype": str(dtype),
               "command": shlex.join(["python", "benchmarks/rollout.py", *(sys.argv[1:] if argv is None else argv)]),
               "model": a.model, "batch": a.batches[0], "batches": a.batches, "prompt_len": a.prompt_len,
-              "new_tokens": a.new_tokens, "repeats": a.repeats}
+              "new_tokens": a.new_tokens, "repeats": a.repeats, "temperature": a.temperature}
     if gpu and not a.no_probe:
         try:
             attention_probe(a, device, dtype, report)
