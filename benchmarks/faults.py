@@ -14,6 +14,10 @@ real `TrainingRun`s (Ray workers, the native engine, the actor), in this process
                 worker rejoins (`cluster.replace_failed`), and step K+1 runs; then, outside the run's time, the
                 benchmark waits for the replacement, to report when the device was back in the free pool
     inference   the same with inference device 4's worker, as it is handed its first groups to score in step K
+    actor       with `actor.redundancy: host` (a copy of the run's state in host memory after every step): kill -9
+                of the actor's worker (device 0) as step K's first iter is handed to it; the step cannot absorb
+                that, so the run restarts itself in process from the copy kept after step K-1 (new workers,
+                `TrainingRun.restart`, as `run_training` does) and redoes step K
     resume      stop-and-resume: a new run resumed from the checkpoint of step 10 (workers started, checkpoint
                 loaded, held-out evaluation, as `tidal train --resume` does) redoes steps 10 .. K
 
@@ -28,13 +32,17 @@ Figures per case (`cases.rollout`, `cases.inference`), recovery beside stop-and-
                            imports, measured in a fresh interpreter), opening the run, steps 10 .. K-1 again and step
                            K's first kill_offset_s again; recovery: the faulted step's extra time
     tokens_redone          response tokens generated or scored again, once per operation (recovery: the
-                           `device_recovered` event; resume: steps 10 .. K-1 generated and scored, plus step K's
-                           groups generated before the kill offset); the actor's iters redone are not counted
+                           `device_recovered` event; actor: step K's groups generated before the kill offset in the
+                           clean run; resume: steps 10 .. K-1 generated and scored, plus step K's groups generated
+                           before the kill offset); the actor's iters redone are not counted
     lost_work_ratio        lost_s of stop-and-resume / lost_s of recovery (goal: >= 5)
     tokens_ratio           tokens_redone likewise
     recovery_within_steps  kill_to_step_end_s / the clean run's median step (goal: <= 2)
 
-and `same_final_weights`: each faulted part ends with the clean run's weights, bit for bit.
+and `same_final_weights`: each faulted part ends with the clean run's weights, bit for bit. `redundancy`: the
+cost of `actor.redundancy: host` in the actor case's run: `copy_s` (mean seconds of one copy, a step's overhead:
+it runs between steps), `copy_bytes` (host memory it holds) and `copy_over_median_step`; the devices hold nothing
+more.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from tidal.core.config import build_config
 from tidal.core.provenance import commit
 from tidal.pipeline.cluster import CallKind
 from tidal.pipeline.run import TrainingRun
+from tidal.workers.errors import WorkerDied, WorkerTimeout
 
 CHECKPOINT_EVERY = 10
 QUICK = {
@@ -98,11 +107,20 @@ def group_tokens(pipe) -> dict[int, int]:
 
 def run_steps(run: TrainingRun, until: int, checkpoints: dict[int, Path] | None = None) -> list[dict]:
     """Steps up to `until` (exclusive): per step its seconds, tokens and group times; checkpoints after the steps
-    `checkpoints` names (the run's next step then)."""
+    `checkpoints` names (the run's next step then). With `actor.redundancy: host`, as `run_training` does: a host
+    copy after every step, and a lost device the step cannot absorb restarts the run from it (a restarted step is
+    listed once, as it ran the second time)."""
     out = []
+    host = run.cfg.actor.redundancy == "host"
     while run.next_step < until:
         t0 = time.monotonic()
-        run.step()
+        try:
+            run.step()
+        except (WorkerDied, WorkerTimeout) as failure:
+            if not host:
+                raise
+            run.restart(failure)
+            continue
         end = time.monotonic()
         pipe = run.pipe
         tokens, gen = step_tokens(pipe)
@@ -110,6 +128,10 @@ def run_steps(run: TrainingRun, until: int, checkpoints: dict[int, Path] | None 
                     "group_tokens": group_tokens(pipe), "ended_at": end})
         if checkpoints and run.next_step in checkpoints:
             run.checkpoint(checkpoints[run.next_step])
+        if host:
+            t1 = time.monotonic()
+            run.keep_host_copy()
+            out[-1]["copy_s"] = time.monotonic() - t1
     return out
 
 
@@ -131,10 +153,20 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
         assert pipe is not None
 
         def kill(device: int) -> None:
-            killed.append((time.monotonic(), pipe.clock()))
+            killed.append((time.monotonic(), pipe.clock(), pipe.clock() - pipe.step_state.t_start))
             os.kill(pipe.group.pid(device), signal.SIGKILL)
 
-        if which == "rollout":
+        if which == "actor":   # the first iter of step K: the step cannot absorb it, the run restarts
+            submit = pipe.cluster.submit
+
+            def spy_actor(kind, device, fn, payload=None, **kw):
+                f = submit(kind, device, fn, payload, **kw)
+                if kind is CallKind.ACTOR and device == 0 and pipe.step_state.step == kill_step and not killed:
+                    kill(0)
+                return f
+            pipe.cluster.submit = spy_actor
+            run.keep_host_copy()   # as run_training does before its first step
+        elif which == "rollout":
             submit_slice = pipe.cluster.submit_slice
 
             def spy_slice(device, groups, budget_s):
@@ -154,15 +186,28 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
                 return f
             pipe.cluster.submit = spy_submit
         steps = run_steps(run, kill_step + 2)
-        pipe.rejoin.wait(kill_step + 1, timeout_s=180)   # only to report when it came back: the run never waits
+        if which == "actor":
+            assert run.host_copy is not None
+            copy_bytes = sum(f.stat().st_size for f in run.host_copy.rglob("*") if f.is_file())
+        else:
+            pipe.rejoin.wait(kill_step + 1, timeout_s=180)   # only to report when it came back: the run never waits
         summary = run.finish()
         events = [e for e in pipe.cluster.events if e["kind"].startswith("device_")]
         t_close = time.monotonic()
     finally:
         run.close()
+        run.drop_host_copy()
     close_s = time.monotonic() - t_close
     step = steps[1]
     assert killed and step["step"] == kill_step, f"no {which} worker was killed in step {kill_step}"
+    if which == "actor":   # restarted in process from the host copy kept after step K-1
+        (restart,) = run.restarts
+        copies = [s["copy_s"] for s in steps if "copy_s" in s]
+        return {"kill_offset_s": killed[0][2], "kill_to_step_end_s": step["ended_at"] - killed[0][0],
+                "step_s": step["seconds"], "next_step_s": steps[2]["seconds"], "restart_s": restart["seconds"],
+                "restarted_from": restart["source"], "steps_redone": restart["steps_redone"], "close_s": close_s,
+                "detect_s": restart["time"] - killed[0][1], "copy_s": statistics.mean(copies), "copy_bytes": copy_bytes,
+                "final_weights_sha": summary.final_weights_sha}
     started = step["ended_at"] - step["seconds"]
     ev = {e["kind"]: e for e in events}
     failed, recovered = ev["device_failed"], ev["device_recovered"]
@@ -235,10 +280,16 @@ def main(argv=None) -> int:
                      "steps": [{k: s[k] for k in ("step", "seconds", "tokens")} for s in back["steps"]]}
     save()
     cases = {}
-    for which in ("rollout", "inference"):
-        rec = faulted(cfg, work, ckk, K, which)
+    redundant = build_config(QUICK if a.quick else FULL, [*overrides, "actor.redundancy=host"])
+    for which in ("rollout", "inference", "actor"):
+        rec = faulted(redundant if which == "actor" else cfg, work, ckk, K, which)
         off = rec["kill_offset_s"]
         rec_lost = rec["kill_to_step_end_s"] - (by_step[K]["seconds"] - off)
+        if which == "actor":   # step K redone from its start: what it had generated before the kill, again
+            rec["tokens_redone"] = sum(n for gid, n in by_step[K]["group_tokens"].items()
+                                       if by_step[K]["gen_s"].get(gid, 1e9) < off)
+            res["redundancy"] = {"copy_s": rec["copy_s"], "copy_bytes": rec["copy_bytes"],
+                                 "copy_over_median_step": rec["copy_s"] / median_step}
         # stop-and-resume of the same kill: a new process and run, steps 10 .. K-1 again, step K's first `off` again
         redo, last = back["steps"][:-1], back["steps"][-1]
         stop_s = rec["detect_s"] + rec["close_s"]   # the fault seen, the old run's workers shut down

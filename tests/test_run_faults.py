@@ -2,7 +2,8 @@
 from its newest checkpoint (new workers, in the same process: `run.max_restarts`); the second time, restarts spent,
 it ends on record (exit 1, database `failed`, one line naming the device and how to resume). Resumed from its last
 checkpoint it ends with the same weights, bit for bit, as a run that was never interrupted: the restarted steps were
-exact too."""
+exact too. With `actor.redundancy: host` and no checkpoint before the end, the restart resumes from the copy kept in
+host memory after the last step and the run ends with the uninterrupted run's weights."""
 
 import json
 import os
@@ -102,3 +103,27 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
                      f"{tmp_path}/resumed.json")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "resumed.json").read_text())["final_weights_sha"] == want
+
+    # actor.redundancy: host, no checkpoint before the end: the kill in step 2 restarts from the host copy kept
+    # after step 1 (or, if it lands in that copy's write, from the one kept before step 0), and the run ends with
+    # the uninterrupted run's weights
+    log = tmp_path / "redundant.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([TIDAL, "train", *config, f"run.output_dir={tmp_path}/redundant",
+                                 "run.checkpoint_every=0", "actor.redundancy=host", "run.max_restarts=1", "--no-track",
+                                 "--json", f"{tmp_path}/redundant.json"], cwd=REPO, env=ENV, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _kill_actor_after(proc, log, f"step   1/{STEPS}")
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = log.read_text()
+    assert rc == 0, said[-3000:]
+    summary = json.loads((tmp_path / "redundant.json").read_text())
+    (restart,) = summary["restarts"]
+    # no finished step is run again (one, if the kill landed in the write of the copy after step 1)
+    assert restart["source"] == "host copy" and restart["steps_redone"] in (0, 1), restart
+    assert summary["final_weights_sha"] == want
+    assert not Path(restart["resumed_from"]).parent.exists()   # the copy's memory is given back when the run ends

@@ -146,5 +146,5 @@ def main(argv: list[str]) -> int:
             "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
             "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
             "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
-            "data": summary.data, "warnings": summary.warnings})
+            "data": summary.data, "warnings": summary.warnings, "restarts": summary.restarts})
     return 0

@@ -251,6 +251,18 @@ class ActorConfig(Section):
         description="On devices the actor shares with rollout: the actor's parameters wait in pinned host memory "
                     "while they generate; the engines there got their copy at the weight sync (RLinf key). Disjoint "
                     "placements: unused.")
+    redundancy: Literal["none", "host"] = Field(
+        "none",
+        description="A copy of the actor's whole state kept off its devices, so that a run restarting itself after "
+                    "losing an actor device (run.max_restarts) redoes only the interrupted step: `host` writes the "
+                    "run's state (parameters, fp32 masters, Adam moments, data position; the checkpoint format) "
+                    "into host memory (actor.redundancy_dir) before the first step and after every step, keeping "
+                    "the newest; a restart resumes from the newer of it and the last checkpoint. Costs one write a "
+                    "step (its `checkpoint` event's seconds) and the state's bytes of host memory.")
+    redundancy_dir: str | None = Field(
+        None,
+        description="Where actor.redundancy: host keeps its copy (a folder per run, removed when the run ends); "
+                    "null: /dev/shm (memory) where it is writable, else the system's temporary folder.")
 
 
     @field_validator("training_backend")
@@ -622,6 +634,9 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
                           f"cannot hold one sequence of model.max_seq_len={cfg.max_seq_len} tokens",
                           f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
     _check_actor_backend(cfg)
+    if cfg.actor.redundancy != "none" and cfg.run.max_restarts < 1:
+        raise ConfigError("actor.redundancy", cfg.actor.redundancy, "is read only by a run that restarts itself, and "
+                          "run.max_restarts is 0", "set run.max_restarts >= 1, or actor.redundancy: none")
     if cfg.cluster.use_pre_process_policy and not cfg.cluster.auto_scheduler:
         raise ConfigError("cluster.use_pre_process_policy", True, "needs dynamic scheduling",
                           "set cluster.auto_scheduler: true or drop the flag")

@@ -14,6 +14,7 @@ nothing.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -78,6 +79,21 @@ def check_cores(cfg: TidalConfig, kind: str) -> None:
 Preflight = tuple[RunInputs, Literal["cpu", "cuda"]]   # what `preflight` found: the inputs, the device kind
 
 
+def host_copy_root(cfg: TidalConfig) -> Path:
+    """The folder `actor.redundancy: host` writes its copy under: actor.redundancy_dir, else /dev/shm (memory)
+    where it is writable, else the system's temporary folder."""
+    given = cfg.actor.redundancy_dir
+    if given is None:
+        shm = Path("/dev/shm")
+        return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+    root = Path(given).expanduser()
+    if not (root.is_dir() and os.access(root, os.W_OK | os.X_OK)):
+        raise ConfigError("actor.redundancy_dir", given, "is not a writable folder",
+                          "give an existing folder this user can write (memory-backed, e.g. /dev/shm, keeps the "
+                          "copy fastest), or null")
+    return root
+
+
 def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None = None) -> Preflight:
     """The run's inputs and device kind, after every check above (see the module doc)."""
     check_runnable(cfg)
@@ -85,6 +101,8 @@ def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None
     check_backend(cfg, inputs.args)
     kind = device_kind(cfg)
     check_cores(cfg, kind)
+    if cfg.actor.redundancy == "host":
+        host_copy_root(cfg)   # raises when the folder cannot hold the copy
     if tracked:
         parse_url(cfg.tracking.db_url)
     if resume_from is not None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,9 +38,9 @@ from tidal.engine.optim import OptimConfig
 from tidal.engine.prompt_source import TaskSource
 from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
-from tidal.pipeline.checkpointing import resume, save
+from tidal.pipeline.checkpointing import resume, save, saved_step
 from tidal.pipeline.driver import Pipeline
-from tidal.pipeline.preflight import Preflight, preflight
+from tidal.pipeline.preflight import Preflight, host_copy_root, preflight
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.tracking import NullSink
@@ -182,6 +183,7 @@ class TrainingRun:
         self.first_step = 0   # the step this process started at (a resume's), the index of `rewards[0]`
         self.n_moves_logged = 0   # placement changes (`placement_changes`) already sent to the sink
         self.restarts: list[dict] = []
+        self.host_copy: Path | None = None   # actor.redundancy: host: the folder of the newest copy (keep_host_copy)
 
     def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None) -> TrainingRun:
         """Inputs, warm start, workers, the pipeline (and the resumed state). `checked`: this config's `preflight`,
@@ -320,6 +322,20 @@ class TrainingRun:
             self.export_hf()
         return path
 
+    def keep_host_copy(self) -> Path:
+        """`actor.redundancy: host`: the run's state after the steps run so far (a checkpoint generation: the
+        actor's parameters, masters, moments and step, the data position) written into host memory, replacing the
+        previous copy. `restart` resumes from it when it is newer than the last checkpoint."""
+        if self.host_copy is None:
+            self.host_copy = Path(tempfile.mkdtemp(prefix=f"tidal-{self.out_dir.name}-", dir=host_copy_root(self.cfg)))
+        return save(self._pipe, self.host_copy, self.next_step, keep_last=1)
+
+    def drop_host_copy(self) -> None:
+        """The run ended: its host copy's memory is given back."""
+        if self.host_copy is not None:
+            shutil.rmtree(self.host_copy, ignore_errors=True)
+            self.host_copy = None
+
     def export_hf(self, keep_last: int = 2) -> Path:
         """The actor's weights as a Hugging Face directory `<run folder>/hf/step-<N>`: model.path's config.json
         (its architecture), safetensors in `run.save_hf_dtype`, the tokenizer and generation_config.json, which
@@ -372,13 +388,17 @@ class TrainingRun:
 
     def restart(self, failure: WorkerError) -> dict:
         """Continue after a failure the step could not absorb (an actor device lost, the last device of a
-        component, a hung call): every worker replaced, the state of the newest checkpoint loaded, its steps run
-        again. Bit for bit what `--resume` from that checkpoint gives, without leaving the process. Returns the
-        restart's record (also in the summary, the events table, the database's faults); raises `failure` again
-        when no checkpoint exists."""
-        ckpt = latest(self.out_dir / "checkpoints")
-        if ckpt is None:
+        component, a hung call): every worker replaced, the newest state kept loaded (the last checkpoint, or the
+        host copy of `actor.redundancy: host` when newer), the steps since run again. Bit for bit what `--resume`
+        from that generation gives, without leaving the process. Returns the restart's record (also in the
+        summary, the events table, the database's faults); raises `failure` again when nothing is kept."""
+        # the newest state kept: the last checkpoint, or the host copy (actor.redundancy: host) when newer
+        kept = [g for g in (latest(self.out_dir / "checkpoints"),
+                            latest(self.host_copy) if self.host_copy is not None else None) if g is not None]
+        if not kept:
             raise failure
+        ckpt = max(kept, key=lambda g: saved_step(g)[1])   # a tie: the checkpoint (listed first)
+        source = "host copy" if self.host_copy is not None and ckpt.parent == self.host_copy else "checkpoint"
         t0, now, failed_step = time.monotonic(), self._pipe.clock(), self.next_step
         device = failure.device_id if isinstance(failure, WorkerDied) else cast(WorkerTimeout, failure).device_ids[0]
         role = self._pipe.ledger.owner(device).value
@@ -393,7 +413,8 @@ class TrainingRun:
         failed = {"kind": "device_failed", "step": failed_step, "time": now, "device": device, "role": role,
                   "reason": str(failure), "seconds": 0.0}
         record = {"kind": "restart", "step": failed_step, "time": now, "device": device, "role": role,
-                  "reason": f"restarted from {ckpt.name}", "resumed_from": str(ckpt), "resumed_step": self.next_step,
+                  "reason": f"restarted from the {source} {ckpt.name}", "source": source, "resumed_from": str(ckpt),
+                  "resumed_step": self.next_step,
                   "steps_redone": failed_step - self.next_step, "seconds": time.monotonic() - t0}
         for ev in (failed, record):
             self.sink.log_event(ev["kind"], table_fields(ev))
@@ -414,20 +435,26 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                  on_warning: Callable[[RunWarning], None] | None = None) -> RunSummary:
     """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
     Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints. A device lost
-    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) restarts the run from its newest checkpoint, up to
-    `run.max_restarts` times (`TrainingRun.restart`); an error inside a worker's code (`WorkerCallError`) would
+    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) restarts the run from its newest checkpoint (or
+    the newer host copy of `actor.redundancy: host`, kept after every step), up to `run.max_restarts` times
+    (`TrainingRun.restart`); an error inside a worker's code (`WorkerCallError`) would
     only repeat, so it ends the run."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
     tell = on_warning or (lambda w: None)   # the run logs, tags and keeps every warning itself
     try:
         run.open(resume_from=resume_from, checked=checked)
-        every = cfg.run.checkpoint_every
+        every, host = cfg.run.checkpoint_every, cfg.actor.redundancy == "host"
+        if host:
+            run.keep_host_copy()   # the state before the first step: losing an actor device in it redoes that step
         while run.next_step < cfg.run.num_steps:
             try:
                 m = run.step()
-                if every and run.next_step % every == 0 and run.next_step < cfg.run.num_steps:
-                    run.checkpoint()
+                if run.next_step < cfg.run.num_steps:
+                    if every and run.next_step % every == 0:
+                        run.checkpoint()
+                    elif host:
+                        run.keep_host_copy()
             except (WorkerDied, WorkerTimeout) as failure:
                 if len(run.restarts) >= cfg.run.max_restarts:
                     raise
@@ -444,3 +471,4 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
         return summary
     finally:
         run.close()
+        run.drop_host_copy()
