@@ -156,15 +156,19 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
             killed.append((time.monotonic(), pipe.clock(), pipe.clock() - pipe.step_state.t_start))
             os.kill(pipe.group.pid(device), signal.SIGKILL)
 
-        if which == "actor":   # the first iter of step K: the step cannot absorb it, the run restarts
+        def kill_on_submit(call: CallKind, victim: int) -> None:
+            """Kill `victim` as step `kill_step` hands it its first call of kind `call`."""
             submit = pipe.cluster.submit
 
-            def spy_actor(kind, device, fn, payload=None, **kw):
+            def spy_submit(kind, device, fn, payload=None, **kw):
                 f = submit(kind, device, fn, payload, **kw)
-                if kind is CallKind.ACTOR and device == 0 and pipe.step_state.step == kill_step and not killed:
-                    kill(0)
+                if kind is call and device == victim and pipe.step_state.step == kill_step and not killed:
+                    kill(victim)
                 return f
-            pipe.cluster.submit = spy_actor
+            pipe.cluster.submit = spy_submit
+
+        if which == "actor":   # the first iter of step K: the step cannot absorb it, the run restarts
+            kill_on_submit(CallKind.ACTOR, 0)
             run.keep_host_copy()   # as run_training does before its first step
         elif which == "rollout":
             submit_slice = pipe.cluster.submit_slice
@@ -177,14 +181,7 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
                 return f
             pipe.cluster.submit_slice = spy_slice
         else:
-            submit = pipe.cluster.submit
-
-            def spy_submit(kind, device, fn, payload=None, **kw):
-                f = submit(kind, device, fn, payload, **kw)
-                if kind is CallKind.INFERENCE and device == 4 and pipe.step_state.step == kill_step and not killed:
-                    kill(4)
-                return f
-            pipe.cluster.submit = spy_submit
+            kill_on_submit(CallKind.INFERENCE, 4)
         steps = run_steps(run, kill_step + 2)
         if which == "actor":
             assert run.host_copy is not None

@@ -62,6 +62,21 @@ def _kill_actor_after(proc: subprocess.Popen, log: Path, line: str) -> None:
     victim.send_signal(signal.SIGKILL)
 
 
+def _killed_run(config: list[str], log: Path, args: list[str], kill_after: list[str], timeout: float) -> int:
+    """`tidal train` with device 0's worker (the actor's) SIGKILLed once each of `kill_after` lines is in its log
+    (in turn); its exit code."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([TIDAL, "train", *config, *args], cwd=REPO, env=ENV, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for line in kill_after:
+            _kill_actor_after(proc, log, line)
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resume_is_bit_exact(tmp_path,
                                                                                                 hf_run_inputs):
@@ -74,18 +89,10 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
     log = tmp_path / "killed.log"
     track = [f"tracking.db_url=sqlite:///{tmp_path}/tidal.db", f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db",
              f"tracking.mlflow_artifacts={tmp_path}/artifacts"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen([TIDAL, "train", *config, f"run.output_dir={tmp_path}/killed", "run.max_restarts=1",
-                                 *track], cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        # an actor device: a lost rollout or inference device is recovered within the step (tests/test_faults.py)
-        _kill_actor_after(proc, log, f"step   1/{STEPS}")          # restarts from the checkpoint of step 1
-        _kill_actor_after(proc, log, f"step   2/{STEPS}")          # restarts spent: ends on record
-        rc = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # an actor device (a lost rollout or inference device is recovered within the step: tests/test_faults.py); the
+    # first kill restarts from the checkpoint of step 1, the second, restarts spent, ends the run on record
+    rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/killed", "run.max_restarts=1", *track],
+                     [f"step   1/{STEPS}", f"step   2/{STEPS}"], timeout=180)
     said = log.read_text()
     assert rc == 1, said[-3000:]
     assert said.count("restarting from") == 1 and "died" in said and "--resume" in said, said[-3000:]
@@ -108,17 +115,9 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
     # after step 1 (or, if it lands in that copy's write, from the one kept before step 0), and the run ends with
     # the uninterrupted run's weights
     log = tmp_path / "redundant.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([TIDAL, "train", *config, f"run.output_dir={tmp_path}/redundant",
-                                 "run.checkpoint_every=0", "actor.redundancy=host", "run.max_restarts=1", "--no-track",
-                                 "--json", f"{tmp_path}/redundant.json"], cwd=REPO, env=ENV, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _kill_actor_after(proc, log, f"step   1/{STEPS}")
-        rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/redundant", "run.checkpoint_every=0",
+                                   "actor.redundancy=host", "run.max_restarts=1", "--no-track", "--json",
+                                   f"{tmp_path}/redundant.json"], [f"step   1/{STEPS}"], timeout=240)
     said = log.read_text()
     assert rc == 0, said[-3000:]
     summary = json.loads((tmp_path / "redundant.json").read_text())
