@@ -23,6 +23,9 @@ CASES = {
     "run name leaving output_dir": (["run.name=../elsewhere"], "run.name"),
     "shared placement": (["cluster.component_placement={actor,rollout,inference: 0-7}"], "cluster.component_placement"),
     "missing model": (["model.path=/nonexistent/model"], "model.path"),
+    "host copy folder missing": (["actor.redundancy=host", "actor.redundancy_dir=/nonexistent/shm"],
+                                 "actor.redundancy_dir"),
+    "host copy without restarts": (["actor.redundancy=host", "run.max_restarts=0"], "actor.redundancy"),
 }
 
 
@@ -41,3 +44,18 @@ def test_validate_refuses_what_train_refuses(tmp_path, capsys, overrides, field)
     assert field in said_validate, said_validate
     assert said_validate.strip().splitlines()[-1] == said_train.strip().splitlines()[-1]
     assert not any(tmp_path.glob("addition-dynamic-*")), "train made a run folder for a config it refuses"
+
+
+def test_a_host_copy_folder_without_room_for_two_copies_is_refused(tmp_path):
+    """`actor.redundancy: host` needs room for two generations of the state (the new one lands before the old one
+    goes): a model far larger than any disk is refused naming the folder's key, before anything is written."""
+    from tidal.core.config import build_config
+    from tidal.core.errors import ConfigError
+    from tidal.pipeline.preflight import CHECKPOINT_BYTES_PER_PARAM, check_host_copy
+
+    cfg = build_config({"actor": {"redundancy": "host", "redundancy_dir": str(tmp_path)}})
+    assert check_host_copy(cfg, 1000) == tmp_path
+    with pytest.raises(ConfigError) as err:
+        check_host_copy(cfg, 10**18 // CHECKPOINT_BYTES_PER_PARAM)
+    assert err.value.field == "actor.redundancy_dir" and "--shm-size" in err.value.fix, err.value
+    assert list(tmp_path.iterdir()) == []

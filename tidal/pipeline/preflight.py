@@ -14,6 +14,7 @@ nothing.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -79,6 +80,24 @@ def check_cores(cfg: TidalConfig, kind: str) -> None:
 Preflight = tuple[RunInputs, Literal["cpu", "cuda"]]   # what `preflight` found: the inputs, the device kind
 
 
+#: bytes a parameter takes in a checkpoint generation, at most: the weight (fp32 or less), fp32 master, two Adam moments
+CHECKPOINT_BYTES_PER_PARAM = 16
+
+
+def check_host_copy(cfg: TidalConfig, num_params: int) -> Path:
+    """`actor.redundancy: host`: the folder its copy goes under, refused when it is not writable or has no room
+    for two generations (the new one is written before the old one is dropped)."""
+    root = host_copy_root(cfg)
+    need = 2 * CHECKPOINT_BYTES_PER_PARAM * num_params
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise ConfigError("actor.redundancy_dir", cfg.actor.redundancy_dir,
+                          f"{root} has {free / 2**30:.2f} GiB free; two copies of this run's state take up to "
+                          f"{need / 2**30:.2f} GiB", "give a folder with that much room (a container's /dev/shm is "
+                          "often 64 MB: raise it, e.g. docker --shm-size), or actor.redundancy: none")
+    return root
+
+
 def host_copy_root(cfg: TidalConfig) -> Path:
     """The folder `actor.redundancy: host` writes its copy under: actor.redundancy_dir, else /dev/shm (memory)
     where it is writable, else the system's temporary folder."""
@@ -102,7 +121,7 @@ def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None
     kind = device_kind(cfg)
     check_cores(cfg, kind)
     if cfg.actor.redundancy == "host":
-        host_copy_root(cfg)   # raises when the folder cannot hold the copy
+        check_host_copy(cfg, inputs.args.num_params())
     if tracked:
         parse_url(cfg.tracking.db_url)
     if resume_from is not None:
