@@ -119,7 +119,7 @@ def run_steps(run: TrainingRun, until: int, checkpoints: dict[int, Path] | None 
         except (WorkerDied, WorkerTimeout) as failure:
             if not host:
                 raise
-            run.restart(failure)
+            run.recover(failure)
             continue
         end = time.monotonic()
         pipe = run.pipe

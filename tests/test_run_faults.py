@@ -1,9 +1,10 @@
-"""An actor device's worker killed in the middle of a real `tidal train` run. The first time the run restarts itself
-from its newest checkpoint (new workers, in the same process: `run.max_restarts`); the second time, restarts spent,
-it ends on record (exit 1, database `failed`, one line naming the device and how to resume). Resumed from its last
-checkpoint it ends with the same weights, bit for bit, as a run that was never interrupted: the restarted steps were
-exact too. With `actor.redundancy: host` and no checkpoint before the end, the restart resumes from the copy kept in
-host memory after the last step and the run ends with the uninterrupted run's weights."""
+"""An actor device's worker killed in the middle of a real `tidal train` run. The first time the run carries on in the
+same process with its surviving workers from its newest checkpoint (`run.max_restarts`; tidal/pipeline/survivors.py);
+the second time, restarts spent, it ends on record (exit 1, database `failed`, one line naming the device and how to
+resume). Resumed from its last checkpoint it ends with the same weights, bit for bit, as a run that was never
+interrupted: the steps run again were exact too. With `actor.redundancy: host` and no checkpoint before the end, the
+run carries on from the copy kept in host memory after the last step and ends with the uninterrupted run's
+weights."""
 
 import json
 import os
@@ -52,25 +53,26 @@ def _device_worker(pid: int, device: int) -> psutil.Process | None:
     return None
 
 
-def _kill_actor_after(proc: subprocess.Popen, log: Path, line: str) -> None:
-    """SIGKILL device 0's worker (the actor's) once `line` is in the run's log."""
+def _kill_after(proc: subprocess.Popen, log: Path, line: str, device: int) -> None:
+    """SIGKILL `device`'s worker once `line` is in the run's log."""
     deadline = time.monotonic() + 300
     while line not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    victim = _device_worker(proc.pid, 0)
+    victim = _device_worker(proc.pid, device)
     assert proc.poll() is None and victim, log.read_text()[-3000:]
     victim.send_signal(signal.SIGKILL)
 
 
-def _killed_run(config: list[str], log: Path, args: list[str], kill_after: list[str], timeout: float) -> int:
-    """`tidal train` with device 0's worker (the actor's) SIGKILLed once each of `kill_after` lines is in its log
-    (in turn); its exit code."""
+def _killed_run(config: list[str], log: Path, args: list[str], kill_after: list[tuple[str, int]],
+                timeout: float) -> int:
+    """`tidal train` with a device's worker SIGKILLed once each (line, device) of `kill_after` has its line in the
+    log (in turn); its exit code."""
     with open(log, "w") as out:
         proc = subprocess.Popen([TIDAL, "train", *config, *args], cwd=REPO, env=ENV, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        for line in kill_after:
-            _kill_actor_after(proc, log, line)
+        for line, device in kill_after:
+            _kill_after(proc, log, line, device)
         return proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
@@ -89,13 +91,14 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
     log = tmp_path / "killed.log"
     track = [f"tracking.db_url=sqlite:///{tmp_path}/tidal.db", f"tracking.mlflow_uri=sqlite:///{tmp_path}/ml.db",
              f"tracking.mlflow_artifacts={tmp_path}/artifacts"]
-    # an actor device (a lost rollout or inference device is recovered within the step: tests/test_faults.py); the
-    # first kill restarts from the checkpoint of step 1, the second, restarts spent, ends the run on record
+    # the actor's devices, 0 and 1 (a lost rollout or inference device is recovered within the step:
+    # tests/test_faults.py); the first kill carries on with device 1 from the checkpoint of step 1, the second,
+    # restarts spent, ends the run on record
     rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/killed", "run.max_restarts=1", *track],
-                     [f"step   1/{STEPS}", f"step   2/{STEPS}"], timeout=180)
+                     [(f"step   1/{STEPS}", 0), (f"step   2/{STEPS}", 1)], timeout=180)
     said = log.read_text()
     assert rc == 1, said[-3000:]
-    assert said.count("restarting from") == 1 and "died" in said and "--resume" in said, said[-3000:]
+    assert said.count("continuing on the survivors") == 1 and "died" in said and "--resume" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
     from sqlalchemy import create_engine, text
     with create_engine(f"sqlite:///{tmp_path}/tidal.db").connect() as conn:
@@ -111,18 +114,19 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "resumed.json").read_text())["final_weights_sha"] == want
 
-    # actor.redundancy: host, no checkpoint before the end: the kill in step 2 restarts from the host copy kept
-    # after step 1 (or, if it lands in that copy's write, from the one kept before step 0), and the run ends with
+    # actor.redundancy: host, no checkpoint before the end: the kill in step 2 carries on from the host copy kept
+    # after step 1 (or, if it lands in that copy's write, from the one kept before step 1), and the run ends with
     # the uninterrupted run's weights
     log = tmp_path / "redundant.log"
     rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/redundant", "run.checkpoint_every=0",
                                    "actor.redundancy=host", "run.max_restarts=1", "--no-track", "--json",
-                                   f"{tmp_path}/redundant.json"], [f"step   1/{STEPS}"], timeout=240)
+                                   f"{tmp_path}/redundant.json"], [(f"step   1/{STEPS}", 0)], timeout=240)
     said = log.read_text()
     assert rc == 0, said[-3000:]
     summary = json.loads((tmp_path / "redundant.json").read_text())
     (restart,) = summary["restarts"]
     # no finished step is run again (one, if the kill landed in the write of the copy after step 1)
     assert restart["source"] == "host copy" and restart["steps_redone"] in (0, 1), restart
+    assert restart["workers"] == "kept" and restart["layout_to"] == "tp=1,dp=1,devices=1", restart
     assert summary["final_weights_sha"] == want
     assert not Path(restart["resumed_from"]).parent.exists()   # the copy's memory is given back when the run ends

@@ -100,8 +100,8 @@ class ClusterConfig(Section):
         description="A rollout or inference call with no result after this many seconds marks its device FAILED (a "
                     "hung worker; a dead process is found within 0.5 s); its work is redone on the survivors.")
     replace_failed: bool = Field(
-        False, description="Start a replacement worker for a FAILED rollout or inference device; once it answers, "
-                           "the device rejoins the free pool (scheduler and step-end placement use it again). "
+        False, description="Start a replacement worker for a FAILED device; once it answers, the device rejoins the "
+                           "free pool (scheduler and step-end placement use it again for rollout and inference). "
                            "The replacement is in no torch world: it never hosts the actor.")
 
     @model_validator(mode="after")
@@ -253,11 +253,11 @@ class ActorConfig(Section):
                     "placements: unused.")
     redundancy: Literal["none", "host"] = Field(
         "none",
-        description="A copy of the actor's whole state kept off its devices, so that a run restarting itself after "
-                    "losing an actor device (run.max_restarts) redoes only the interrupted step: `host` writes the "
+        description="A copy of the actor's whole state kept off its devices, so that a run recovering from the "
+                    "loss of an actor device (run.max_restarts) redoes only the interrupted step: `host` writes the "
                     "run's state (parameters, fp32 masters, Adam moments, data position; the checkpoint format) "
                     "into host memory (actor.redundancy_dir) before the first step and after every step, keeping "
-                    "the newest; a restart resumes from the newer of it and the last checkpoint. Costs one write a "
+                    "the newest; a recovery resumes from the newer of it and the last checkpoint. Costs one write a "
                     "step (its `checkpoint` event's seconds) and the state's bytes of host memory.")
     redundancy_dir: str | None = Field(
         None,
@@ -500,10 +500,12 @@ class RunConfig(Section):
                     "0: only at the end (RLinf: runner.save_interval).")
     max_restarts: int = Field(
         2, ge=0, le=1000,
-        description="Times a run restarts itself from its newest checkpoint after losing a device beyond what a "
-                    "step recovers (an actor device, the last device of a component, a hung call): new workers, the "
-                    "checkpoint's state, its steps run again, in the same process; 0: the run ends on record and "
-                    "`--resume` continues it. Needs checkpoints (run.checkpoint_every).")
+        description="Times a run recovers in process after losing a device beyond what a step absorbs (an actor "
+                    "device, a device lost outside a step's streaming loop, the last device of a component, a hung "
+                    "call): from its newest checkpoint (or actor.redundancy's copy), the steps since run again; the "
+                    "surviving workers carry on with the lost rank left out (no worker started) where they can, "
+                    "else every worker is replaced. 0: the run ends on record and `--resume` continues it. Needs "
+                    "checkpoints (run.checkpoint_every) or actor.redundancy.")
     save_hf: bool = Field(
         False,
         description="With each checkpoint also write the model as a Hugging Face directory `<run folder>/hf/step-N` "

@@ -523,18 +523,20 @@ def read_state(shard, m: Manifest, gen: Path, layout: Layout, verify_files: bool
     return st
 
 
-def _vote(ok: bool, device: torch.device) -> bool:
+def _vote(ok: bool, device: torch.device, group=None) -> bool:
     if not dist.is_initialized():
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_files: bool = True) -> Manifest:
-    """Every world rank: replace the actor's state by generation `gen` at `layout` (default: the saved layout).
-    Two-phase: all ranks read into new buffers, then vote; on any failure every rank keeps its state and raises
-    CheckpointError (the failing rank its own error)."""
+def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_files: bool = True,
+               ranks: tuple[int, ...] | None = None) -> Manifest:
+    """Every world rank (or every rank of `ranks`: the live ones, when the world has lost some): replace the
+    actor's state by generation `gen` at `layout` (default: the saved layout). Two-phase: all ranks read into new
+    buffers, then vote; on any failure every rank keeps its state and raises CheckpointError (the failing rank
+    its own error)."""
     gen = Path(gen)
     error: BaseException | None = None
     m: Manifest | None = None
@@ -550,12 +552,13 @@ def load_actor(shard, gen: str | Path, layout: Layout | None = None, verify_file
     if layout is not None:
         check_tp(shard.args, layout.tp)  # same answer on every rank
         shard.groups.get(layout)  # collective over the world: every rank, same point, before the vote
+    voters = None if ranks is None else shard.groups.of_ranks(ranks)
     if error is None:
         try:
             new_state = read_state(shard, cast(Manifest, m), gen, cast(Layout, layout), verify_files)  # no error
         except Exception as e:
             error = e
-    if not _vote(error is None, shard.device):
+    if not _vote(error is None, shard.device, voters):
         if new_state is not None:
             new_state.release(None)
         if error is not None:

@@ -1,7 +1,9 @@
 """Process groups of actor layouts, created once per layout and cached.
 
-`dist.new_group` is collective over the whole world: every world rank must create the same groups in the same
-order, including ranks that are not members (they get a non-member handle and never use it). So `GroupCache.get`
+`dist.new_group` is collective over the whole world: every live world rank must create the same groups in the same
+order, including ranks that are not members (they get a non-member handle and never use it). torch names a group
+by that order and waits for no rank outside it, so a world that lost a rank goes on making groups among the others
+(`tidal.pipeline.survivors`). So `GroupCache.get`
 must be called by every world rank with the same layout at the same point (`ActorShard.__init__` and
 `ActorShard.reshard` do). For each layout, in this order: every TP group (d = 0..dp-1), every DP group
 (t = 0..tp-1), then the group of all the layout's ranks; a rank set that already has a group (from this or an
@@ -83,6 +85,11 @@ class GroupCache:
         for r in rank_sets:
             self._new(tuple(r))
 
+    def of_ranks(self, ranks) -> object | None:
+        """The group of exactly these ranks (created on first use: collective over the world, like `get`). None
+        when that is one rank."""
+        return self._new(tuple(ranks))
+
     def has(self, ranks: tuple[int, ...]) -> bool:
         key = tuple(sorted(ranks))
         return len(key) < 2 or key in self._by_ranks
@@ -116,12 +123,12 @@ def reshard_rank_sets(a: Layout, b: Layout) -> list[tuple[int, ...]]:
     return [tuple(sorted(r)) for r in layout_rank_sets(b) + [union_ranks(a, b)] if len(r) >= 2]
 
 
-def growth_rank_sets(initial: Layout, devices: int, limit: int = 256) -> list[tuple[int, ...]]:
+def growth_rank_sets(initial: Layout, devices, limit: int = 256) -> list[tuple[int, ...]]:
     """Rank sets of every layout the actor can grow to from `initial` by adding any subset of the other
-    `devices` (keeping its own, whole TP groups), and of the moves between those layouts and back: made once at
-    start, they turn every later grow / shrink into a member-local reshard. Empty when there would be more than
-    `limit` such layouts (large clusters: groups are then made on first use, world-wide)."""
-    others = [d for d in range(devices) if d not in initial.devices]
+    `devices` (ranks of the world; keeping its own, whole TP groups), and of the moves between those layouts and
+    back: made once at start, they turn every later grow / shrink into a member-local reshard. Empty when there
+    would be more than `limit` such layouts (large clusters: groups are then made on first use, world-wide)."""
+    others = [d for d in sorted(devices) if d not in initial.devices]
     if 2 ** len(others) > limit:
         return []
     out: dict[tuple[int, ...], None] = {}

@@ -348,14 +348,14 @@ class RayActuator:
         local = all(r in self.rank_sets for r in sets)
         members = sorted(set(old.devices) | set(layout.devices))
         t_idle = c.clock()
-        self.drain(set(members) if local else set(g.device_ids))
+        self.drain(set(members) if local else set(g.world_ids))
         idle_s = c.clock() - t_idle
         joining = [d for d in layout.devices if d not in old.devices]
         leaving = [d for d in old.devices if d not in layout.devices]
         ledger.assign(joining, Owner.ACTOR, f"actor grows to {layout}")
         t0 = c.clock()
         try:
-            ranks = members if local else list(g.device_ids)
+            ranks = members if local else list(g.world_ids)
             prepared = self._prepare(old, layout, ranks)
             prepare_s = c.clock() - t0
             handles = [g.submit(d, roles.actor_reshard, layout=layout, current=old, local=local,

@@ -4,7 +4,7 @@
                                keep the previous generation); returns <dir>/gen-<step>
     resume(pipe, dir) -> step  pick the generation (dir itself, or the newest complete and verified one under it),
                                check it against this run's model (before any worker is touched), load it into
-                               the current actor layout on every worker (resharding on load), restore the
+                               the current actor layout on every live rank (resharding on load), restore the
                                driver's position (policy version, data position), and push the loaded weights
                                to rollout and inference; returns the next step to run
 
@@ -107,7 +107,11 @@ def resume(pipe, dir: str | Path) -> int:
     layout = pipe.cluster.actor_layout
     t0 = pipe.clock()
     g = pipe.group
-    g.gather(g.submit_all(roles_ckpt.actor_load, dir=str(gen), layout=layout))
+    # every rank of the world takes part; a world that lost ranks (tidal.pipeline.survivors) votes over its live ones
+    ranks = g.world_ids
+    holes = len(ranks) < len(g.device_ids)
+    g.gather(g.submit_all(roles_ckpt.actor_load, device_ids=ranks, dir=str(gen), layout=layout,
+                          ranks=ranks if holes else None))
     pipe.version, pipe.data_pos = m.meta.policy_version, DataPosition(m.meta.data_epoch, m.meta.data_pos)
     pipe._load_generation(ray.put(pipe.global_weights()), m.meta.step)
     pipe.cluster.record("resume", step=m.meta.step, path=str(gen), saved_layout=str(m.layout),

@@ -81,7 +81,10 @@ class ControlLoop:
                  actuator: RayActuator, initial_layout: Layout, min_interval_s: float = MIN_INTERVAL_S):
         self.cfg, self.policy, self.sched_state = cfg, policy, sched_state
         self.c, self.ledger, self.actuator = cluster, ledger, actuator
+        #: the placement each step starts on and the step end restores (`tidal.pipeline.survivors` changes it when
+        #: a device is lost for good)
         self.initial_layout = initial_layout
+        self.rollout_home, self.inference_home = tuple(cfg.placement.rollout), tuple(cfg.placement.inference)
         self.min_interval_s = min_interval_s
         self.lengths = LengthModel.prior(cfg.rollout.max_new_tokens)
         self.breaker = FailureBreaker()
@@ -175,8 +178,7 @@ class ControlLoop:
 
     def end_step(self, st: StepState) -> None:
         """Back to the initial placement, every call not waited for checked, then learn from the step."""
-        p = self.cfg.placement
-        self.actuator.restore(self.initial_layout, p.rollout, p.inference)
+        self.actuator.restore(self.initial_layout, self.rollout_home, self.inference_home)
         self.actuator.settle_notes()
         self.learn(st)
 

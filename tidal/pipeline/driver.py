@@ -164,7 +164,7 @@ class Pipeline:
         self.control = ControlLoop(self.cfg, self.policy, self.sched_state, c, self.ledger, actuator,
                                    self.initial_layout)
         if self.cfg.cluster.auto_scheduler:   # groups of every layout the actor can grow to: reshards stay local
-            sets = growth_rank_sets(self.initial_layout, self.cfg.placement.num_devices)
+            sets = growth_rank_sets(self.initial_layout, g.world_ids)
             if sets:
                 secs = max(g.gather(g.submit_all(roles.actor_make_groups, rank_sets=sets)))
                 actuator.known_rank_sets(sets)
@@ -278,6 +278,13 @@ class Pipeline:
             self.weights_ref = ray.put(self.group.call(min(self.kept), roles.kept_weights,
                                                        version=self.version))
         return self.weights_ref
+
+    def abandon_step(self) -> None:
+        """Forget the step in progress and the weights its end would have kept (`tidal.pipeline.survivors`: every
+        worker's calls have ended, their results are not wanted)."""
+        self._keeping = []
+        self.kept = frozenset()
+        self.weights_ref = None
 
     # ---- one RL step ---------------------------------------------------------------------------------------
     def run_step(self, step: int, sync: bool = True) -> StepResult:

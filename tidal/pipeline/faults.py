@@ -27,8 +27,9 @@ device's late results are never read. Nothing changes either: every sample draws
 tokens and log-probs, and the run the same parameters, bit for bit, as a run without the fault.
 
 Not recovered here (the step raises `WorkerDied`): the actor's devices, lent and shared devices, the last device of
-a component, and a loss outside a step's streaming loop (the weight sync, a checkpoint); `run_training` restarts the
-run from its newest checkpoint (`TrainingRun.restart`, `run.max_restarts`).
+a component, and a loss outside a step's streaming loop (the weight sync, a checkpoint); `run_training` then carries
+on with the surviving workers from the newest state kept (`TrainingRun.recover`, `tidal.pipeline.survivors`,
+`run.max_restarts`).
 """
 
 from __future__ import annotations

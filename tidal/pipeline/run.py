@@ -386,19 +386,49 @@ class TrainingRun:
         out, self._pending_warnings = self._pending_warnings, []
         return out
 
-    def restart(self, failure: WorkerError) -> dict:
-        """Continue after a failure the step could not absorb (an actor device lost, the last device of a
-        component, a hung call): every worker replaced, the newest state kept loaded (the last checkpoint, or the
-        host copy of `actor.redundancy: host` when newer), the steps since run again. Bit for bit what `--resume`
-        from that generation gives, without leaving the process. Returns the restart's record (also in the
-        summary, the events table, the database's faults); raises `failure` again when nothing is kept."""
-        # the newest state kept: the last checkpoint, or the host copy (actor.redundancy: host) when newer
+    def _newest_kept(self) -> tuple[Path, str] | None:
+        """The newest state kept: the last checkpoint, or the host copy (actor.redundancy: host) when newer."""
         kept = [g for g in (latest(self.out_dir / "checkpoints"),
                             latest(self.host_copy) if self.host_copy is not None else None) if g is not None]
         if not kept:
-            raise failure
+            return None
         ckpt = max(kept, key=lambda g: saved_step(g)[1])   # a tie: the checkpoint (listed first)
-        source = "host copy" if self.host_copy is not None and ckpt.parent == self.host_copy else "checkpoint"
+        return ckpt, "host copy" if self.host_copy is not None and ckpt.parent == self.host_copy else "checkpoint"
+
+    def recover(self, failure: WorkerError) -> dict:
+        """Continue after a failure the step could not absorb (an actor device lost, a device lost outside the
+        step's streaming loop, the last device of a component, a hung call), from the newest state kept (the last
+        checkpoint, or the host copy of `actor.redundancy: host` when newer), the steps since run again; bit for
+        bit what `--resume` from that generation gives, without leaving the process. A lost worker's survivors
+        carry on with it (`tidal.pipeline.survivors`: no worker started, the lost rank a hole in the world);
+        where they cannot (a hung call, the megatron backend, a shared placement, a component with no device
+        left) every worker is replaced (`restart`). Returns the record (also in the summary, the events table,
+        the database's faults); raises `failure` again when nothing is kept."""
+        from tidal.pipeline.survivors import NoSurvivors, continue_on_survivors, refusal
+        found = self._newest_kept()
+        if found is None:
+            raise failure
+        ckpt, source = found
+        why = refusal(self._pipe) if isinstance(failure, WorkerDied) else f"{type(failure).__name__}: a hung call"
+        if why is None:
+            t0, now, failed_step = time.monotonic(), self._pipe.clock(), self.next_step
+            device = cast(WorkerDied, failure).device_id
+            role = self._pipe.ledger.owner(device).value
+            try:
+                moved = continue_on_survivors(self._pipe, cast(WorkerDied, failure), ckpt)
+            except NoSurvivors as e:
+                why = str(e)
+            else:
+                self.next_step = moved["resumed_step"]
+                return self._restarted(failure, device, role, failed_step, now, t0, ckpt, source,
+                                       {"workers": "kept", **{k: moved[k] for k in (
+                                           "layout_from", "layout_to", "borrowed", "lost", "abandon_s", "load_s")}})
+        log.warning("step %d: the survivors cannot carry on (%s): every worker is replaced", self.next_step, why)
+        return self.restart(failure, ckpt, source)
+
+    def restart(self, failure: WorkerError, ckpt: Path, source: str) -> dict:
+        """Every worker replaced, the run reopened from generation `ckpt` (`recover` picks it), the steps since run
+        again."""
         t0, now, failed_step = time.monotonic(), self._pipe.clock(), self.next_step
         device = failure.device_id if isinstance(failure, WorkerDied) else cast(WorkerTimeout, failure).device_ids[0]
         role = self._pipe.ledger.owner(device).value
@@ -408,18 +438,25 @@ class TrainingRun:
         self.close()
         self.open(resume_from=ckpt, checked=(self.inputs, self.kind))
         self.t_run, self.n_moves_logged = t_run, 0   # the run's wall clock goes on; a new ledger's moves
-        keep = self.next_step - self.first_step   # per-step figures of the steps to run again are dropped
+        return self._restarted(failure, device, role, failed_step, now, t0, ckpt, source, {"workers": "replaced"},
+                               history)
+
+    def _restarted(self, failure: WorkerError, device: int, role: str, failed_step: int, now: float, t0: float,
+                   ckpt: Path, source: str, detail: dict, history: list | None = None) -> dict:
+        """The bookkeeping of a recovery: per-step figures of the steps to run again dropped; the failure and the
+        restart recorded (sink, database, summary)."""
+        keep = self.next_step - self.first_step
         del self.rewards[keep:], self.step_s[keep:]
         failed = {"kind": "device_failed", "step": failed_step, "time": now, "device": device, "role": role,
                   "reason": str(failure), "seconds": 0.0}
         record = {"kind": "restart", "step": failed_step, "time": now, "device": device, "role": role,
                   "reason": f"restarted from the {source} {ckpt.name}", "source": source, "resumed_from": str(ckpt),
-                  "resumed_step": self.next_step,
-                  "steps_redone": failed_step - self.next_step, "seconds": time.monotonic() - t0}
+                  "resumed_step": self.next_step, "steps_redone": failed_step - self.next_step,
+                  "seconds": time.monotonic() - t0, **detail}
         for ev in (failed, record):
             self.sink.log_event(ev["kind"], table_fields(ev))
         if self.recorder:
-            self.recorder.restart(failed, record, history)
+            self.recorder.restart(failed, record, list(self._pipe.ledger.history) if history is None else history)
         self.restarts.append(record)
         return record
 
@@ -435,10 +472,10 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                  on_warning: Callable[[RunWarning], None] | None = None) -> RunSummary:
     """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
     Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints. A device lost
-    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) restarts the run from its newest checkpoint (or
-    the newer host copy of `actor.redundancy: host`, kept after every step), up to `run.max_restarts` times
-    (`TrainingRun.restart`); an error inside a worker's code (`WorkerCallError`) would
-    only repeat, so it ends the run."""
+    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) resumes the run in process from its newest
+    checkpoint (or the newer host copy of `actor.redundancy: host`, kept after every step), on the surviving workers
+    where they can carry on, up to `run.max_restarts` times (`TrainingRun.recover`); an error inside a worker's code
+    (`WorkerCallError`) would only repeat, so it ends the run."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
     tell = on_warning or (lambda w: None)   # the run logs, tags and keeps every warning itself
@@ -458,7 +495,7 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
             except (WorkerDied, WorkerTimeout) as failure:
                 if len(run.restarts) >= cfg.run.max_restarts:
                     raise
-                run.restart(failure)
+                run.recover(failure)
                 continue
             if on_step:
                 on_step(run.next_step - 1, m)

@@ -606,6 +606,17 @@ def rollout_release(ctx) -> int:
     return 0
 
 
+def abandon_engines(ctx) -> None:
+    """A step abandoned (a device lost beyond what the step absorbs, `tidal.pipeline.survivors`): drop this
+    worker's rollout engine, its requests in flight included (their groups are generated again from their
+    prompts), its scoring model and any kept weights copy. The actor's state is replaced by the load that
+    follows."""
+    roles = roles_of(ctx)
+    roles.rollout = roles.inference = roles.kept = None   # the engine goes with its last reference
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def rollout_free_kv(ctx) -> None:
     """Generation is done here and this device scores next: free the engine's KV cache, keep its weights (the
     scorer reads the same model). The instance stays, idle, until `rollout_release` or the next weight sync."""

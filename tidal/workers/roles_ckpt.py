@@ -31,7 +31,8 @@ def actor_save(ctx, dir: str, gen: int, meta: CheckpointMeta) -> dict | None:
     return asdict(record) if record is not None else None
 
 
-def actor_load(ctx, dir: str, layout: Layout) -> dict:
-    """Every worker (collective over the world): replace the actor state by the generation at `dir`, resharded
-    to `layout`. On any rank's failure every rank keeps its state and raises CheckpointError."""
-    return asdict(actor_of(ctx).load_checkpoint(dir, layout))
+def actor_load(ctx, dir: str, layout: Layout, ranks: tuple[int, ...] | None = None) -> dict:
+    """Every worker (collective over the world; over `ranks`, the live ones, when the world lost some): replace
+    the actor state by the generation at `dir`, resharded to `layout`. On any rank's failure every rank keeps its
+    state and raises CheckpointError."""
+    return asdict(actor_of(ctx).load_checkpoint(dir, layout, ranks))

@@ -18,9 +18,11 @@ Guarantees:
 * Workers are addressed by **device id**. Rank = position in the `devices` list given to `start`.
 * A worker whose process dies is reported as `WorkerDied(device_id, reason)` by the next `gather`/`call`/
   `check` within about `poll_s` (local workers: its pid leaves /proc; any worker: Ray's actor-death error),
-  never a hang. After a death the group is broken (survivors may sit in a collective with the dead rank):
-  `shutdown()` and start a new group, unless the caller `retire`s the device (then only calls to it fail) and
-  needs no collective over the whole world.
+  never a hang. Survivors may sit in a collective with the dead rank (gloo fails it when the rank's sockets
+  close). A caller that `retire`s the device goes on without it: only calls to it fail, `quiesce` waits out the
+  survivors' abandoned calls, and the live ranks (`world_ids`) still make process groups among themselves
+  (torch names a group by the order of `new_group` calls, with no barrier over the world), never one with the
+  dead rank; the world itself keeps its size, the dead rank a hole in it.
 * Waits log progress every `log_every_s` seconds naming the devices still running.
 * CPU virtual devices can get a fixed compute share (`compute_share`, fraction of this machine's cores per
   device, like `cluster.cpu_compute_share`): see `tidal.workers.compute_share`.
@@ -98,6 +100,7 @@ class WorkerGroup:
         self._retired: set[int] = set()   # dead devices the caller has taken out of its work (`retire`)
         self._alone: set[int] = set()     # devices served by a replacement worker, in no world (`replace`)
         self._starting: dict[int, tuple[Any, Any]] = {}   # device -> (replacement actor, its info() ref)
+        self._last: dict[int, Any] = {}   # device -> its last call's ref (calls run in order: `quiesce`)
         self._spawn: tuple[Any, dict[str, Any], str] | None = None   # (actor class, options, name tag): `replace`
         self._share: tuple[float, float] | None = None   # (cores, period_s) each CPU worker is capped at
         self._cpu_cores: tuple[int, ...] | None = None   # cores every CPU worker is pinned to
@@ -286,8 +289,9 @@ class WorkerGroup:
 
     def retire(self, device_id: int) -> None:
         """The caller has taken dead `device_id` out of its work (nothing it runs waits on that rank): from now
-        on its death fails only calls to it, not every `gather`. Calls that need the whole world (a collective
-        over every rank, a new process group) still cannot complete."""
+        on its death fails only calls to it, not every `gather`. A collective over the default (whole-world) group
+        cannot complete any more; process groups of live ranks can still be made by every live rank (module
+        doc)."""
         if device_id not in self._dead:
             raise RuntimeError(f"device {device_id} is not dead; only a dead worker is retired")
         self._retired.add(device_id)
@@ -308,7 +312,9 @@ class WorkerGroup:
         (or its "package.module:function" path): the worker imports it by name."""
         self._usable(device_id)
         path = fn_path(fn)
-        return CallHandle(device_id, path, self._actors[device_id].call.remote(path, kwargs))
+        handle = CallHandle(device_id, path, self._actors[device_id].call.remote(path, kwargs))
+        self._last[device_id] = handle.ref
+        return handle
 
     def submit_all(self, fn: WorkerFn, /, *, device_ids: Iterable[int] | None = None,
                    **kwargs: Any) -> list[CallHandle]:
@@ -375,6 +381,26 @@ class WorkerGroup:
         """`fn(ctx, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
         handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
         return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
+
+    def quiesce(self, device_ids: Iterable[int], timeout_s: float) -> list[int]:
+        """Wait until every call submitted to `device_ids` has ended, whatever its outcome (results and errors are
+        dropped: for a caller abandoning the work, e.g. the survivors of a lost rank, whose collectives with it
+        fail). Calls on a worker run in submission order, so its last call ending means all have. A device still
+        busy after `timeout_s` (say, blocked in a collective that never times out) is declared failed (`fail`)
+        and returned."""
+        import ray
+
+        refs = {self._last[d]: d for d in device_ids if d in self._last and d not in self._dead}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - abandoned work: its outcome is not wanted, only its end
+                pass
+        stuck = sorted(d for ref, d in refs.items() if ref not in set(ready))
+        for d in stuck:
+            self.fail(d, f"still busy {timeout_s:g}s after its work was abandoned")
+        return stuck
 
     def interrupt(self, upto: dict[int, int], name: str) -> None:
         """End early, on each device of `upto` {device: seq}, every call numbered up to seq that polls `name`

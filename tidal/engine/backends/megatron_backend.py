@@ -768,10 +768,15 @@ class MegatronBackend:
                      tmp, self.layout, dist.get_world_size())
         return record
 
-    def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad:
+    def load_checkpoint(self, gen: str | Path, layout: Layout, ranks: tuple[int, ...] | None = None
+                        ) -> CheckpointLoad:
         """Every world rank: this backend's state from a run-checkpoint generation at `layout` (module doc): its
         megatron-format copy when it has one and `layout` spans the world, else its native shards. A failed read
-        leaves every rank's state as it was (a vote) and raises."""
+        leaves every rank's state as it was (a vote) and raises. Its groups span the whole world: `ranks` (a world
+        that lost ranks) is refused."""
+        if ranks is not None:
+            raise NotImplementedError("the megatron backend loads over the whole world only; a world that lost "
+                                      "ranks restarts with new workers (TrainingRun.restart)")
         check_layout(self.args, self.padded_vocab, layout)
         copy = Path(gen) / MEGATRON_DIR
         if spans_world(layout) and (copy / "metadata.json").is_file():

@@ -125,9 +125,10 @@ class NativeBackend:
     def save_checkpoint(self, tmp: str | Path, meta: CheckpointMeta) -> ShardRecord | None:
         return save_shard(self.shard, tmp, meta)
 
-    def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad:
+    def load_checkpoint(self, gen: str | Path, layout: Layout, ranks: tuple[int, ...] | None = None
+                        ) -> CheckpointLoad:
         sh = self.shard
-        m = load_actor(sh, gen, layout)
+        m = load_actor(sh, gen, layout, ranks=ranks)
         st = sh.state
         return CheckpointLoad(st is not None, st.step if st else m.optimizer_step,
                               st.data_cursor if st else m.data_cursor, sh.held_bytes())

@@ -17,7 +17,8 @@ reaches inside it::
     offload(...) / onload()                 hand a shared device to generation and back (bytes moved)
     held_bytes() / resident_bytes()         this rank's actor memory, all of it / what is on the device
     save_checkpoint(tmp, meta)              this rank's part of a run checkpoint (tidal/engine/checkpoint.py)
-    load_checkpoint(gen, layout)            the state of a run checkpoint at `layout` (collective, two-phase)
+    load_checkpoint(gen, layout, ranks)     the state of a run checkpoint at `layout` (collective over the world,
+                                            or over `ranks`, its live ranks; two-phase)
     save_megatron(dir) / load_megatron(dir) megatron-core dist_checkpointing format: weights (native), weights and
                                             distributed-optimizer state (megatron); the load says what it restored
 
@@ -152,7 +153,8 @@ class ActorBackend(Protocol):
 
     def save_checkpoint(self, tmp: str | Path, meta: CheckpointMeta) -> ShardRecord | None: ...
 
-    def load_checkpoint(self, gen: str | Path, layout: Layout) -> CheckpointLoad: ...
+    def load_checkpoint(self, gen: str | Path, layout: Layout, ranks: tuple[int, ...] | None = None
+                        ) -> CheckpointLoad: ...
 
     def save_megatron(self, ckpt_dir: str | Path, padded_vocab: int | None = None) -> Path: ...
 
