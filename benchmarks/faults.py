@@ -16,8 +16,9 @@ real `TrainingRun`s (Ray workers, the native engine, the actor), in this process
     inference   the same with inference device 4's worker, as it is handed its first groups to score in step K
     actor       with `actor.redundancy: host` (a copy of the run's state in host memory after every step): kill -9
                 of the actor's worker (device 0) as step K's first iter is handed to it; the step cannot absorb
-                that, so the run restarts itself in process from the copy kept after step K-1 (new workers,
-                `TrainingRun.restart`, as `run_training` does) and redoes step K
+                that, so the run carries on in process with its surviving workers from the copy kept after step
+                K-1 (`TrainingRun.recover`, as `run_training` does: the actor moves to a rollout device,
+                tidal/pipeline/survivors.py) and redoes step K; a replacement for device 0 rejoins the free pool
     resume      stop-and-resume: a new run resumed from the checkpoint of step 10 (workers started, checkpoint
                 loaded, held-out evaluation, as `tidal train --resume` does) redoes steps 10 .. K
 
@@ -186,8 +187,8 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
         if which == "actor":
             assert run.host_copy is not None
             copy_bytes = sum(f.stat().st_size for f in run.host_copy.rglob("*") if f.is_file())
-        else:
-            pipe.rejoin.wait(kill_step + 1, timeout_s=180)   # only to report when it came back: the run never waits
+        pipe = run.pipe   # the same pipeline unless every worker was replaced
+        pipe.rejoin.wait(kill_step + 1, timeout_s=180)   # only to report when it came back: the run never waits
         summary = run.finish()
         events = [e for e in pipe.cluster.events if e["kind"].startswith("device_")]
         t_close = time.monotonic()
@@ -197,13 +198,17 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
     close_s = time.monotonic() - t_close
     step = steps[1]
     assert killed and step["step"] == kill_step, f"no {which} worker was killed in step {kill_step}"
-    if which == "actor":   # restarted in process from the host copy kept after step K-1
+    if which == "actor":   # carried on in process from the host copy kept after step K-1
         (restart,) = run.restarts
         copies = [s["copy_s"] for s in steps if "copy_s" in s]
+        rejoined = next((e for e in events if e["kind"] == "device_rejoined"), None)
         return {"kill_offset_s": killed[0][2], "kill_to_step_end_s": step["ended_at"] - killed[0][0],
-                "step_s": step["seconds"], "next_step_s": steps[2]["seconds"], "restart_s": restart["seconds"],
+                "step_s": step["seconds"], "next_step_s": steps[2]["seconds"], "recovery_s": restart["seconds"],
+                "workers": restart["workers"], "layout": [restart.get("layout_from"), restart.get("layout_to")],
+                "abandon_s": restart.get("abandon_s"), "load_s": restart.get("load_s"),
                 "restarted_from": restart["source"], "steps_redone": restart["steps_redone"], "close_s": close_s,
                 "detect_s": restart["time"] - killed[0][1], "copy_s": statistics.mean(copies), "copy_bytes": copy_bytes,
+                "rejoin_s": rejoined["seconds"] if rejoined else None,
                 "final_weights_sha": summary.final_weights_sha}
     started = step["ended_at"] - step["seconds"]
     ev = {e["kind"]: e for e in events}
