@@ -90,6 +90,7 @@ from tidal.engine.shapes import padded_len
 from tidal.engine.tp import group_size
 
 CPU_ROW_MULTIPLE = 64
+ROW_BUCKETS_MIN = 8   # compact rows (`EngineConfig.compact_rows`): powers of two from 8 up to the engine's width
 PREFILL_GRAPHS = 32  # captured prefill graphs kept per engine (one per prompt length)
 PREFILL_TOKENS = 16384  # CUDA: most tokens (rows x padded width) of one batched prefill
 
@@ -124,6 +125,13 @@ class EngineConfig:
     runs while the GPU computes. `step()` then returns the events of the step launched by the call before.
     A request's tokens are the same as without it (see module doc). None: on for CUDA (12% fewer ms per decode
     step on an H200 at batch 64), off on CPU, where the host computes the step itself."""
+    compact_rows: bool | None = None
+    """Step-wide mode: a decode step computes only the active requests' rows, gathered from their slots, in
+    `ROW_BUCKETS`-sized batches (one CUDA graph per bucket and span), instead of a row for every slot. A
+    GRPO step's long tail (a few requests still generating, most slots free) then costs what its few rows cost.
+    A row's round-off may then depend on the bucket (cuBLAS picks kernels by batch size), like a batched
+    prefill's. None: on where the Triton decode attention runs (it reads each row's slot through an index);
+    refused with `batch_invariant` (its rows are the slots)."""
     vocab_limit: int | None = None
     """Sample only ids below this (the tokenizer's size) when the embedding is padded past it (Qwen: 151,936
     rows for 151,665 tokens): the padding rows are never emitted. None: every row of the embedding."""
@@ -152,6 +160,7 @@ class _Launched:
     log-probs (host copies once `ready` has passed; None: read them directly)."""
 
     rows: list[tuple[_Live, int, bool]]
+    index: list[int]   # each row's index in `tok` / `lp` (its slot; its position with compact rows)
     drew: list[tuple[_Live, torch.Tensor]]
     keys: int
     tok: torch.Tensor
@@ -228,13 +237,19 @@ class NativeEngine(GenerationEngine):
                              f"{self.args.head_dim}, {self.dtype})", 'use "sdpa"')
         if self._fused:
             model.pack_projections()
+        if config.compact_rows and self._row_spans:
+            raise TidalError("compact_rows", True, "needs the step-wide mode (its rows are gathered from their "
+                             "slots); the batch-invariant mode computes a row per slot",
+                             "set batch_invariant False, or leave compact_rows None")
+        self._compact = config.compact_rows if config.compact_rows is not None else self._fused_attention
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
                          f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)},"
-                         f"attention={attention}")
+                         f"attention={attention},compact={int(self._compact)}")
         # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
-        self.cache = SlotKVCache(self.args.num_layers, width + (self.rows > width), kv_heads, s, self.args.head_dim,
-                                 self.dtype, self.device)
+        self._dummy = width if self.rows > width or self._compact else None
+        self.cache = SlotKVCache(self.args.num_layers, width + (self._dummy is not None), kv_heads, s,
+                                 self.args.head_dim, self.dtype, self.device)
         self._row_slot_list = [min(r, width) for r in range(self.rows)]   # row -> slot (padding rows: the dummy)
         self._row_slot = torch.tensor(self._row_slot_list, device=self.device)
         self.status = EngineStatus.READY
@@ -250,15 +265,20 @@ class NativeEngine(GenerationEngine):
         # and key positions read by decode rows, summed over every row a step computes
         self.prefill_tokens = 0
         self.keys_read = 0
-        # per-slot sampling params, kept on the device (inactive slots are greedy and ignored)
-        self._temp = torch.zeros(self.rows, device=self.device)
-        self._top_p = torch.ones(self.rows, device=self.device)
-        self._top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        # per-slot sampling params, kept on the device (inactive slots are greedy and ignored); compact rows gather
+        # theirs (the dummy slot's included)
+        per_slot = self.rows + (self._compact and self.rows == width)
+        self._temp = torch.zeros(per_slot, device=self.device)
+        self._top_p = torch.ones(per_slot, device=self.device)
+        self._top_k = torch.zeros(per_slot, dtype=torch.long, device=self.device)
         self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
         self._overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._launched: _Launched | None = None   # overlap: the decode step launched ahead, not read back yet
-        self._prev_tok = torch.zeros(self.rows, dtype=torch.long, device=self.device)   # its tokens, per row
-        self._graphs: dict[tuple[int, bool], tuple] = {}   # (decode span, filtered) -> (graph, its outputs)
+        # its tokens, per row (per slot with compact rows: a request's row changes between steps, its slot does not)
+        self._prev_tok = torch.zeros(per_slot, dtype=torch.long, device=self.device)
+        # (rows, decode span, filtered) -> (graph, its outputs); rows -> the graphs' static inputs
+        self._graphs: dict[tuple[int, int, bool], tuple] = {}
+        self._static: dict[int, list[torch.Tensor | None]] = {}
         self._prefill_graphs: dict[int, tuple] = {}
         self._graph_pool: Any = None   # one memory pool for every captured decode graph
 
@@ -478,6 +498,18 @@ class NativeEngine(GenerationEngine):
         for (_, slot, _), x in zip(rows, self._draws([lv for lv, _, _ in rows], [sm for _, _, sm in rows])):
             u_list[slot] = x
         u, ids_R, pos_R = self._host(u_list, torch.float32), self._host(ids, torch.long), self._host(pos, torch.long)
+        index = [slot for _, slot, _ in rows]
+        slots_R = None
+        if self._compact:   # the active rows only, in a bucket of rows; padding rows read and write the dummy slot
+            n = len(rows)
+            bucket = min(self.width, max(ROW_BUCKETS_MIN, 1 << (n - 1).bit_length()))
+            pad = bucket - n
+            dummy = cast(int, self._dummy)
+            ids, pos = [ids[i] for i in index] + [0] * pad, [pos[i] for i in index] + [0] * pad
+            prev, u_list = [prev[i] for i in index] + [False] * pad, [u_list[i] for i in index] + [0.0] * pad
+            slots_R = self._host(index + [dummy] * pad, torch.long)
+            index = list(range(n))
+        u, ids_R, pos_R = self._host(u_list, torch.float32), self._host(ids, torch.long), self._host(pos, torch.long)
         prev_R = self._host(prev, torch.bool) if self._overlap else None
         # the vocab sort of top-k / top-p runs only in steps where some row asks for it (a row's token never
         # depends on this: `sampler.sample`)
@@ -488,14 +520,16 @@ class NativeEngine(GenerationEngine):
             tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, groups=groups)
         else:
             # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
-            span = padded_len(max(pos[slot] for _, slot, _ in rows) + 1, self.args.max_seq_len)
+            span = padded_len(max(pos[i] for i in index) + 1, self.args.max_seq_len)
             # the fused kernel reads each row's keys 0..pos (empty rows: one key); SDPA the step's span
-            keys = sum(p + 1 for p in pos) if self._fused_attention else self.rows * span
-            if self._use_graph and self.rows == self.width:
-                tok, lp = self._graph_decode(ids_R, pos_R, u, prev_R, filtered, span)
+            keys = sum(p + 1 for p in pos) if self._fused_attention else len(pos) * span
+            if self._use_graph and (self._compact or self.rows == self.width):
+                tok, lp = self._graph_decode(ids_R, pos_R, u, prev_R, filtered, span, slots_R)
             else:
-                tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, span=span)
-        return _Launched(rows, drew, keys, *self._read_back(tok, lp))
+                slots = slots_R.to(self.device, non_blocking=True) if slots_R is not None else None
+                tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, span=span,
+                                               slots_R=slots)
+        return _Launched(rows, index, drew, keys, *self._read_back(tok, lp))
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A step input on the host; pinned where overlap copies it to a GPU (an async copy from pageable memory
@@ -525,14 +559,14 @@ class NativeEngine(GenerationEngine):
             launched.ready.synchronize()
         tok_l, lp_l = launched.tok.tolist(), launched.lp.tolist()
         self.keys_read += launched.keys
-        for live, slot, samples in launched.rows:
+        for (live, slot, samples), row in zip(launched.rows, launched.index):
             if self._live.get(live.request.request_id) is not live or live.slot != slot:
                 continue
             live.kv_len += 1
             if not samples:
                 live.replay.popleft()
                 continue
-            self._record(live, tok_l[slot], lp_l[slot], events)
+            self._record(live, tok_l[row], lp_l[row], events)
 
     def _discard_launched(self) -> None:
         """Drop the step launched ahead (overlap) unread: roll its rows' generators back to before its draws.
@@ -557,48 +591,63 @@ class NativeEngine(GenerationEngine):
 
     def _decode_forward(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor,
                         prev_R: torch.Tensor | None, filtered: bool, *, span: int | None = None,
-                        groups: list[RowGroup] | None = None):
+                        groups: list[RowGroup] | None = None, slots_R: torch.Tensor | None = None):
         """The decode math: R rows in, (token, rollout log-prob) per row out. No host syncs. With overlap, rows
-        marked in `prev_R` take the token the previous decode step sampled (kept on the device)."""
-        if prev_R is not None:
-            ids_R = torch.where(prev_R, self._prev_tok, ids_R)
-        decoder = self.cache.decoder(pos_R, None if self.rows == self.width else self._row_slot, span, groups,
-                                     fused=self._fused_attention and span is not None)
+        marked in `prev_R` take the token the previous decode step sampled (kept on the device). `slots_R`
+        (compact rows): each row's slot, whose KV, sampling params and previous token it reads."""
+        if slots_R is not None:
+            temp, top_p, top_k = self._temp[slots_R], self._top_p[slots_R], self._top_k[slots_R]
+            if prev_R is not None:
+                ids_R = torch.where(prev_R, self._prev_tok[slots_R], ids_R)
+            row_slot: torch.Tensor | None = slots_R
+        else:
+            temp, top_p, top_k = self._temp, self._top_p, self._top_k
+            if prev_R is not None:
+                ids_R = torch.where(prev_R, self._prev_tok, ids_R)
+            row_slot = None if self.rows == self.width else self._row_slot
+        decoder = self.cache.decoder(pos_R, row_slot, span, groups, fused=self._fused_attention and span is not None)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
-        tok = sampler.sample(logits, self._temp, self._top_p, self._top_k, u_R, filtered)
+        tok = sampler.sample(logits, temp, top_p, top_k, u_R, filtered)
         if prev_R is not None:
-            self._prev_tok.copy_(tok)
+            if slots_R is not None:   # padding rows all write the dummy slot: never read for a real row
+                self._prev_tok.index_copy_(0, slots_R, tok)
+            else:
+                self._prev_tok.copy_(tok)
         return tok, sampler.logprobs(logits, tok)
 
     def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor,
-                      prev_R: torch.Tensor | None, filtered: bool, span: int):
-        """CUDA: replay the captured graph of `_decode_forward` at this key span and sampler (one capture per
-        pair, all in one memory pool; the kernels are the eager ones, so the results are too). Captured lazily,
-        dropped on release."""
-        inputs = (ids_R, pos_R, u_R) + ((prev_R,) if prev_R is not None else ())
-        if not self._graphs:
-            self._static = [x.to(self.device) for x in inputs]
+                      prev_R: torch.Tensor | None, filtered: bool, span: int, slots_R: torch.Tensor | None = None):
+        """CUDA: replay the captured graph of `_decode_forward` at this row count, key span and sampler (one
+        capture per triple, all in one memory pool; the kernels are the eager ones, so the results are too).
+        Captured lazily, dropped on release."""
+        rows = ids_R.shape[0]
+        inputs = (ids_R, pos_R, u_R, prev_R, slots_R)
+        if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        for buf, src in zip(self._static, inputs):
-            buf.copy_(src, non_blocking=True)
-        entry = self._graphs.get((span, filtered))
+        if rows not in self._static:
+            self._static[rows] = [x.to(self.device) if x is not None else None for x in inputs]
+        static = self._static[rows]
+        for buf, src in zip(static, inputs):
+            if buf is not None and src is not None:
+                buf.copy_(src, non_blocking=True)
+        entry = self._graphs.get((rows, span, filtered))
         if entry is None:
-            ids_s, pos_s, u_s = self._static[:3]
-            prev_s = self._static[3] if prev_R is not None else None
+            ids_s, pos_s, u_s = (cast(torch.Tensor, x) for x in static[:3])
+            prev_s, slots_s = static[3:]
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: rewrites each row's current K/V position with the same values
                 kept = self._prev_tok.clone()   # the in-flight step's tokens, which the warm-up overwrites
                 for _ in range(2):
                     self._prev_tok.copy_(kept)
-                    self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span)
+                    self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span, slots_R=slots_s)
                 self._prev_tok.copy_(kept)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span)
-            self._graphs[(span, filtered)] = entry = (graph, out)
+                out = self._decode_forward(ids_s, pos_s, u_s, prev_s, filtered, span=span, slots_R=slots_s)
+            self._graphs[(rows, span, filtered)] = entry = (graph, out)
         entry[0].replay()
         return entry[1]
 
@@ -770,6 +819,7 @@ class NativeEngine(GenerationEngine):
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.cache.free()
         self._graphs, self._prefill_graphs = {}, {}  # they point into the freed slab and parameters
+        self._static, self._graph_pool = {}, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
