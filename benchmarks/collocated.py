@@ -165,6 +165,8 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path, backend:
                      "actor": work["work/actor_tokens"] / phase["actor"] if phase.get("actor") else None}
             steps.append({"step": res.step, "seconds": res.seconds, "phase_seconds": res.phase_seconds,
                           "response_tokens": response_tokens, "work": work, "tokens_per_s": rates,
+                          # where the rollout instance's time went: generating, call overhead, waiting for a call
+                          "rollout_time": {k: v for k, v in res.metrics.items() if k.startswith("rollout/")},
                           "weight_sync_s": sum(sync),
                           "offload_s": to_gen["seconds"], "onload_s": to_train["seconds"],
                           "offload_bytes": to_gen["bytes"], "onload_bytes": to_train["bytes"],
