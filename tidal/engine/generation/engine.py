@@ -241,7 +241,8 @@ class NativeEngine(GenerationEngine):
             raise TidalError("compact_rows", True, "needs the step-wide mode (its rows are gathered from their "
                              "slots); the batch-invariant mode computes a row per slot",
                              "set batch_invariant False, or leave compact_rows None")
-        self._compact = config.compact_rows if config.compact_rows is not None else self._fused_attention
+        self._compact = config.compact_rows if config.compact_rows is not None else (
+            self._fused_attention and not self._row_spans)
         self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
                          f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)},"
