@@ -21,10 +21,11 @@ batch (which captures its CUDA graphs: the decode graph and the prefill graph of
 Kernels (`kernels`): `fused` is packed q/k/v and gate/up GEMMs with elementwise stages compiled by torch.compile
 (`tidal.engine.generation.fused`) and torch's SDPA for decode attention, `eager` the same engine launching torch's
 own kernels; `triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is
-`triton` with each step launched before the previous one is read back (`EngineConfig.overlap`): the CUDA engine's
-default. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same batch, measured side by
-side. HF `generate` runs once per batch, beside the first variant. `decode_profile.top_kernels`: the kernels with
-the most device time per step.
+`triton` with each step launched before the previous one is read back (`EngineConfig.overlap`) and decode rows
+compacted to the active requests (`EngineConfig.compact_rows`): the CUDA engine's default; `full` is `overlap`
+computing a row for every slot. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same
+batch, measured side by side. HF `generate` runs once per batch, beside the first variant.
+`decode_profile.top_kernels`: the kernels with the most device time per step.
 
 Memory-bandwidth bound: `copy_bandwidth_GBps` is a device-to-device copy (`dst.copy_(src)` of a 2 GiB bf16 tensor,
 CUDA events, median of 20 after warm-up; bytes read + bytes written; on CPU 256 MiB fp32 on one thread, wall
@@ -34,6 +35,10 @@ layers x kv_heads x head_dim x dtype bytes, averaged over j = 1 .. new_tokens - 
 `bound_ms_per_step` = (weight_bytes + mean_kv_bytes_per_step) / copy bandwidth and `bound_ratio` =
 bound_ms_per_step / ms_per_decode_step (1: at the bound; masked key positions an attention call reads past the valid
 ones count against it). Goals: `bound_ratio` >= 0.5 at batch 64 and `speedup_vs_hf` >= 2.
+
+`--tail-mean M`: lengths with an RL rollout's long tail (geometric, mean M, capped at `--new-tokens`, the same for
+every variant): the GRPO step's rollout phase without the driver. `--host-profile`: the engine loop's Python,
+the functions with the most own time in one more run (`host_profile`).
 
 HF `generate` (`hf_s`, `hf_tokens_per_s`: the whole call, prefill included, median of the repeats) runs for every
 batch up to 64; a larger one only with `--hf-all` (else `hf_tokens_per_s` is null and `hf_note` says why). If
@@ -100,10 +105,19 @@ def prompts(args, batch, length, seed=0):
     return torch.randint(3, args.vocab_size, (batch, length), generator=g)
 
 
-def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, tag: str, temperature: float = 0.0):
+def tail_lengths(batch: int, new_tokens: int, mean: float, seed: int = 0) -> list[int]:
+    """Response lengths with an RL rollout's long tail: geometric with this mean (>= 2), capped at new_tokens,
+    seeded (the same lengths for every variant)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch, generator=g, dtype=torch.float64)
+    geo = torch.ceil(torch.log1p(-u) / torch.log1p(torch.tensor(-1.0 / mean, dtype=torch.float64)))
+    return [int(min(new_tokens, max(2, n))) for n in geo.tolist()]
+
+
+def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int, tag: str, temperature: float = 0.0,
+                    lengths: list[int] | None = None):
     """Admission (prefill) and the decode loop of one batch, timed apart: ({prefill_s, decode_s, decode_steps},
-    tokens per request)."""
-    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
+    tokens per request). `lengths`: each request's own max_new_tokens (else `new_tokens` each)."""
     out: dict[str, tuple[int, ...]] = {}
 
     def collect(events):
@@ -114,6 +128,7 @@ def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int,
     sync(engine.device)
     t0 = time.perf_counter()
     for i, row in enumerate(ids_BT.tolist()):
+        params = SamplingParams(temperature=temperature, max_new_tokens=lengths[i] if lengths else new_tokens)
         engine.add(Request(f"{tag}-{i}", tuple(row), params, seed=i))
     while engine.num_waiting():
         collect(engine.admit())
@@ -248,7 +263,9 @@ def throughput(a, device, dtype, report):
     weight_bytes = sum(p.numel() for p in m.parameters()) * dtype.itemsize  # parameters() yields a tied one once
     report.update(copy_bandwidth_GBps=bandwidth, weight_bytes=weight_bytes)
     hf, hf_note = None, None
-    if a.temperature > 0 and not a.no_hf:
+    if a.tail_mean and not a.no_hf:
+        hf_note = "--tail-mean: HF generate is compared at equal lengths only"
+    elif a.temperature > 0 and not a.no_hf:
         hf_note = f"--temperature {a.temperature}: HF generate is compared greedy only"
     elif not a.no_hf and (a.hf_all or min(a.batches) <= HF_MAX_BATCH):
         try:
@@ -258,15 +275,28 @@ def throughput(a, device, dtype, report):
     rows = []
     for batch, kernels in ((b, k) for b in a.batches for k in a.kernels):
         ids = prompts(args, batch, a.prompt_len)
+        lengths = tail_lengths(batch, a.new_tokens, a.tail_mean) if a.tail_mean else None
         engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels != "eager",
-                                              decode_attention="triton" if kernels in ("triton", "overlap")
-                                              else "sdpa", overlap=kernels == "overlap"))
+                                              decode_attention="triton" if kernels in ("triton", "overlap", "full")
+                                              else "sdpa", overlap=kernels in ("overlap", "full"),
+                                              compact_rows=False if kernels == "full" else None))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
-        native_generate(engine, ids, a.new_tokens, "warm", a.temperature)
+        native_generate(engine, ids, a.new_tokens, "warm", a.temperature, lengths)
         runs, tokens = [], None
         for rep in range(a.repeats):
-            timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}", a.temperature)
+            timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}", a.temperature, lengths)
             runs.append(timing)
+        host = None
+        if a.host_profile:   # where the host's time goes in one more run (cProfile: the engine loop's Python)
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            native_generate(engine, ids, a.new_tokens, "prof", a.temperature, lengths)
+            prof.disable()
+            st = pstats.Stats(prof)
+            top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]   # by own (total internal) time
+            host = [{"fn": f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}", "own_s": v[2], "calls": v[1]} for k, v in top]
         profile = (decode_profile(engine, ids, a.new_tokens, temperature=a.temperature)
                    if device.type == "cuda" and a.profile_steps else None)
         del engine
@@ -278,11 +308,13 @@ def throughput(a, device, dtype, report):
         ms_per_step = decode_s / steps * 1e3
         kv_bytes = mean_kv_bytes_per_step(args, batch, a.prompt_len, a.new_tokens, dtype)
         bound_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+        tokens_out = sum(lengths) if lengths else batch * a.new_tokens
         row = {"batch": batch, "kernels": kernels, "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps,
                "ms_per_decode_step": ms_per_step, "native_s": native_s,
-               "native_tokens_per_s": batch * a.new_tokens / native_s, "mean_kv_bytes_per_step": kv_bytes,
-               "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step,
-               "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile}
+               "native_tokens_per_s": tokens_out / native_s, "mean_kv_bytes_per_step": kv_bytes,
+               "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step if not lengths else None,
+               "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile,
+               "response_tokens": tokens_out, "host_profile": host}
         rows.append(row)
         if kernels != a.kernels[0] or hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
@@ -300,8 +332,10 @@ def throughput(a, device, dtype, report):
             row["hf_first_token_agreement"] = sum(x[0] == y[0] for x, y in zip(tokens, hf_tokens)) / batch
         print(f"batch {batch} ({kernels} kernels): {row['native_tokens_per_s']:.0f} tokens/s, "
               f"prefill {prefill_s:.2f} s, "
-              f"{ms_per_step:.2f} ms/decode step (bound {bound_ms:.2f} ms, ratio {row['bound_ratio']:.2f})"
-              + (f", {row['speedup_vs_hf']:.2f}x HF generate" if row["speedup_vs_hf"] else ""), flush=True)
+              f"{ms_per_step:.2f} ms/decode step"
+              + (f" (bound {bound_ms:.2f} ms, ratio {row['bound_ratio']:.2f})" if row["bound_ratio"] else "")
+              + (f", {row['speedup_vs_hf']:.2f}x HF generate" if row["speedup_vs_hf"] else "")
+              + (f", {steps} steps for {tokens_out} tokens" if lengths else ""), flush=True)
     del hf
     for r in rows:
         eager = next((e for e in rows if e["batch"] == r["batch"] and e["kernels"] == "eager"), None)
@@ -431,8 +465,8 @@ def batches(text: str) -> list[int]:
 
 def kernel_variants(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(k not in ("fused", "triton", "overlap", "eager") for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, eager")
+    if not out or any(k not in ("fused", "triton", "overlap", "full", "eager") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, full, eager")
     return out
 
 
@@ -461,7 +495,14 @@ def main(argv=None):
     p.add_argument("--kernels", type=kernel_variants, default=None, metavar="K[,K...]",
                    help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
                         "CUDA with Triton), triton (fused + the Triton decode attention), overlap (triton + "
-                        "overlapped decode) and/or eager (default: fused,eager on CUDA, eager on CPU)")
+                        "overlapped decode; the CUDA default: compact rows), full (overlap computing a row for every "
+                        "slot, `compact_rows` off) and/or eager (default: fused,eager on CUDA, eager on CPU)")
+    p.add_argument("--tail-mean", type=float, default=None,
+                   help="each request's length drawn from a geometric distribution of this mean, capped at "
+                        "--new-tokens (an RL rollout's long tail: most slots free while the longest finish); "
+                        "tokens/s then counts the tokens generated and bound_ratio is null")
+    p.add_argument("--host-profile", action="store_true",
+                   help="profile one more run's host side (cProfile): the functions with the most own time")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     gpu = device.type == "cuda"
