@@ -36,9 +36,10 @@ layers x kv_heads x head_dim x dtype bytes, averaged over j = 1 .. new_tokens - 
 bound_ms_per_step / ms_per_decode_step (1: at the bound; masked key positions an attention call reads past the valid
 ones count against it). Goals: `bound_ratio` >= 0.5 at batch 64 and `speedup_vs_hf` >= 2.
 
-`--tail-mean M`: lengths with an RL rollout's long tail (geometric, mean M, capped at `--new-tokens`, the same for
-every variant): the GRPO step's rollout phase without the driver. `--host-profile`: the engine loop's Python,
-the functions with the most own time in one more run (`host_profile`).
+`first_run_s`: the warm-up run of the new engine (its CUDA graph captures included), as an engine rebuilt every step
+pays it. `--tail-mean M`: lengths with an RL rollout's long tail (geometric, mean M, capped at `--new-tokens`,
+the same for every variant): the GRPO step's rollout phase without the driver. `--host-profile`: the engine loop's
+Python, the functions with the most own time in one more run (`host_profile`).
 
 HF `generate` (`hf_s`, `hf_tokens_per_s`: the whole call, prefill included, median of the repeats) runs for every
 batch up to 64; a larger one only with `--hf-all` (else `hf_tokens_per_s` is null and `hf_note` says why). If
@@ -281,7 +282,9 @@ def throughput(a, device, dtype, report):
                                               else "sdpa", overlap=kernels in ("overlap", "full"),
                                               compact_rows=False if kernels == "full" else None))
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
+        t_warm = time.perf_counter()
         native_generate(engine, ids, a.new_tokens, "warm", a.temperature, lengths)
+        first_run_s = time.perf_counter() - t_warm   # a new engine's first run: its graph captures included
         runs, tokens = [], None
         for rep in range(a.repeats):
             timing, tokens = native_generate(engine, ids, a.new_tokens, f"r{rep}", a.temperature, lengths)
@@ -314,7 +317,7 @@ def throughput(a, device, dtype, report):
                "native_tokens_per_s": tokens_out / native_s, "mean_kv_bytes_per_step": kv_bytes,
                "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step if not lengths else None,
                "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile,
-               "response_tokens": tokens_out, "host_profile": host}
+               "response_tokens": tokens_out, "host_profile": host, "first_run_s": first_run_s}
         rows.append(row)
         if kernels != a.kernels[0] or hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,

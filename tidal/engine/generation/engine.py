@@ -272,6 +272,11 @@ class NativeEngine(GenerationEngine):
         self._temp = torch.zeros(per_slot, device=self.device)
         self._top_p = torch.ones(per_slot, device=self.device)
         self._top_k = torch.zeros(per_slot, dtype=torch.long, device=self.device)
+        # their host copies, written as requests come and go and uploaded before the next device work reads them
+        # (`_upload_params`): an element write to a device tensor is a blocking copy, behind every queued step
+        self._params_h: tuple[list[float], list[float], list[int]] = ([0.0] * per_slot, [1.0] * per_slot,
+                                                                      [0] * per_slot)
+        self._params_dirty = False
         self._use_graph = config.cuda_graph and self.device.type == "cuda" and self.tp == 1
         self._overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._launched: _Launched | None = None   # overlap: the decode step launched ahead, not read back yet
@@ -359,7 +364,9 @@ class NativeEngine(GenerationEngine):
             slot = self._slots.index(None)
             self._slots[slot], live.slot = rid, slot
             p = live.request.params
-            self._temp[slot], self._top_p[slot], self._top_k[slot] = p.temperature, p.top_p, p.top_k
+            temp, top_p, top_k = self._params_h
+            temp[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
+            self._params_dirty = True
             if live.pending_kv is not None:
                 live.kv_len = self.cache.write(slot, [(k.to(self.device, self.dtype), v.to(self.device, self.dtype))
                                                       for k, v in live.pending_kv])
@@ -371,6 +378,7 @@ class NativeEngine(GenerationEngine):
             else:
                 jobs.append((live, list(live.request.prompt_ids)))
         self._waiting.extendleft(reversed(skipped))
+        self._upload_params()
         for (live, _), logits in zip(jobs, self._prefill_all(jobs)):
             if live.tokens:   # re-prefilled: the recorded tokens after the prefilled ones replay through decode rows
                 live.replay = deque(live.all_tokens()[live.kv_len:-1])
@@ -493,6 +501,7 @@ class NativeEngine(GenerationEngine):
             rows.append((live, slot, replay <= 0))
         if not rows:
             return None
+        self._upload_params()
         drew = [(lv, lv.generator.get_state()) for lv, _, samples in rows if samples and not lv.request.params.greedy
                 ] if self._overlap else []
         u_list = [0.0] * self.rows   # built on the host, one tensor a step: no per-row tensor writes or syncs
@@ -521,7 +530,8 @@ class NativeEngine(GenerationEngine):
             tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, groups=groups)
         else:
             # one span for the step: the longest active row's keys, bucketed (frozen and empty rows are discarded)
-            span = padded_len(max(pos[i] for i in index) + 1, self.args.max_seq_len)
+            longest = max(pos[i] for i in index) + 1
+            span = self._grid_span(longest) if self._fused_attention else padded_len(longest, self.args.max_seq_len)
             # the fused kernel reads each row's keys 0..pos (empty rows: one key); SDPA the step's span
             keys = sum(p + 1 for p in pos) if self._fused_attention else len(pos) * span
             if self._use_graph and (self._compact or self.rows == self.width):
@@ -531,6 +541,25 @@ class NativeEngine(GenerationEngine):
                 tok, lp = self._decode_forward(*self._to_device(ids_R, pos_R, u, prev_R), filtered, span=span,
                                                slots_R=slots)
         return _Launched(rows, index, drew, keys, *self._read_back(tok, lp))
+
+    def _upload_params(self) -> None:
+        """The slots' sampling params to the device, one asynchronous copy per tensor, stream-ordered before the
+        next prefill or decode step that reads them."""
+        if not self._params_dirty:
+            return
+        self._params_dirty = False
+        temp, top_p, top_k = self._params_h
+        self._temp.copy_(self._host(temp, self._temp.dtype), non_blocking=True)
+        self._top_p.copy_(self._host(top_p, self._top_p.dtype), non_blocking=True)
+        self._top_k.copy_(self._host(top_k, self._top_k.dtype), non_blocking=True)
+
+    def _grid_span(self, keys: int) -> int:
+        """The Triton decode attention's `span` for a step whose longest row reads `keys` keys: it only sizes the
+        kernel's grid (a chunk past a row's position exits at once; the sums do not depend on it), so steps share
+        a few CUDA graphs: chunk counts in powers of two, at most the chunks of max_seq_len."""
+        chunks = -(-keys // decode_attention.CHUNK)
+        most = -(-self.args.max_seq_len // decode_attention.CHUNK)
+        return decode_attention.CHUNK * min(most, 1 << (chunks - 1).bit_length())
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A step input on the host; pinned where overlap copies it to a GPU (an async copy from pageable memory
@@ -687,7 +716,8 @@ class NativeEngine(GenerationEngine):
         live = self._live.pop(rid)
         if live.slot is not None:
             self._slots[live.slot] = None
-            self._temp[live.slot] = 0.0
+            self._params_h[0][live.slot] = 0.0   # inactive slots are greedy (their rows are ignored)
+            self._params_dirty = True
         else:
             self._waiting.remove(rid)
         self._gone[rid] = why
