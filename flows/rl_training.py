@@ -2,14 +2,18 @@
 
     rl_training(request)                         request: config path, typed fields, overrides (a form in the UI)
       run = open_run(request)                    config, database row, MLflow run, warm start, workers
-      for step in range(run.num_steps):
+      keep_host_copy                             actor.redundancy: host: the state before the first step
+      for each step:
           rl_step(run, step)                     subflow "rl-step", flow run name step-N:
               run_step                              generate | score | train iters, streaming on the workers
               sync_weights                          new weights to rollout + inference (next policy version)
               evaluate                              held-out accuracy of those weights (when due)
               record_step                           metrics, events -> MLflow; rows -> database
-              checkpoint                            a resumable checkpoint generation (when due)
+              checkpoint | keep_host_copy           a resumable checkpoint generation (when due), else the host copy
           report_step(run, step, metrics)        a line in this flow run's log; its progress artifact
+          a device lost beyond what the step absorbs (its subflow fails): recover_run, the run goes on in this
+          process from its newest state (on the surviving workers where they can), at the step it names
+          (run.max_restarts times)
       finish_run(run)                            timeline.png, events.json, summary.json
       report_run(run, summary)                   markdown artifact: summary table, the MLflow run's address
       close_run(run, status)                     workers down; MLflow run and database row end as FINISHED/FAILED
@@ -30,8 +34,11 @@ from tasks.training import (
     close_run,
     evaluate,
     finish_run,
+    keep_host_copy,
     open_run,
     record_step,
+    recover_run,
+    recoverable,
     report_run,
     report_step,
     run_step,
@@ -53,6 +60,8 @@ def rl_step(run: OpenedRun, step: int) -> dict[str, float]:
     metrics = record_step(run.key)
     if outcome.checkpoint:
         checkpoint(run.key)
+    else:
+        keep_host_copy(run.key)
     return metrics
 
 
@@ -62,8 +71,14 @@ def rl_training(request: TrainingRequest = TrainingRequest()) -> dict:
     run = open_run(request)
     status = "FAILED"
     try:
-        for step in range(run.num_steps):
-            report_step(run, step, rl_step(run, step))
+        keep_host_copy(run.key)
+        step = 0
+        while step < run.num_steps:
+            try:
+                report_step(run, step, rl_step(run, step))
+                step += 1
+            except recoverable() as failure:
+                step = recover_run(run.key, failure)
         summary = finish_run(run.key)
         report_run(run, summary)
         status = "FINISHED"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -169,6 +169,36 @@ def checkpoint(key: str) -> str:
     return str(_live(key).run.checkpoint())
 
 
+@task(name="keep-host-copy", cache_policy=NO_CACHE)
+def keep_host_copy(key: str) -> str | None:
+    """`actor.redundancy: host`: the run's state into host memory (between steps, where no checkpoint is taken), so
+    that a lost actor device costs only the step in progress; returns its folder (None without redundancy)."""
+    run = _live(key).run
+    return str(run.keep_host_copy()) if run.cfg.actor.redundancy == "host" else None
+
+
+def recoverable() -> tuple[type[BaseException], ...]:
+    """The failures `recover_run` answers (`tidal.pipeline.run.RECOVERABLE`: a device lost beyond what a step
+    absorbs, a hung call)."""
+    from tidal.pipeline.run import RECOVERABLE
+    return RECOVERABLE
+
+
+@task(name="recover-run", cache_policy=NO_CACHE)
+def recover_run(key: str, failure: BaseException) -> int:
+    """A device lost beyond what its step absorbed (`failure`, one of `RECOVERABLE`): the run carries on in this
+    process from its newest state kept (`TrainingRun.recover`: the surviving workers go on where they can). Returns
+    the step to run next; raises the failure again when `run.max_restarts` are spent or no state is kept."""
+    run = _live(key).run
+    if len(run.restarts) >= run.cfg.run.max_restarts or not isinstance(failure, recoverable()):
+        raise failure
+    rec = run.recover(cast(Any, failure))   # one of RECOVERABLE, checked above
+    get_run_logger().warning("device %d (%s) lost: the run goes on from step %d (the %s %s; workers %s)",
+                             rec["device"], rec["role"], rec["resumed_step"], rec["source"],
+                             Path(rec["resumed_from"]).name, rec["workers"])
+    return run.next_step
+
+
 @task(name="record-step", cache_policy=NO_CACHE)
 def record_step(key: str) -> dict[str, float]:
     """The step's metrics and events to MLflow, its rows to the database; a warning the step raised goes to the
@@ -201,6 +231,7 @@ def close_run(key: str, status: str) -> None:
         return
     try:
         live.run.close()
+        live.run.drop_host_copy()
     finally:
         out = Path(live.run.out_dir)
         live.tracking.close(status, [out / n for n in ("timeline.png", "summary.json", "events.json")])

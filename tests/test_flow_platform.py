@@ -174,3 +174,46 @@ def test_a_bad_request_fails_its_flow_run_before_any_run_exists(local_prefect, t
         state.result()
     assert info.value.field == field and "Fix:" in str(info.value)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "tidal.db").exists()
+
+
+def test_a_flow_run_carries_on_when_the_actors_worker_is_killed(local_prefect, tmp_path, monkeypatch):
+    """`actor.redundancy: host`: the actor's worker (device 0) is killed as step 2 starts; its subflow fails, the
+    flow recovers in process (`recover-run`: the surviving workers go on from the host copy kept after step 1, the
+    actor on a rollout device) and runs step 2 again; the flow run finishes, with one restart in its summary and
+    the host copy's memory given back."""
+    import signal
+    import threading
+
+    from flows.rl_training import rl_training
+    from tasks import registry
+    from tasks.requests import TrainingRequest
+    for var in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    killed: list[int] = []
+
+    def kill_as_step_2_starts():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            for key in registry.live():
+                try:
+                    run = registry.get(key, "run").run
+                except LookupError:
+                    continue
+                st = getattr(run.pipe, "step_state", None)
+                if st is not None and st.step == 1:   # step 2 under way: the copy of step 1's end is kept
+                    killed.append(run.group.pid(0))
+                    os.kill(killed[0], signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+    killer = threading.Thread(target=kill_as_step_2_starts, daemon=True)
+    killer.start()
+    overrides = [*_tracking(tmp_path)[:-1], "run.name=kept", "actor.redundancy=host", "run.max_restarts=1",
+                 "cluster.replace_failed=false"]
+    state = rl_training(TrainingRequest(config=str(TINY), overrides=overrides), return_state=True)
+    killer.join(timeout=1)
+    summary = state.result()
+    assert killed, "the actor's worker was never killed"
+    (restart,) = summary["restarts"]
+    assert restart["workers"] == "kept" and restart["device"] == 0 and restart["resumed_step"] == 1, restart
+    assert restart["source"] == "host copy" and restart["layout_to"] == "tp=1,dp=1,devices=2", restart
+    assert not Path(restart["resumed_from"]).parent.exists()   # close-run gave the copy's memory back

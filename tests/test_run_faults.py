@@ -2,9 +2,8 @@
 same process with its surviving workers from its newest checkpoint (`run.max_restarts`; tidal/pipeline/survivors.py);
 the second time, restarts spent, it ends on record (exit 1, database `failed`, one line naming the device and how to
 resume). Resumed from its last checkpoint it ends with the same weights, bit for bit, as a run that was never
-interrupted: the steps run again were exact too. With `actor.redundancy: host` and no checkpoint before the end, the
-run carries on from the copy kept in host memory after the last step and ends with the uninterrupted run's
-weights."""
+interrupted: the steps run again were exact too. (Recovery from `actor.redundancy: host`'s copy, in process and
+through the Prefect flow: tests/test_survivors.py, tests/test_flow_platform.py.)"""
 
 import json
 import os
@@ -94,12 +93,16 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
     # the actor's devices, 0 and 1 (a lost rollout or inference device is recovered within the step:
     # tests/test_faults.py); the first kill carries on with device 1 from the checkpoint of step 1, the second,
     # restarts spent, ends the run on record
-    rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/killed", "run.max_restarts=1", *track],
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/killed", "run.max_restarts=1", *track,
+                                   "actor.redundancy=host", f"actor.redundancy_dir={shm}"],
                      [(f"step   1/{STEPS}", 0), (f"step   2/{STEPS}", 1)], timeout=180)
     said = log.read_text()
     assert rc == 1, said[-3000:]
     assert said.count("continuing on the survivors") == 1 and "died" in said and "--resume" in said, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
+    assert not list(shm.iterdir())   # the host copy's memory is given back when the run ends, failed or not
     from sqlalchemy import create_engine, text
     with create_engine(f"sqlite:///{tmp_path}/tidal.db").connect() as conn:
         assert conn.execute(text("SELECT status FROM runs")).scalar_one() == "failed"
@@ -107,26 +110,11 @@ def test_a_killed_actor_worker_restarts_the_run_then_fails_it_on_record_and_resu
         assert [tuple(f) for f in faults] == [("failed", 0), ("recovered", 0)], faults   # the restart
         steps = [r[0] for r in conn.execute(text("SELECT step FROM steps ORDER BY step"))]
         assert steps == [0, 1], steps   # each step recorded once, the restarted one included
+        moves = [tuple(m) for m in conn.execute(text("SELECT device_id, to_owner, time FROM device_transitions"))]
+        assert len(moves) == len(set(moves)) and (0, "failed") in {m[:2] for m in moves}, moves   # once each
 
     (ckpt,) = (tmp_path / "killed").glob("addition-dynamic-*/checkpoints")
     resumed = _train(config, f"run.output_dir={tmp_path}/resumed", "--no-track", "--resume", str(ckpt), "--json",
                      f"{tmp_path}/resumed.json")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "resumed.json").read_text())["final_weights_sha"] == want
-
-    # actor.redundancy: host, no checkpoint before the end: the kill in step 2 carries on from the host copy kept
-    # after step 1 (or, if it lands in that copy's write, from the one kept before step 1), and the run ends with
-    # the uninterrupted run's weights
-    log = tmp_path / "redundant.log"
-    rc = _killed_run(config, log, [f"run.output_dir={tmp_path}/redundant", "run.checkpoint_every=0",
-                                   "actor.redundancy=host", "run.max_restarts=1", "--no-track", "--json",
-                                   f"{tmp_path}/redundant.json"], [(f"step   1/{STEPS}", 0)], timeout=240)
-    said = log.read_text()
-    assert rc == 0, said[-3000:]
-    summary = json.loads((tmp_path / "redundant.json").read_text())
-    (restart,) = summary["restarts"]
-    # no finished step is run again (one, if the kill landed in the write of the copy after step 1)
-    assert restart["source"] == "host copy" and restart["steps_redone"] in (0, 1), restart
-    assert restart["workers"] == "kept" and restart["layout_to"] == "tp=1,dp=1,devices=1", restart
-    assert summary["final_weights_sha"] == want
-    assert not Path(restart["resumed_from"]).parent.exists()   # the copy's memory is given back when the run ends

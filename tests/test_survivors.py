@@ -70,7 +70,7 @@ BASE = {
     "run": {"num_steps": 3, "seed": 5, "checkpoint_every": 0, "max_restarts": 1},
     "cluster": {"num_devices_per_node": 6, "component_placement": {"actor": "0-1", "rollout": "2-3",
                                                                     "inference": "4-5"},
-                "auto_scheduler": True},
+                "auto_scheduler": True, "failure_timeout_s": 15},
     "scheduler": {"policy": "tidal"},
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64,
               "max_seq_len": 32},
@@ -163,6 +163,7 @@ def test_an_actor_worker_killed_in_its_iter_costs_the_step_not_the_run(out, clea
 
 @pytest.mark.slow
 def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, clean):
+    """The actor's second worker killed as the tidal policy's reshard onto rollout devices is handed out."""
     killed = []
 
     def arm(run):
@@ -179,7 +180,15 @@ def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, cle
 
     sha, run, pids = _train(out, "actor-reshard", arm)
     assert killed
-    _carried_on(run, pids, 1)
+    (rec,) = run.restarts
+    assert rec["device"] == 1 and rec["source"] == "host copy" and rec["steps_redone"] == 0, rec
+    # a survivor the kill leaves blocked in the reshard's collective (on a peer that gave up, not on the dead rank)
+    # is lost after cluster.failure_timeout_s; when the others then cannot hold every component, every worker is
+    # replaced. Either way the run ends as the run without the fault.
+    if rec["workers"] == "kept":
+        _carried_on(run, pids, 1)
+    else:
+        assert rec["workers"] == "replaced", rec
     assert sha == clean
 
 

@@ -500,12 +500,11 @@ class RunConfig(Section):
                     "0: only at the end (RLinf: runner.save_interval).")
     max_restarts: int = Field(
         2, ge=0, le=1000,
-        description="Times a run recovers in process after losing a device beyond what a step absorbs (an actor "
-                    "device, a device lost outside a step's streaming loop, the last device of a component, a hung "
-                    "call): from its newest checkpoint (or actor.redundancy's copy), the steps since run again; the "
-                    "surviving workers carry on with the lost rank left out (no worker started) where they can, "
-                    "else every worker is replaced. 0: the run ends on record and `--resume` continues it. Needs "
-                    "checkpoints (run.checkpoint_every) or actor.redundancy.")
+        description="Times a run recovers in process from a device lost beyond what a step absorbs (an actor "
+                    "device, a loss outside a step's streaming loop, a component's last device, a hung call): from "
+                    "its newest checkpoint or actor.redundancy's copy, the steps since run again, on the surviving "
+                    "workers where they can carry on, else on new ones. 0: the run ends on record and `--resume` "
+                    "continues it.")
     save_hf: bool = Field(
         False,
         description="With each checkpoint also write the model as a Hugging Face directory `<run folder>/hf/step-N` "

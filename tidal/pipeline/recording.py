@@ -25,6 +25,7 @@ def _layout(text: str) -> dict:
 class DbRecorder:
     def __init__(self, engine, run_id: int, policy: str):
         self.engine, self.run_id, self.policy = engine, run_id, policy
+        self._moves_written = 0   # rows of the current ledger's (append-only) history already recorded
 
     def step(self, step: int, res, metrics: dict) -> None:
         with session_scope(self.engine) as s:
@@ -59,14 +60,20 @@ class DbRecorder:
                         else ("ok" if ev.get("ok") else f"failed: {ev.get('error')}"))
 
     def transitions(self, history) -> None:
+        """The ledger's moves not recorded yet."""
+        new = list(history)[self._moves_written:]
+        self._moves_written += len(new)
         with session_scope(self.engine) as s:
-            repo.record_transitions(s, self.run_id, history)
+            repo.record_transitions(s, self.run_id, new)
 
-    def restart(self, failed: dict, restarted: dict, history) -> None:
-        """A run restarted from a checkpoint: the failure and the restart as fault rows (`failed`, `recovered`),
-        the lost pipeline's ledger history, and the steps it will run again forgotten."""
+    def restart(self, failed: dict, restarted: dict, history, new_ledger: bool) -> None:
+        """A run resumed from a checkpoint in process: the ledger's moves so far (with `new_ledger`, the lost
+        pipeline's whole history: the next pipeline's ledger starts anew), the failure and the recovery as fault
+        rows (`failed`, `recovered`), and the steps it will run again forgotten."""
+        self.transitions(history)
+        if new_ledger:
+            self._moves_written = 0
         with session_scope(self.engine) as s:
-            repo.record_transitions(s, self.run_id, history)
             for ev, kind in ((failed, "failed"), (restarted, "recovered")):
                 repo.record_fault(s, self.run_id, step=ev["step"], time=float(ev["time"]), kind=kind,
                                   device_id=ev["device"], role=ev["role"], reason=ev["reason"],

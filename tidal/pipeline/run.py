@@ -43,6 +43,7 @@ from tidal.pipeline.driver import Pipeline
 from tidal.pipeline.preflight import Preflight, host_copy_root, preflight
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
+from tidal.pipeline.survivors import NoSurvivors, continue_on_survivors, refusal
 from tidal.tracking import NullSink
 from tidal.workers.errors import WorkerDied, WorkerError, WorkerTimeout
 from tidal.workers.roles import RunSpec
@@ -55,6 +56,8 @@ if TYPE_CHECKING:   # imported where used (the driver, the workers' runtime): no
     from tidal.workers.runtime import WorkerGroup
 
 log = logging.getLogger("tidal.run")
+#: the failures `TrainingRun.recover` answers: a device lost beyond what a step absorbs, or a call hung past its limit
+RECOVERABLE: tuple[type[WorkerError], ...] = (WorkerDied, WorkerTimeout)
 
 
 @dataclass
@@ -404,7 +407,6 @@ class TrainingRun:
         where they cannot (a hung call, the megatron backend, a shared placement, a component with no device
         left) every worker is replaced (`restart`). Returns the record (also in the summary, the events table,
         the database's faults); raises `failure` again when nothing is kept."""
-        from tidal.pipeline.survivors import NoSurvivors, continue_on_survivors, refusal
         found = self._newest_kept()
         if found is None:
             raise failure
@@ -422,7 +424,8 @@ class TrainingRun:
                 self.next_step = moved["resumed_step"]
                 return self._restarted(failure, device, role, failed_step, now, t0, ckpt, source,
                                        {"workers": "kept", **{k: moved[k] for k in (
-                                           "layout_from", "layout_to", "borrowed", "lost", "abandon_s", "load_s")}})
+                                           "layout_from", "layout_to", "borrowed", "lost", "abandon_s", "load_s",
+                                           "bytes")}}, self._pipe.ledger.history, new_ledger=False)
         log.warning("step %d: the survivors cannot carry on (%s): every worker is replaced", self.next_step, why)
         return self.restart(failure, ckpt, source)
 
@@ -439,12 +442,12 @@ class TrainingRun:
         self.open(resume_from=ckpt, checked=(self.inputs, self.kind))
         self.t_run, self.n_moves_logged = t_run, 0   # the run's wall clock goes on; a new ledger's moves
         return self._restarted(failure, device, role, failed_step, now, t0, ckpt, source, {"workers": "replaced"},
-                               history)
+                               history, new_ledger=True)
 
     def _restarted(self, failure: WorkerError, device: int, role: str, failed_step: int, now: float, t0: float,
-                   ckpt: Path, source: str, detail: dict, history: list | None = None) -> dict:
+                   ckpt: Path, source: str, detail: dict, history: list, new_ledger: bool) -> dict:
         """The bookkeeping of a recovery: per-step figures of the steps to run again dropped; the failure and the
-        restart recorded (sink, database, summary)."""
+        restart recorded (sink, database with the ledger's moves so far, summary)."""
         keep = self.next_step - self.first_step
         del self.rewards[keep:], self.step_s[keep:]
         failed = {"kind": "device_failed", "step": failed_step, "time": now, "device": device, "role": role,
@@ -456,7 +459,7 @@ class TrainingRun:
         for ev in (failed, record):
             self.sink.log_event(ev["kind"], table_fields(ev))
         if self.recorder:
-            self.recorder.restart(failed, record, list(self._pipe.ledger.history) if history is None else history)
+            self.recorder.restart(failed, record, history, new_ledger)
         self.restarts.append(record)
         return record
 
@@ -492,7 +495,7 @@ def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
                         run.checkpoint()
                     elif host:
                         run.keep_host_copy()
-            except (WorkerDied, WorkerTimeout) as failure:
+            except RECOVERABLE as failure:
                 if len(run.restarts) >= cfg.run.max_restarts:
                     raise
                 run.recover(failure)

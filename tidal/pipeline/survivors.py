@@ -176,10 +176,11 @@ def continue_on_survivors(pipe, died: WorkerDied, generation: Path) -> dict:
     now = pipe.clock()
     for f in failures:
         c.timeline.add_recovery(f.device, f"continued on survivors {now - f.time:.2f}s", f.time, now)
+    loaded = sum(f.stat().st_size for f in Path(generation).rglob("*") if f.is_file())
     record = {"layout_from": str(old), "layout_to": str(place.layout), "borrowed": list(place.borrowed),
               "freed": list(place.freed), "rollout": list(place.rollout), "inference": list(place.inference),
               "lost": sorted(f.device for f in failures), "calls_lost": calls_lost, "abandon_s": abandon_s,
-              "load_s": load_s, "resumed_step": step, "seconds": now - t0}
+              "load_s": load_s, "bytes": loaded, "resumed_step": step, "seconds": now - t0}
     c.record("continue_on_survivors", step=step, **record)
     log.warning("device %d lost (%s): continuing on the survivors, actor %s -> %s, from %s (step %d) in %.2fs",
                 died.device_id, died.reason, old, place.layout, generation, step, now - t0)
