@@ -127,13 +127,36 @@ def _kill(pipe, device: int) -> None:
     os.kill(pipe.group.pid(device), signal.SIGKILL)
 
 
-def _carried_on(run, pids, lost: int) -> dict:
-    """The one recovery: in place, same workers (no process started), the lost device FAILED and in no role."""
+def _kill_on_call(killed: list[int], victim: int, when):
+    """An `arm` for `_train`: SIGKILL `victim`'s worker once, right after the first call to any device for which
+    `when(pipe, fn, kwargs)` holds is handed out (that device is appended to `killed`)."""
+    def arm(run):
+        pipe = run.pipe
+        submit = pipe.group.submit
+
+        def spy(device, fn, /, **kw):
+            h = submit(device, fn, **kw)
+            if not killed and when(pipe, fn, kw):
+                killed.append(device)
+                _kill(pipe, victim)
+            return h
+        pipe.group.submit = spy
+    return arm
+
+
+def _carried_on(run, pids, lost: int, more_lost_ok: bool = False) -> dict:
+    """The one recovery: in place, same workers (no process started), the lost device FAILED and in no role.
+    `more_lost_ok`: a survivor stuck after the loss may have been lost as well (then it too is out of the world)."""
     (rec,) = run.restarts
     assert rec["workers"] == "kept" and rec["source"] == "host copy", rec
     assert rec["device"] == lost and rec["steps_redone"] == 0, rec
     g = run.pipe.group
-    assert {d: g.pid(d) for d in g.world_ids} == {d: p for d, p in pids.items() if d != lost}
+    now = {d: g.pid(d) for d in g.world_ids}
+    before = {d: p for d, p in pids.items() if d != lost}
+    if more_lost_ok:
+        assert lost not in now and now.items() <= before.items() and now, (now, before)
+    else:
+        assert now == before
     assert run.pipe.ledger.owner(lost) is Owner.FAILED and lost not in run.pipe.cluster.actor_layout.devices
     return rec
 
@@ -164,20 +187,8 @@ def test_an_actor_worker_killed_in_its_iter_costs_the_step_not_the_run(out, clea
 @pytest.mark.slow
 def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, clean):
     """The actor's second worker killed as the tidal policy's reshard onto rollout devices is handed out."""
-    killed = []
-
-    def arm(run):
-        pipe = run.pipe
-        submit = pipe.group.submit
-
-        def spy(device, fn, /, **kw):
-            h = submit(device, fn, **kw)
-            if fn is roles.actor_reshard and pipe.step_state.step == 1 and not killed:
-                killed.append(device)
-                _kill(pipe, 1)
-            return h
-        pipe.group.submit = spy
-
+    killed: list[int] = []
+    arm = _kill_on_call(killed, 1, lambda pipe, fn, kw: fn is roles.actor_reshard and pipe.step_state.step == 1)
     sha, run, pids = _train(out, "actor-reshard", arm)
     assert killed
     (rec,) = run.restarts
@@ -186,7 +197,7 @@ def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, cle
     # is lost after cluster.failure_timeout_s; when the others then cannot hold every component, every worker is
     # replaced. Either way the run ends as the run without the fault.
     if rec["workers"] == "kept":
-        _carried_on(run, pids, 1)
+        _carried_on(run, pids, 1, more_lost_ok=True)
     else:
         assert rec["workers"] == "replaced", rec
     assert sha == clean
@@ -196,20 +207,8 @@ def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, cle
 def test_an_actor_worker_killed_in_a_checkpoint_write_costs_the_step_not_the_run(out, clean):
     """The write of the host copy after step 1: its partial generation is removed, the run goes on from the copy
     kept after step 0 and runs step 1 again."""
-    killed = []
-
-    def arm(run):
-        pipe = run.pipe
-        submit = pipe.group.submit
-
-        def spy(device, fn, /, **kw):
-            h = submit(device, fn, **kw)
-            if fn is roles_ckpt.actor_save and kw["gen"] == 2 and not killed:
-                killed.append(device)
-                _kill(pipe, 0)
-            return h
-        pipe.group.submit = spy
-
+    killed: list[int] = []
+    arm = _kill_on_call(killed, 0, lambda pipe, fn, kw: fn is roles_ckpt.actor_save and kw["gen"] == 2)
     sha, run, _ = _train(out, "actor-ckpt", arm)
     assert killed
     (rec,) = run.restarts
