@@ -198,37 +198,36 @@ def gpu_h200_1p5b() -> CostModel:
 
 
 def gpu_h200() -> CostModel:
-    """One H200 + a Qwen2.5-1.5B-shaped model (bf16), fitted to measurements of this system on that machine:
+    """One H200 + a Qwen2.5-1.5B-shaped model (bf16), fitted to measurements of this system on that machine
+    (`scheduler/costs_h200.py` names the result files and refits every figure; tests hold the two equal):
 
-    - decode (benchmarks/results/rollout/2026-12-03_2720a78_h200.json, the engine's fused kernels, batch 64 and
-      256, prompt 256, ms per step over windows of 128 steps as the context grows 320 -> 1,088): least squares of
-      t = step_s + per_seq_s x batch + per_seq_token_s x batch x context over the 14 windows (largest residual
-      2.4%): 2.47 ms + 8.5 us per sequence + 10.6 ns per sequence-token of context. The fixed term is about
-      2.4x the weights' read at the measured copy bandwidth (4.24 TB/s): launches and the host's per-step work,
-      not bytes. per_seq_s takes the context term at a 1,024-token mean context (19.4 us; the measured range
-      ends at 1,088, the RLinf example's responses run longer);
-    - prefill 9.3 us/token (16,384 and 65,536 prompt tokens in batched prefills, eager kernels:
-      benchmarks/results/rollout/2026-12-03_9af554b_h200.json);
+    - decode with the engine's default CUDA kernels: 2.09 ms + 6.11 us per sequence + 7.29 ns per sequence-token
+      of context (least squares over 14 windows of batch 64 and 256 as the context grows 320 -> 1,088; largest
+      residual 1.4%), the context term folded in at a 1,024-token mean context: 13.6 us per sequence. The fixed
+      term is 2.8x the weights' read at the measured copy bandwidth (0.74 ms at 4.15 TB/s): kernels that wait on
+      latency, not bytes;
+    - prefill 13.6 us/token (the same run's batched prefills, 81,920 prompt tokens);
     - actor 31.0 us/token (32,288 tokens/s, MFU 42.2%: 8 x 2,048-token sequences per micro-batch, 2 micro-batches
-      an iter, the optimizer step included; benchmarks/results/train_throughput/2026-12-03_923f3cf_h200.json);
-    - inference 10.0 us/token (411,648 padded tokens in 4.13 s, the scoring phase of one GRPO step of 64 x 8
-      responses; benchmarks/results/collocated/2026-12-03_9af554b_h200.json); weight sync 0.49 s there;
-    - reshard: 276 GB/s into a device and 30 ms fixed (2 x H200, a 7B-shaped state's DP 1 -> 2: 47 GB in 0.17 s;
-      1B cases 26-48 ms; benchmarks/results/reshard/2026-11-29_56e02d6_2xh200_{1b,7b}.json);
-    - lend / return: the measured hand-over (0.45 s offload, 0.41 s onload of the actor's 20 GiB at ~49 GB/s)
-      plus the derived preset's 1 s instance start or stop. Gradient all-reduce, inter-node links and KV moves
-      across instances are `gpu_h200_1p5b`'s derivations (one GPU measures none of them).
+      an iter, the optimizer step included);
+    - scoring 10.6 us/token (the scoring phase of one collocated GRPO step of 64 x 8 responses); that step's weight
+      sync 0.56 s and hand-over (0.48 s offload, 0.43 s onload of the actor's state), plus the derived preset's 1 s
+      instance start or stop;
+    - reshard: 28 ms + the busiest device's bytes at 355 GB/s (12 cases of 1B- and 7B-shaped states on 2 x H200;
+      the form is within 60%: a whole state onto one new device runs at the link's 343 GB/s, a split at ~0.6 of
+      it).
+    Gradient all-reduce, inter-node links and KV moves across instances keep `gpu_h200_1p5b`'s derivations (one
+    GPU measures none of them).
     """
     p = 1.54e9
     derived = gpu_h200_1p5b()
     return replace(
         derived, name="gpu-h200",
-        decode=DecodeCost(step_s=2.47e-3, per_seq_s=8.5e-6 + 10.6e-9 * 1024, prefill_per_token_s=9.3e-6),
-        inference=InferenceCost(per_token_s=10.0e-6, tp_eff=0.9, per_group_s=0.01),
+        decode=DecodeCost(step_s=2.09e-3, per_seq_s=6.11e-6 + 7.29e-9 * 1024, prefill_per_token_s=13.6e-6),
+        inference=InferenceCost(per_token_s=10.6e-6, tp_eff=0.9, per_group_s=0.01),
         actor=replace(derived.actor, train_per_token_s=31.0e-6, iter_fixed_s=0.0),
-        reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=276e9, inter_node_bw=50e9,
-                            devices_per_node=8, fixed_s=0.03),
-        lend_s=1.45, return_s=1.41, sync_fixed_s=0.49 - 2 * p / 450e9,
+        reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=355e9, inter_node_bw=50e9,
+                            devices_per_node=8, fixed_s=0.028),
+        lend_s=1.48, return_s=1.43, sync_fixed_s=0.56 - 2 * p / 450e9,
     )
 
 
