@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-SOURCES = {
-    "decode": "rollout/2026-12-03_2886162_h200.json",
-    "actor": "train_throughput/2026-12-03_923f3cf_h200.json",
-    "collocated": "collocated/2026-12-03_2e88f4d_h200.json",
+SOURCES: dict[str, tuple[str, ...]] = {   # result files (under RESULTS) of each kind of figure
+    "decode": ("rollout/2026-12-03_2886162_h200.json",),
+    "actor": ("train_throughput/2026-12-03_923f3cf_h200.json",),
+    "collocated": ("collocated/2026-12-03_2e88f4d_h200.json",),
     "reshard": ("reshard/2026-11-29_56e02d6_2xh200_1b.json", "reshard/2026-11-29_56e02d6_2xh200_7b.json"),
 }
 MEAN_CONTEXT = 1024  #: the context at which the preset folds the decode's context term into per_seq_s
@@ -77,7 +77,7 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> tuple[np.ndarray, float]:
 
 def fit(root: Path = RESULTS) -> H200Fit:
     """The figures of `gpu_h200()` from the result files in `SOURCES` (module doc)."""
-    dec = _load(SOURCES["decode"], root)
+    dec = _load(SOURCES["decode"][0], root)
     end = dec["prompt_len"] + dec["new_tokens"]
     rows, ys = [], []
     for run in dec["throughput"]:
@@ -92,8 +92,8 @@ def fit(root: Path = RESULTS) -> H200Fit:
     prefill = (sum(r["prefill_s"] for r in dec["throughput"])
                / sum(r["batch"] * dec["prompt_len"] for r in dec["throughput"]))
 
-    act = _load(SOURCES["actor"], root)
-    col = _load(SOURCES["collocated"], root)
+    act = _load(SOURCES["actor"][0], root)
+    col = _load(SOURCES["collocated"][0], root)
     (variant,) = col["variants"].values()
 
     cases = [c for rel in SOURCES["reshard"] for c in _load(rel, root)["cases"]]
