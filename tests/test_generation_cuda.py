@@ -14,7 +14,7 @@ import torch
 
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
 from tidal.engine.generation.decode_attention import decode_attention_fused
-from tidal.engine.model import ModelArgs, Transformer, init_global_weights
+from tidal.engine.model import ModelArgs, Transformer, init_global_weights, rope_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -158,6 +158,46 @@ def test_triton_decode_attention_is_attention_and_depends_on_the_row_only(heads,
     q2[0] = randn(heads, head_dim)
     again = decode_attention_fused(q2, k_new, v_new, k_cache.clone(), v_cache.clone(), rows, pos, span=1100)
     assert torch.equal(again[1:], out[1:])
+
+
+def test_triton_decode_attention_applies_rope_as_the_compiled_rope_qk_does():
+    """q and the new K passed unrotated, as strided views of one packed projection, with the rows' cos/sin: the
+    result is the kernel's on q and K rotated by the fp32 math rounded once (what Inductor compiles `rope_qk`
+    to), up to one rounding of a rotated element (the compilers may contract the products differently)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r, heads, kv_heads, d, slots, seq = 5, 12, 2, 128, 6, 1100
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    qkv = randn(r, (heads + 2 * kv_heads) * d)
+    q, k, v = (x.view(r, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1))
+    pos = torch.tensor([0, 255, 256, 700, 1023], device="cuda")
+    rows = torch.tensor([4, 0, 1, 5, 2], device="cuda")
+    shape = ModelArgs(vocab_size=64, num_heads=heads, num_kv_heads=kv_heads, hidden_size=heads * d, max_seq_len=seq,
+                      rope_theta=1e6)
+    cos_t, sin_t = rope_tables(shape, "cuda")
+    cos, sin = cos_t[pos].to(torch.bfloat16), sin_t[pos].to(torch.bfloat16)
+
+    def rotated(x):
+        rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return (x.float() * cos[:, None].float() + rot.float() * sin[:, None].float()).to(torch.bfloat16)
+
+    k_cache, v_cache = randn(slots, kv_heads, seq, d), randn(slots, kv_heads, seq, d)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    want = decode_attention_fused(rotated(q), rotated(k), v, kc1, vc1, rows, pos, span=1024)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    got = decode_attention_fused(q, k, v, kc2, vc2, rows, pos, span=1024, cos_RD=cos, sin_RD=sin)
+    assert torch.equal(vc1, vc2)
+    ulp = 2.0 ** -7 * kc1.float().abs().clamp_min(2.0 ** -60)
+    assert ((kc1.float() - kc2.float()).abs() <= ulp).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # the rotation's rows are the rows' own: another row's position changes no bit of a row
+    pos2, cos2, sin2 = pos.clone(), cos.clone(), sin.clone()
+    pos2[0], cos2[0], sin2[0] = 9, cos_t[9].to(torch.bfloat16), sin_t[9].to(torch.bfloat16)
+    again = decode_attention_fused(q, k, v, k_cache.clone(), v_cache.clone(), rows, pos2, span=1024, cos_RD=cos2,
+                                   sin_RD=sin2)
+    assert torch.equal(again[1:], got[1:])
 
 
 def test_compact_rows_compute_the_active_requests_only_and_what_holds_across_buckets():

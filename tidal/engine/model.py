@@ -263,8 +263,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.d).transpose(1, 2)
-        q, k = kernels.rope_qk(q, k, cos, sin)
         attend = getattr(kv_cache, "attend", None)
+        if attend is not None and getattr(kv_cache, "rotates_qk", False):
+            out = attend(layer, q, k, v, cos, sin)   # a fused decode step: its kernel applies RoPE too
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d))
+        q, k = kernels.rope_qk(q, k, cos, sin)
         if attend is not None:   # a decode step: the cache writes the new K/V and attends over what each row needs
             out = attend(layer, q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.d))

@@ -13,6 +13,11 @@ every row's keys up to the longest row and, on an H200, spends 2.3x the time of 
         Chunks past a row's length exit at once: a row reads its own keys, not the step's span.
     stage 2, grid (rows, heads):  the row's chunks combined in order 0, 1, ... (a sequential loop).
 
+With `cos`/`sin` (the rows' RoPE tables at their positions, in the compute dtype) stage 1 also applies RoPE to
+q and the new K as it loads them (x * cos + rotate_half(x) * sin in fp32, rounded once to the input dtype: the
+math of the compiled `rope_qk`), which saves the step one launch per layer; q, K and V may then be strided views
+of the packed q/k/v projection.
+
 Invariant (what makes the kernel safe for a step-wide CUDA graph): a row's output depends only on its q, its
 slot's keys 0..pos and pos itself, never on the step's span, the other rows, or the grid size: the chunk
 boundaries are fixed multiples of CHUNK and the combine order is fixed. The math is attention in fp32
@@ -47,9 +52,9 @@ def _kernels():
 
     @triton.jit
     def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_ss, c_sh, c_sp,
-               slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale,
+               slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale, cos_ptr, sin_ptr, cs_sr,
                G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
-               BLOCK_N_: tl.constexpr):
+               BLOCK_N_: tl.constexpr, ROPE: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         c = tl.program_id(2)
@@ -65,6 +70,16 @@ def _kernels():
                         other=0.0)
             k_new = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + offs_d)
             v_new = tl.load(vn_ptr + row * vn_sr + vn_sh * kvh + offs_d)
+            if ROPE:   # rotate_half(x)[d] = -x[d + D/2] below D/2, x[d - D/2] above
+                partner = (offs_d + D // 2) % D
+                sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+                cs = tl.load(cos_ptr + row * cs_sr + offs_d).to(tl.float32)
+                sn = tl.load(sin_ptr + row * cs_sr + offs_d).to(tl.float32) * sign
+                q_p = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + partner[None, :], mask=gmask[:, None],
+                              other=0.0)
+                q = (q.to(tl.float32) * cs[None, :] + q_p.to(tl.float32) * sn[None, :]).to(q_p.dtype)
+                k_p = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + partner)
+                k_new = (k_new.to(tl.float32) * cs + k_p.to(tl.float32) * sn).to(k_p.dtype)
             cache = slot * c_ss + kvh * c_sh
             end = tl.minimum(start + CHUNK_, pos + 1)
             if pos < start + CHUNK_:   # this chunk holds the row's own key: store it for later steps
@@ -123,12 +138,14 @@ def _kernels():
 
 def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_RKD: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots_R: torch.Tensor, pos_R: torch.Tensor,
-                           span: int, *, chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                           span: int, cos_RD: torch.Tensor | None = None, sin_RD: torch.Tensor | None = None, *,
+                           chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES) -> torch.Tensor:
     """out [R, H, D] of one decode step; also writes each row's new K/V at [slot, :, pos] of the caches
-    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1). The keyword arguments are
-    the launch's tuning knobs (`benchmarks/decode_attention.py` sweeps them); `chunk` and `block_n` are part of
-    the numerics (they set the order of the sums), the warps and stages are not."""
+    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1). `cos_RD`/`sin_RD`: RoPE
+    applied to q and the new K here (module doc); None: they arrive rotated. The keyword arguments are the
+    launch's tuning knobs (`benchmarks/decode_attention.py` sweeps them); `chunk` and `block_n` are part of the
+    numerics (they set the order of the sums), the warps and stages are not."""
     import triton
 
     r, h, d = q_RHD.shape
@@ -137,6 +154,15 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         raise ValueError("decode_attention_fused: q and the new K/V need a contiguous head dim")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("decode_attention_fused: the KV caches must be contiguous")
+    if cos_RD is not None and sin_RD is not None:
+        if cos_RD.shape != (r, d) or sin_RD.shape != (r, d) or cos_RD.stride() != sin_RD.stride() \
+                or cos_RD.stride(-1) != 1:
+            raise ValueError("decode_attention_fused: cos/sin are [rows, head_dim] with a contiguous head dim")
+        rope, cs, sn, cs_sr = True, cos_RD, sin_RD, cos_RD.stride(0)
+    elif cos_RD is None and sin_RD is None:
+        rope, cs, sn, cs_sr = False, q_RHD, q_RHD, 0   # unread pointers
+    else:
+        raise ValueError("decode_attention_fused: RoPE takes both cos and sin")
     g = h // kv
     max_chunks = triton.cdiv(span, chunk)
     mid_o = torch.empty((r, h, max_chunks, d), dtype=torch.float32, device=q_RHD.device)
@@ -148,8 +174,9 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n, num_warps=num_warps,
-        num_stages=num_stages)
+        cs, sn, cs_sr,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n, ROPE=rope,
+        num_warps=num_warps, num_stages=num_stages)
     stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=chunk,
                    num_warps=1)
     return out

@@ -144,6 +144,9 @@ class _Decoder:
         if fused and span is None:
             raise ValueError("the fused decode attention takes one span, not row groups")
         self.cache, self.positions, self.span, self.groups, self.fused = cache, positions_R, span, groups, fused
+        #: the fused kernel applies RoPE to q and the new K itself (the model passes them unrotated, with the
+        #: rows' cos/sin): one launch a layer fewer
+        self.rotates_qk = fused
         self.gather = row_slot_R is not None
         device = positions_R.device
         self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=device)
@@ -162,11 +165,16 @@ class _Decoder:
         self.write_rows = ((self.slots[:, None] * cache.num_kv_heads + heads[None, :]) * cache.max_seq_len
                            + positions_R[:, None]).reshape(-1)
 
-    def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor,
+               cos_R1D: torch.Tensor | None = None, sin_R1D: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's attention output [R, H, 1, D]; q and the new K come unrotated with the rows' cos/sin
+        ([R, 1, D]) when `rotates_qk`, rotated otherwise."""
         k, v = self.cache.k[layer], self.cache.v[layer]
         if self.fused:
+            if cos_R1D is None or sin_R1D is None:
+                raise ValueError("the fused decode step applies RoPE: pass the rows' cos and sin")
             out = decode_attention_fused(q_RH1D[:, :, 0], k_RK1D[:, :, 0], v_RK1D[:, :, 0], k, v, self.slots,
-                                         self.positions, cast(int, self.span))
+                                         self.positions, cast(int, self.span), cos_R1D[:, 0], sin_R1D[:, 0])
             return out[:, :, None]
         d = self.cache.head_dim   # padding rows collide in the dummy slot: garbage, never read unmasked
         k.view(-1, d).index_copy_(0, self.write_rows, k_RK1D.reshape(-1, d))
