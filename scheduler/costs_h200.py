@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler.costs import gpu_h200
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 SOURCES: dict[str, tuple[str, ...]] = {   # result files (under RESULTS) of each kind of figure
     "decode": ("rollout/2026-12-03_2886162_h200.json",),
@@ -111,8 +113,6 @@ def fit(root: Path = RESULTS) -> H200Fit:
 
 def preset_figures(f: H200Fit) -> dict[str, tuple[float, float]]:
     """(fitted, preset) for every figure `gpu_h200()` takes from the fit."""
-    from scheduler.costs import gpu_h200
-
     c = gpu_h200()
     return {
         "decode.step_s": (f.decode_step_s, c.decode.step_s),
