@@ -47,24 +47,17 @@ from pathlib import Path
 
 from tidal.core.provenance import commit
 
-#: a reward that rewards about half of any model's samples (the repository root is on the workers' path)
-PARITY_REWARD = "tests.parity_reward:score"
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the shared inputs
+import hf_inputs
+from hf_inputs import PARITY_REWARD, TINY, make_inputs, matmul_params
 
 VARIANTS = {"none": {}, "optimizer": {"offload_optimizer": True}, "grad": {"offload_grad": True},
             "weight": {"offload_weight": True},
             "all": {"offload_optimizer": True, "offload_grad": True, "offload_weight": True}}
-QWEN25_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-                   max_position_embeddings=4096)
-QWEN25_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-                   max_position_embeddings=4096)
-MODELS = {"qwen2.5-1.5b": QWEN25_1_5B, "qwen2.5-0.5b": QWEN25_0_5B}
+MODELS = {k: v for k, v in hf_inputs.MODELS.items() if k != "tiny"}
 BACKENDS = ("native", "megatron")
 #: dense bf16 peak for MFU (as benchmarks/train_throughput.py: the H200's measured bf16 GEMM ceiling)
 PEAK_TFLOPS = 790.0
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=384, tie_word_embeddings=True, max_position_embeddings=512)
 
 
 def machine() -> str:
@@ -73,43 +66,6 @@ def machine() -> str:
     if torch.cuda.is_available():
         info = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, " + info
     return info
-
-
-def make_inputs(root: Path, shape: dict, n_train: int = 256) -> tuple[Path, Path, Path]:
-    """A random Qwen2 checkpoint of `shape` (bf16 safetensors, as released checkpoints are) with a BPE tokenizer of
-    the problems' text, and GSM8K-format train / val files of addition problems."""
-    import torch
-    import transformers
-
-    from tidal.engine.hf_tokenizer import train_bpe_tokenizer
-    ckpt = root / "ckpt"
-    rows = [{"question": f"{100 + i}+{500 + 3 * i}=", "answer": f"The sum is #### {600 + 4 * i}"}
-            for i in range(n_train + 32)]
-    texts = [f"<|im_start|>user\n{r['question']}<|im_end|>\n<|im_start|>assistant\n{r['answer']}<|im_end|>\n"
-             for r in rows]
-    if not (ckpt / "config.json").is_file():
-        train_bpe_tokenizer(texts, ckpt, vocab_size=300)
-        tok = transformers.AutoTokenizer.from_pretrained(str(ckpt), local_files_only=True)
-        cfg = transformers.Qwen2Config(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape)
-        torch.manual_seed(0)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):   # init where it is fast
-            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
-        model.save_pretrained(str(ckpt))
-        (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id,
-                                                                 "pad_token_id": tok.pad_token_id}))
-        del model
-    train, val = root / "train.jsonl", root / "val.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:n_train]))
-    val.write_text("".join(json.dumps(r) + "\n" for r in rows[n_train:]))
-    return ckpt, train, val
-
-
-def matmul_params(shape: dict) -> int:
-    """Parameters that take part in a matmul per token (the output head counted, the input lookup not; as
-    benchmarks/train_throughput.py's N, norms left out)."""
-    h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
-    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    return layers * (h * (h + 2 * kv) + h * h + 3 * h * inter) + shape["vocab_size"] * h
 
 
 def build(variant: str, a: argparse.Namespace, inputs: tuple[Path, Path, Path], out: Path, backend: str = "native"):
@@ -271,10 +227,8 @@ def main(argv=None) -> int:
                          "parity: 1 for a response of even length, so every step trains (for loss and gradient "
                          "norm comparisons)")
     a = ap.parse_args(argv)
-    if a.reward == "parity":   # tests/parity_reward.py: importable by the driver and by the workers it starts
-        root = str(Path(__file__).resolve().parent.parent)
-        sys.path.insert(0, root)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    if a.reward == "parity":
+        hf_inputs.importable_from_root()
     backends = a.backends.split(",")
     if any(b not in BACKENDS for b in backends):
         raise SystemExit(f"--backends: {a.backends!r}: each of {', '.join(BACKENDS)}")

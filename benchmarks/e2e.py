@@ -1,7 +1,16 @@
 """End-to-end scheduling benchmark: the same RL workload and seeds under `static`, `collocated`, `rlinf` and `tidal`
-on 8 CPU virtual devices with fixed compute shares, plus the simulator's figures for RLinf's example.
+on 8 devices (CPU virtual devices with fixed compute shares, or 8 GPUs), plus the simulator's figures for RLinf's
+example.
 
     python benchmarks/e2e.py --quick --json benchmarks/results/e2e/<date>_<commit7>_<machine>.json
+    python benchmarks/e2e.py --quick --model tiny --json /tmp/e2e.json            # a Hugging Face checkpoint, CPU
+    python benchmarks/e2e.py --device cuda --model qwen2.5-1.5b --max-new-tokens 4096 --prompts 64 \
+        --max-running 256 --json PATH                                               # 8 GPUs
+
+`--model` other than `own`: a random Qwen2 checkpoint of that shape written by transformers, loaded through
+`model.path`, GSM8K-format data files, the parity reward (so every step trains), response lengths geometric with
+mean ~300 capped at `--max-new-tokens` (`benchmarks/hf_inputs.py`). The CPU cost-model calibration and its
+predictions run with `own` on CPU only (the preset they refit is that workload's).
 
 Real part (one `tidal.pipeline.run.TrainingRun` per policy, same config and seeds, all opened first; then step k
 of each runs back to back, rotating who goes first every round, so the machine's drift over minutes lands on
@@ -50,6 +59,9 @@ from pathlib import Path
 from tidal.core.placement import parse_device_ids
 from tidal.core.provenance import commit
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the shared inputs
+import hf_inputs
+
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 #: the labels that run the static policy: disaggregated, and every component on all 8 devices
 STATIC = ("static", "collocated")
@@ -80,24 +92,38 @@ def build(label: str, a: argparse.Namespace, out: Path):
         {"actor": "0-1", "rollout": "2-5", "inference": "6-7"}
     sections = {k: v for k, v in over.items() if "." in k}
     over = {k: v for k, v in over.items() if "." not in k}
-    seq = 16 + a.max_new_tokens  # 9-token prompts + the response cap, rounded up
     name = "e2e-" + label.replace("+", "_").replace("=", "-")
+    device = getattr(a, "device", "cpu")
+    cluster = {"num_devices_per_node": 8, "device": device, "component_placement": placement,
+               "auto_scheduler": not static}
+    if device == "cpu":
+        cluster.update(cpu_compute_share=a.share, cpu_share_period_ms=a.share_period_ms,
+                       cpu_device_cores=a.device_cores)
+    rollout = {"max_new_tokens": a.max_new_tokens, "max_running_requests": a.max_running}
+    if device == "cuda":
+        rollout["gpu_memory_utilization"] = a.gpu_memory_utilization
+    inputs = getattr(a, "inputs", None)   # an HF checkpoint and GSM8K-format files (`--model`), else the task's
     raw = {
         "run": {"name": name, "num_steps": a.steps, "seed": a.seed, "output_dir": str(out),
                 "eval_every": 10_000},
-        "cluster": {"num_devices_per_node": 8, "device": "cpu", "cpu_compute_share": a.share,
-                    "cpu_share_period_ms": a.share_period_ms,
-                    "cpu_device_cores": a.device_cores,
-                    "component_placement": placement, "auto_scheduler": not static},
+        "cluster": cluster,
         "scheduler": {"policy": policy if not static else "tidal", **over},
-        "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
-                  "intermediate_size": a.intermediate, "max_seq_len": seq},
-        "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4, "warmup_iters": 0},
-        "rollout": {"max_new_tokens": a.max_new_tokens, "max_running_requests": a.max_running},
+        "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4 if inputs is None else 1e-6, "warmup_iters": 0},
+        "rollout": rollout,
         "algorithm": {"group_size": a.group_size, "n_minibatches": 4},
         "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
         "warm_start": {"iters": 0},
     }
+    if inputs is None:
+        raw["model"] = {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
+                        "intermediate_size": a.intermediate,
+                        "max_seq_len": 16 + a.max_new_tokens}   # 9-token prompts + the response cap, rounded up
+    else:
+        ckpt, train, val = inputs
+        raw["model"] = {"path": str(ckpt)}
+        raw["data"].update(train_files=[str(train)], val_files=[str(val)], prompt_key="question",
+                           max_prompt_length=32)
+        raw["reward"] = {"function": hf_inputs.PARITY_REWARD}   # a random model earns no task reward
     for key, v in sections.items():
         sec, _, k = key.partition(".")
         raw.setdefault(sec, {})[k] = v
@@ -186,11 +212,12 @@ def interleave(policies: list[str], a: argparse.Namespace, out: Path, pinned: se
     try:
         for pol in policies:
             runs.append(PolicyRun(pol, a, out))
+        cpu = getattr(a, "device", "cpu") == "cpu"   # a GPU's speed does not drift with its neighbours' load
         for k in range(a.steps):
-            speeds.append({"step": k, "before": core_speed(pinned)})
+            speeds.append({"step": k, "before": core_speed(pinned) if cpu else None})
             for r in runs[k % len(runs):] + runs[:k % len(runs)]:
                 r.step()
-        speeds.append({"step": a.steps, "before": core_speed(pinned)})
+        speeds.append({"step": a.steps, "before": core_speed(pinned) if cpu else None})
         return {r.policy: r.finish() for r in runs}, speeds
     finally:
         for r in reversed(runs):  # the first group started the embedded Ray: it goes last
@@ -421,8 +448,10 @@ def paired(base: list[dict], new: list[dict], key: str = "seconds") -> dict:
 def table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
-    t = Table(title=f"e2e on 8 CPU virtual devices, each capped at {res['config']['cores_per_device']:.2f} core "
-                    f"(cluster.cpu_compute_share {res['config']['cpu_compute_share']})")
+    c = res["config"]
+    t = Table(title="e2e on 8 GPUs" if c.get("device") == "cuda" else
+              f"e2e on 8 CPU virtual devices, each capped at {c['cores_per_device']:.2f} core "
+              f"(cluster.cpu_compute_share {c['cpu_compute_share']})")
     for col in ("policy", "step s (steps>=1)", "vs static", "vs collocated", "paired vs static (median, range)",
                 "in pumps (median, range)", "idle", "reshards", "migrations", "failed actions",
                 "actions s/step"):
@@ -445,8 +474,9 @@ def table(res: dict) -> None:
             print(f"{k}: iter 0's mini-batch generated {f['generated']:.2f} s, scored {f['scored']:.2f} s, iter 0 "
                   f"started {f['started']:.2f} s into the step (medians); weight sync {w.get('seconds', 0.0):.3f} s "
                   f"({w.get('local', 0):.0f} engines from kept copies, {w.get('remote', 0):.0f} gathered)")
-    print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
-          "machine's drift): " + ", ".join(f"{c['before']:.0f}" for c in res.get("core_speed", [])))
+    if any(p["before"] is not None for p in res.get("core_speed", [])):
+        print("core speed (forwards/s of the e2e model on the devices' cores, uncapped, at each round's start: the "
+              "machine's drift): " + ", ".join(f"{p['before']:.0f}" for p in res["core_speed"]))
     pred = res.get("fitted_prediction")
     if pred:
         t = Table(title="measured vs simulated with the costs fitted in this run (scheduler/costs_cpu.py)")
@@ -491,9 +521,24 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="skip the decode / actor measurements on the capped workers after the static run")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cluster.device: cpu (8 virtual devices with capped shares), cuda (8 GPUs)")
+    ap.add_argument("--model", choices=("own", *hf_inputs.MODELS), default="own",
+                    help="own: Tidal's model from random init on the built-in addition task (--hidden, --layers, "
+                         "--intermediate); otherwise a random Hugging Face checkpoint of that shape loaded through "
+                         "model.path, GSM8K-format data files and the parity reward (benchmarks/hf_inputs.py: "
+                         "response lengths geometric with mean ~300, capped at --max-new-tokens)")
+    ap.add_argument("--work", default="runs/e2e-inputs", help="the checkpoint and data files of --model")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                    help="rollout.gpu_memory_utilization (cuda)")
     for k in QUICK:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     a = ap.parse_args(argv)
+    if a.model != "own":
+        hf_inputs.importable_from_root()   # the parity reward's module, on the workers' path too
+        a.inputs = hf_inputs.make_inputs(Path(a.work) / a.model, hf_inputs.MODELS[a.model])
+    if a.model != "own" or a.device == "cuda":
+        a.calibrate = False   # the CPU cost model (scheduler/costs_cpu.py) is fitted to the own model's workload
     base = QUICK if a.quick else FULL
     for k, v in base.items():
         if getattr(a, k) is None:
@@ -501,9 +546,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     t0 = time.monotonic()
     n_cpu = os.cpu_count() or 1
-    if a.device_cores == "auto":
+    if a.device_cores == "auto" and a.device == "cpu":
         a.device_cores = None if n_cpu < 2 else ("1" if n_cpu == 2 else f"1-{n_cpu - 1}")
-    elif a.device_cores == "all":
+    elif a.device_cores in ("all", "auto"):
         a.device_cores = None
     pinned = set(parse_device_ids(a.device_cores, "--device-cores")) if a.device_cores else set()
     if pinned and len(pinned) < n_cpu:  # the driver, and the Ray processes it starts, off the devices' cores
@@ -515,13 +560,18 @@ def main(argv=None) -> int:
                       "cpu_share_period_ms": a.share_period_ms,
                       "cpu_device_cores": a.device_cores or "all",
                       "note": f"devices on cores {a.device_cores or 'all'} of {n_cpu}, each capped at {cores:.3f} "
-                              "core (cgroup CPU quota); driver and Ray on the other cores",
+                              "core (cgroup CPU quota); driver and Ray on the other cores" if a.device == "cpu"
+                      else "one GPU a device",
                       "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7; collocated: all on 0-7 "
                                    "(tp1 dp8, 8 rollout instances, 8 scorers, in turn)", "steps": a.steps,
                       "step_time": "mean over steps >= 1 (step 0: warm-up)", "prompts": a.prompts,
                       "group_size": a.group_size, "n_minibatches": 4, "max_new_tokens": a.max_new_tokens,
                       "max_running_requests": a.max_running,
-                      "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate},
+                      "device": a.device,
+                      "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate}
+                      if a.model == "own" else {"name": a.model, **hf_inputs.MODELS[a.model],
+                                                "weights": "random (transformers init), bf16 checkpoint",
+                                                "reward": hf_inputs.PARITY_REWARD},
                       "warm_start_iters": 0, "seed": a.seed}}
     runs, res["core_speed"] = interleave(a.policies.split(","), a, out, pinned)
     for r in runs.values():
@@ -560,7 +610,8 @@ def main(argv=None) -> int:
     if fitted is not None:
         res["fitted_prediction"] = predicted(fitted, list(runs), a, out, {k: v["step_s"] for k, v in runs.items()})
     if not a.no_sim:
-        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1, build("tidal", a, out))
+        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1,
+                                       build("tidal", a, out) if a.model == "own" and a.device == "cpu" else None)
     res["machine"]["load_avg_end"] = os.getloadavg()
     res["wall_s"] = time.monotonic() - t0
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -54,3 +54,17 @@ def test_variant_dotted_key_overrides_another_section(e2e, tmp_path):
     assert e2e.build("tidal", args(), tmp_path).rollout.slices_ahead == 2
     with pytest.raises(ConfigError, match="rollout.slices_ahead"):
         e2e.build("tidal+rollout.slices_ahead=0", args(), tmp_path)
+
+
+def test_a_hugging_face_checkpoint_on_gpus_is_the_same_script(e2e, tmp_path):
+    """`--model` / `--device cuda`: the checkpoint and data files through model.path and data.train_files, the
+    parity reward, no CPU share keys; the placement and policies as on CPU."""
+    from conftest import make_gsm8k_files, make_hf_checkpoint
+    ckpt = make_hf_checkpoint(tmp_path / "ckpt", "qwen2")
+    train, val = make_gsm8k_files(tmp_path / "data")
+    a = args(device="cuda", gpu_memory_utilization=0.8, inputs=(ckpt, train, val))
+    cfg = e2e.build("tidal", a, tmp_path)
+    assert (cfg.model.path, cfg.data.train_files, cfg.cluster.device) == (str(ckpt), [str(train)], "cuda")
+    assert cfg.reward.function == e2e.hf_inputs.PARITY_REWARD and cfg.rollout.gpu_memory_utilization == 0.8
+    assert cfg.cluster.component_placement == {"actor": "0-1", "rollout": "2-5", "inference": "6-7"}
+    assert e2e.build("collocated", a, tmp_path).cluster.component_placement == {"actor,rollout,inference": "0-7"}
