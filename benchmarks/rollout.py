@@ -36,6 +36,11 @@ layers x kv_heads x head_dim x dtype bytes, averaged over j = 1 .. new_tokens - 
 bound_ms_per_step / ms_per_decode_step (1: at the bound; masked key positions an attention call reads past the valid
 ones count against it). Goals: `bound_ratio` >= 0.5 at batch 64 and `speedup_vs_hf` >= 2.
 
+KV memory (`--kv-budget-gib G`): each engine gets G GiB of KV blocks (`kv_cache_bytes`); requests hold blocks as
+their tokens need them and the newest is preempted (re-prefilled later) when none is free (`preemptions_per_run`).
+The `slots` variant runs the same budget with `max_running_requests` cut to the requests a cache of one
+`max_seq_len` slot per request holds in it: the concurrency the budget bought before the cache was paged.
+
 `first_run_s`: the warm-up run of the new engine (its CUDA graph captures included), as an engine rebuilt every step
 pays it. `--tail-mean M`: lengths with an RL rollout's long tail (geometric, mean M, capped at `--new-tokens`,
 the same for every variant): the GRPO step's rollout phase without the driver. `--host-profile`: the engine loop's
@@ -131,8 +136,11 @@ def native_generate(engine: NativeEngine, ids_BT: torch.Tensor, new_tokens: int,
     for i, row in enumerate(ids_BT.tolist()):
         params = SamplingParams(temperature=temperature, max_new_tokens=lengths[i] if lengths else new_tokens)
         engine.add(Request(f"{tag}-{i}", tuple(row), params, seed=i))
-    while engine.num_waiting():
+    while engine.num_waiting():   # a KV budget may admit fewer: the rest wait for blocks during decode
+        before = engine.num_waiting()
         collect(engine.admit())
+        if engine.num_waiting() == before:
+            break
     sync(engine.device)
     t1 = time.perf_counter()
     steps, window, mark, profile = 0, 128, t1, []
@@ -277,10 +285,15 @@ def throughput(a, device, dtype, report):
     for batch, kernels in ((b, k) for b in a.batches for k in a.kernels):
         ids = prompts(args, batch, a.prompt_len)
         lengths = tail_lengths(batch, a.new_tokens, a.tail_mean) if a.tail_mean else None
-        engine = NativeEngine(m, EngineConfig(max_running_requests=batch, fused_kernels=kernels != "eager",
-                                              decode_attention="triton" if kernels in ("triton", "overlap", "full")
-                                              else "sdpa", overlap=kernels in ("overlap", "full"),
+        budget = int(a.kv_budget_gib * 2**30) if a.kv_budget_gib else None
+        running = batch if kernels != "slots" else slot_equivalent(args, budget, batch, dtype)
+        engine = NativeEngine(m, EngineConfig(max_running_requests=running, fused_kernels=kernels != "eager",
+                                              kv_budget_bytes=budget,
+                                              decode_attention="triton" if kernels in ("triton", "overlap", "full",
+                                                                                       "slots") else "sdpa",
+                                              overlap=kernels in ("overlap", "full", "slots"),
                                               compact_rows=False if kernels == "full" else None))
+        preempted = engine.preemptions
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
         t_warm = time.perf_counter()
         native_generate(engine, ids, a.new_tokens, "warm", a.temperature, lengths)
@@ -300,8 +313,10 @@ def throughput(a, device, dtype, report):
             st = pstats.Stats(prof)
             top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]   # by own (total internal) time
             host = [{"fn": f"{k[0].rsplit('/', 1)[-1]}:{k[1]}:{k[2]}", "own_s": v[2], "calls": v[1]} for k, v in top]
+        preempted = (engine.preemptions - preempted) / (a.repeats + 1)   # per run (warm-up included)
         profile = (decode_profile(engine, ids, a.new_tokens, temperature=a.temperature)
                    if device.type == "cuda" and a.profile_steps else None)
+        kv_cache_bytes = engine.cache.nbytes
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -317,7 +332,9 @@ def throughput(a, device, dtype, report):
                "native_tokens_per_s": tokens_out / native_s, "mean_kv_bytes_per_step": kv_bytes,
                "bound_ms_per_step": bound_ms, "bound_ratio": bound_ms / ms_per_step if not lengths else None,
                "ms_per_step_by_context": runs[-1]["ms_per_step_by_context"], "decode_profile": profile,
-               "response_tokens": tokens_out, "host_profile": host, "first_run_s": first_run_s}
+               "response_tokens": tokens_out, "host_profile": host, "first_run_s": first_run_s,
+               "max_running_requests": running, "kv_budget_bytes": budget, "kv_cache_bytes": kv_cache_bytes,
+               "preemptions_per_run": preempted}
         rows.append(row)
         if kernels != a.kernels[0] or hf is None or (batch > HF_MAX_BATCH and not a.hf_all):
             row.update(hf_tokens_per_s=None, speedup_vs_hf=None,
@@ -468,9 +485,18 @@ def batches(text: str) -> list[int]:
 
 def kernel_variants(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(k not in ("fused", "triton", "overlap", "full", "eager") for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, full, eager")
+    if not out or any(k not in ("fused", "triton", "overlap", "full", "eager", "slots") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, full, eager, slots")
     return out
+
+
+def slot_equivalent(args, budget: int | None, batch: int, dtype) -> int:
+    """Requests a cache of one `max_seq_len` slot per request would run in `budget` bytes (the `slots` variant's
+    max_running_requests: what paging is measured against)."""
+    if budget is None:
+        raise SystemExit("--kernels slots needs --kv-budget-gib (the budget whose slot count it runs)")
+    slot = 2 * args.num_layers * args.num_kv_heads * args.max_seq_len * args.head_dim * dtype.itemsize
+    return max(1, min(batch, budget // slot))
 
 
 def main(argv=None):
@@ -499,7 +525,13 @@ def main(argv=None):
                    help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
                         "CUDA with Triton), triton (fused + the Triton decode attention), overlap (triton + "
                         "overlapped decode; the CUDA default: compact rows), full (overlap computing a row for every "
-                        "slot, `compact_rows` off) and/or eager (default: fused,eager on CUDA, eager on CPU)")
+                        "slot, `compact_rows` off), slots (overlap running only the requests a cache of one "
+                        "max_seq_len slot per request holds in --kv-budget-gib) and/or eager (default: fused,eager "
+                        "on CUDA, eager on CPU)")
+    p.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="KV memory of each engine (`EngineConfig.kv_budget_bytes`): requests hold blocks as their "
+                        "tokens need them, the newest preempted when none is free (default: every request at "
+                        "max_seq_len)")
     p.add_argument("--tail-mean", type=float, default=None,
                    help="each request's length drawn from a geometric distribution of this mean, capped at "
                         "--new-tokens (an RL rollout's long tail: most slots free while the longest finish); "

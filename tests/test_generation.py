@@ -176,19 +176,60 @@ def test_the_blocked_inverse_cdf_draws_what_the_whole_row_scan_draws():
         assert (got == want).float().mean() > 0.995 and bool((probs.gather(1, got[:, None]) > 0).all())
 
 
-def test_kv_budget_limits_slots_and_continuous_batching_admits_as_slots_free():
-    m = model()
-    slot = 2 * ARGS.num_layers * ARGS.num_kv_heads * ARGS.max_seq_len * ARGS.head_dim * 4
-    engine = NativeEngine(m, EngineConfig(max_running_requests=8, kv_budget_bytes=4 * slot + 5))
-    assert engine.width == 3 and engine.cache.nbytes == 4 * slot  # 3 slots + the padding rows' dummy slot
-    for r in requests(7):
+def block_bytes(block=16, args=ARGS):
+    return 2 * args.num_layers * args.num_kv_heads * block * args.head_dim * 4
+
+
+def test_kv_budget_holds_blocks_and_admits_as_the_tokens_need_them():
+    """A budget is a number of KV blocks (16 positions on CPU): requests hold ceil(positions / 16) of them, so
+    a budget of 5 blocks runs more requests than it has max_seq_len slots (2 blocks each at max_seq_len 32)."""
+    m, reqs = model(), requests(7)
+    engine = NativeEngine(m, EngineConfig(max_running_requests=8, kv_budget_bytes=6 * block_bytes() + 5))
+    assert engine.cache.num_blocks == 6 and engine.cache.nbytes == 6 * block_bytes()   # 5 + the null block
+    for r in reqs:
         engine.add(r)
     engine.step()
-    assert engine.num_running() == 3 and engine.num_waiting() == 4  # 3 slots: the rest wait
+    # prompts of 1..8 tokens + 9 new tokens fit one block (an 8-token prompt grows into a second one, and
+    # admission keeps a free block for such a request); a max_seq_len slot cache of this size held 2 requests
+    assert engine.num_running() == 5 and engine.num_waiting() == 2
     out = run(engine, [])  # `run` asserts num_running <= width at every step
-    assert sorted(out) == sorted(r.request_id for r in requests(7))
-    with pytest.raises(TidalError, match="kv_budget_bytes"):
-        NativeEngine(m, EngineConfig(max_running_requests=8, kv_budget_bytes=slot - 1))
+    assert key(out) == key(run(NativeEngine(m, EngineConfig(max_running_requests=8)), reqs))
+    assert engine.cache.free_blocks == 5
+    with pytest.raises(TidalError, match="kv_budget_bytes.*one request at max_seq_len=32"):
+        NativeEngine(m, EngineConfig(max_running_requests=8, kv_budget_bytes=3 * block_bytes() - 1))
+
+
+def test_preempted_requests_finish_with_the_tokens_they_would_have_had():
+    """Blocks too few for every running request's growth: the newest is preempted (blocks freed, re-prefilled
+    and replayed later) and every request's tokens and log-probs equal an unlimited engine's, bit for bit."""
+    args = dataclasses.replace(ARGS, max_seq_len=64)
+    m = model(args=args)
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(1.0, max_new_tokens=40), SamplingParams(0.0, max_new_tokens=50),
+              SamplingParams(0.9, top_k=9, max_new_tokens=45, stop_token_ids=(4,))]
+    reqs = [Request(f"r{i}", tuple(torch.randint(0, args.vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),),
+                                                 generator=g).tolist()), params[i % 3], seed=70 + i)
+            for i in range(9)]
+    want = key(run(NativeEngine(m, EngineConfig(max_running_requests=6)), reqs))
+    for overlap, add_every in ((False, 0), (False, 2), (True, 0), (True, 3)):
+        tight = NativeEngine(m, EngineConfig(max_running_requests=6, kv_budget_bytes=7 * block_bytes(args=args),
+                                             overlap=overlap))
+        assert key(run(tight, reqs, add_every)) == want, (overlap, add_every)
+        assert tight.preemptions > 0 and tight.cache.free_blocks == 6
+
+
+def test_block_size_changes_no_bits_and_memory_follows_the_tokens():
+    m, reqs = model(), requests(8)
+    want = key(run(NativeEngine(m, EngineConfig(max_running_requests=4)), reqs))
+    for block in (1, 5, 32):
+        assert key(run(NativeEngine(m, EngineConfig(max_running_requests=4, kv_block_size=block)), reqs)) == want
+    engine = NativeEngine(m, EngineConfig(max_running_requests=8, kv_block_size=4))
+    greedy = requests(8, params=[SamplingParams(0.0, max_new_tokens=9)])
+    for r in greedy:
+        engine.add(r)
+    engine.step()   # admitted and one decode step (at the prompt's length): blocks for prompt + 1 positions
+    held = sum(engine.cache.held(s) for s in range(engine.width))
+    assert engine.num_running() == 8 and held == sum(-(-(len(r.prompt_ids) + 1) // 4) for r in greedy)
 
 
 def test_update_refused_while_busy_and_versions_only_increase():

@@ -314,7 +314,8 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1,
         description="Fraction of a GPU's memory a native rollout engine may fill with its weights and KV cache (RLinf "
-                    "key): it holds min(`max_running_requests`, what fits) KV slots. On a device shared with the "
+                    "key): the KV cache is paged, requests holding blocks as their tokens need them (the newest "
+                    "preempted and re-prefilled when none is free). On a device shared with the "
                     "actor, count what the actor keeps resident there while it generates (see `actor.offload_*`). CPU "
                     "devices: unused.")
     slices_ahead: int = Field(

@@ -555,6 +555,7 @@ class Pipeline:
         st.reward_timeouts += report.reward_timeouts
         _add(st.work, "work/rollout_kv_read_tokens", report.call_keys_read)
         _add(st.work, "work/rollout_prefill_tokens", report.call_prefill_tokens)
+        _add(st.work, "work/rollout_preemptions", report.call_preemptions)
         st.rollout_call_s += now - t0
         if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):
             st.waiting_since[f.device] = now

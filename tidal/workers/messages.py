@@ -38,7 +38,7 @@ class RolloutModel:
 class RolloutReport:
     """One rollout instance after a time slice. Counters of the whole step: `tokens`, `emitted`; of this slice:
     `busy_s`, `pumps`, `mean_batch`, `call_tokens`, `gc_s`, `reward_timeouts`, `call_keys_read`,
-    `call_prefill_tokens`."""
+    `call_prefill_tokens`, `call_preemptions`."""
 
     groups_in_progress: int = 0   #: groups opened in the engine, not finished
     running: int = 0              #: sequences running in the engine
@@ -56,6 +56,7 @@ class RolloutReport:
     reward_timeouts: int = 0      #: verifier calls cut by `reward.timeout_s`
     call_keys_read: int = 0       #: key positions decode rows attended over in this slice (the KV read)
     call_prefill_tokens: int = 0  #: prompt tokens prefilled in this slice, padding included
+    call_preemptions: int = 0     #: requests preempted for want of KV blocks in this slice (re-prefilled later)
 
     @property
     def started(self) -> int:

@@ -455,6 +455,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
     t0 = time.perf_counter()
     tokens0 = inst.signals().tokens_generated
     keys0, prefill0 = getattr(r.engine, "keys_read", 0), getattr(r.engine, "prefill_tokens", 0)
+    preempted0 = getattr(r.engine, "preemptions", 0)
     pumps = 0
     batch = 0     # sequences running summed over the pumps (their mean: the batch the step time was paid at)
     while not inst.done() and time.perf_counter() - t0 < budget_s:
@@ -478,7 +479,8 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
         queued=r.queue.remaining(), busy_s=time.perf_counter() - t0, pumps=pumps, mean_batch=batch / max(1, pumps),
         gc_s=GcPauses.install().take()[0], call_tokens=s.tokens_generated - tokens0,
         reward_timeouts=verifier.num_timeouts - timeouts0, call_keys_read=getattr(eng, "keys_read", 0) - keys0,
-        call_prefill_tokens=getattr(eng, "prefill_tokens", 0) - prefill0)
+        call_prefill_tokens=getattr(eng, "prefill_tokens", 0) - prefill0,
+        call_preemptions=getattr(eng, "preemptions", 0) - preempted0)
 
 
 def rollout_holding(ctx) -> list[int]:

@@ -13,6 +13,9 @@ every row's keys up to the longest row and, on an H200, spends 2.3x the time of 
         Chunks past a row's length exit at once: a row reads its own keys, not the step's span.
     stage 2, grid (rows, heads):  the row's chunks combined in order 0, 1, ... (a sequential loop).
 
+The cache is paged (`kv_cache.PagedKVCache`): each 64-key load looks its block up in the slot's row of the
+block table; a block holds a whole number of loads, so the sums are those of one contiguous slot.
+
 With `cos`/`sin` (the rows' RoPE tables at their positions, in the compute dtype) stage 1 also applies RoPE to
 q and the new K as it loads them (x * cos + rotate_half(x) * sin in fp32, rounded once to the input dtype: the
 math of the compiled `rope_qk`), which saves the step one launch per layer; q, K and V may then be strided views
@@ -51,10 +54,10 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_ss, c_sh, c_sp,
-               slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale, cos_ptr, sin_ptr, cs_sr,
-               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
-               BLOCK_N_: tl.constexpr, ROPE: tl.constexpr):
+    def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_sb, c_sh, c_sp,
+               table_ptr, t_ss, slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale, cos_ptr, sin_ptr,
+               cs_sr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
+               BLOCK_N_: tl.constexpr, KV_BLOCK: tl.constexpr, ROPE: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         c = tl.program_id(2)
@@ -80,11 +83,13 @@ def _kernels():
                 q = (q.to(tl.float32) * cs[None, :] + q_p.to(tl.float32) * sn[None, :]).to(q_p.dtype)
                 k_p = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + partner)
                 k_new = (k_new.to(tl.float32) * cs + k_p.to(tl.float32) * sn).to(k_p.dtype)
-            cache = slot * c_ss + kvh * c_sh
+            table = table_ptr + slot * t_ss   # the slot's row of the block table
             end = tl.minimum(start + CHUNK_, pos + 1)
             if pos < start + CHUNK_:   # this chunk holds the row's own key: store it for later steps
-                tl.store(kc_ptr + cache + pos * c_sp + offs_d, k_new)
-                tl.store(vc_ptr + cache + pos * c_sp + offs_d, v_new)
+                own_block = tl.load(table + pos // KV_BLOCK).to(tl.int64)
+                at_own = own_block * c_sb + kvh * c_sh + (pos - (pos // KV_BLOCK) * KV_BLOCK) * c_sp + offs_d
+                tl.store(kc_ptr + at_own, k_new)
+                tl.store(vc_ptr + at_own, v_new)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -93,7 +98,10 @@ def _kernels():
                 offs_n = n0 + tl.arange(0, BLOCK_N_)
                 nmask = offs_n < end
                 own = offs_n == pos
-                at = cache + offs_n[:, None] * c_sp + offs_d[None, :]
+                # a load of BLOCK_N keys lies in one KV block (KV_BLOCK is a multiple of BLOCK_N, or one block)
+                j = n0 // KV_BLOCK
+                block = tl.load(table + j).to(tl.int64)
+                at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
                 k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
                 v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
                 k = tl.where(own[:, None], k_new[None, :], k)
@@ -139,10 +147,14 @@ def _kernels():
 def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_RKD: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slots_R: torch.Tensor, pos_R: torch.Tensor,
                            span: int, cos_RD: torch.Tensor | None = None, sin_RD: torch.Tensor | None = None, *,
-                           chunk: int = CHUNK, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                           block_table: torch.Tensor | None = None, chunk: int = CHUNK, block_n: int = BLOCK_N,
+                           num_warps: int = NUM_WARPS,
                            num_stages: int = NUM_STAGES) -> torch.Tensor:
-    """out [R, H, D] of one decode step; also writes each row's new K/V at [slot, :, pos] of the caches
-    ([W, K, S, D], contiguous). `span` only sizes the grid (>= every row's pos + 1). `cos_RD`/`sin_RD`: RoPE
+    """out [R, H, D] of one decode step; also writes each row's new K/V at position pos of its slot.
+    `block_table` [slots, blocks per slot] (int32): the caches are pools of KV blocks [N, K, B, D] (contiguous;
+    B a multiple of `block_n`) and position p of a slot lives in block `table[slot, p // B]` at p % B (the
+    paged cache of `kv_cache`); None: the caches are one contiguous block per slot ([W, K, S, D]).
+    `span` only sizes the grid (>= every row's pos + 1). `cos_RD`/`sin_RD`: RoPE
     applied to q and the new K here (module doc); None: they arrive rotated. The keyword arguments are the
     launch's tuning knobs (`benchmarks/decode_attention.py` sweeps them); `chunk` and `block_n` are part of the
     numerics (they set the order of the sums), the warps and stages are not."""
@@ -163,6 +175,11 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         rope, cs, sn, cs_sr = False, q_RHD, q_RHD, 0   # unread pointers
     else:
         raise ValueError("decode_attention_fused: RoPE takes both cos and sin")
+    if block_table is None:   # one block per slot: the identity table
+        block_table = torch.arange(k_cache.shape[0], dtype=torch.int32, device=k_cache.device)[:, None]
+    elif block_table.shape[1] > 1 and k_cache.shape[2] % block_n:
+        raise ValueError(f"decode_attention_fused: KV blocks of {k_cache.shape[2]} positions are not a multiple "
+                         f"of the {block_n}-key loads")
     g = h // kv
     max_chunks = triton.cdiv(span, chunk)
     mid_o = torch.empty((r, h, max_chunks, d), dtype=torch.float32, device=q_RHD.device)
@@ -173,9 +190,10 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         q_RHD, q_RHD.stride(0), q_RHD.stride(1), k_new_RKD, k_new_RKD.stride(0), k_new_RKD.stride(1),
         v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
+        block_table, block_table.stride(0), slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
         cs, sn, cs_sr,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n, ROPE=rope,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n,
+        KV_BLOCK=k_cache.shape[2], ROPE=rope,
         num_warps=num_warps, num_stages=num_stages)
     stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=chunk,
                    num_warps=1)

@@ -1,18 +1,23 @@
-"""The native (torch) generation engine: continuous batching over a slot KV cache, exact per request.
+"""The native (torch) generation engine: continuous batching over a paged KV cache, exact per request.
 
-    step():  admit   waiting requests into free slots (FIFO; imported ones first); for each: load its
-                     moved KV, or prefill it and sample its first token
+    step():  admit   waiting requests into free slots while KV blocks allow (FIFO; imported ones first); for
+                     each: load its moved KV, or prefill it and sample its first token
+             grow    give each active request a block where its next position starts one; none free: preempt
+                     the newest request (blocks freed, back to the head of the queue, re-prefilled later)
              decode  one batched forward over all R rows; each row attends over the first keys of its own slot
                      only, its length bucketed (`tidal.engine.shapes.padded_len`); rows that are replaying a
                      re-prefilled request feed their recorded token and sample nothing
-             finish  stop token / max_new_tokens / max_seq_len -> RequestResult, the slot is free again
+             finish  stop token / max_new_tokens / max_seq_len -> RequestResult, slot and blocks free again
 
-Capacity: W = min(max_running_requests, kv_budget_bytes // bytes of one slot) slots; a slot holds
-`max_seq_len` positions of every layer (the run's longest prompt + response). Every decode forward has R rows:
-R = W on CUDA, W rounded up to a multiple of 64 on CPU (padding rows share one dummy slot, so the KV budget
-holds). The work follows the tokens: a decode step reads each row's keys up to its bucketed length, and a
-prefill runs the prompt's tokens, so doubling `max_seq_len` with the same requests changes neither
-(`keys_read`, `prefill_tokens` count them).
+Capacity: W = max_running_requests slots (a slot is a running request's handle: its row of the block table,
+its sampling params); KV memory is `kv_budget_bytes // block bytes` blocks of `kv_block_size` positions of
+every layer (`kv_cache.PagedKVCache`), held by requests as their tokens need them, so a budget holds the tokens
+requests have, not W x `max_seq_len` positions. Admission keeps one free block for each running request that
+may still grow; a request preempted for want of blocks is re-prefilled in replay mode (below), so its tokens do
+not change (bit for bit on CPU). Every decode forward has R rows: R = W on CUDA, W rounded up to a multiple of
+64 on CPU (padding rows use one dummy slot whose table row holds no block). The work follows the tokens: a
+decode step reads each row's keys up to its bucketed length, and a prefill runs the prompt's tokens, so
+doubling `max_seq_len` with the same requests changes neither (`keys_read`, `prefill_tokens` count them).
 
 Why R is a multiple of 64 on CPU (measured, torch 2.13 CPU, AVX-512): elementwise kernels run a flat loop
 over numel in vector chunks of 2 x Vec::size() and finish the last `numel % 32` elements with the *scalar*
@@ -28,8 +33,8 @@ Two modes (`EngineConfig.batch_invariant`, default: on for CPU, off for CUDA):
   position alone) and prompts prefill one at a time ([1, T]). Guarantee (measured, tests/test_generation.py): a
   request's tokens and log-probs are a function of (weights, prompt, sampling params, seed) only, not of which
   requests share its batch, its slot, or its arrival time, and not of migrations between engines with equal
-  `numerics` (decode rows, whether rows gather their slots, dtype, device type, TP size, max_seq_len, mode;
-  same torch build and thread count).
+  `numerics` (decode rows, dtype, device type, TP size, max_seq_len, mode; same torch build and thread count),
+  nor of the KV blocks it holds or of preemptions.
 - step-wide (CUDA): every row of a step reads the longest active row's bucketed span (one captured CUDA graph
   per span and sampler variant, all in one memory pool), and waiting prompts prefill together in right-padded
   batches of up to PREFILL_TOKENS tokens. Measured on an H200 in bf16 (tests/test_generation_cuda.py): a row's
@@ -74,7 +79,7 @@ import torch
 
 from tidal.core.errors import TidalError
 from tidal.engine.generation import decode_attention, fused, sampler
-from tidal.engine.generation.kv_cache import RowGroup, SlotKVCache
+from tidal.engine.generation.kv_cache import PagedKVCache, RowGroup
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
     EngineStatus,
@@ -93,6 +98,7 @@ CPU_ROW_MULTIPLE = 64
 ROW_BUCKETS_MIN = 8   # compact rows (`EngineConfig.compact_rows`): powers of two from 8 up to the engine's width
 PREFILL_GRAPHS = 32  # captured prefill graphs kept per engine (one per prompt length)
 PREFILL_TOKENS = 16384  # CUDA: most tokens (rows x padded width) of one batched prefill
+CPU_KV_BLOCK = 16   # positions per KV block where the Triton decode attention does not run (SDPA gathers them)
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,11 @@ class EngineConfig:
     max_running_requests: int = 64
     """Most requests decoding at once (RLinf key `rollout.max_running_requests`); the decode width."""
     kv_budget_bytes: int | None = None
-    """KV memory this engine may use; None: one slot per running request. Fewer slots if smaller."""
+    """KV memory this engine may use, in blocks held by requests as their tokens need them (must hold one
+    request at `max_seq_len`). None: enough for every running request at `max_seq_len` (never preempts)."""
+    kv_block_size: int | None = None
+    """Positions per KV block. None: 256 (one chunk of the Triton decode attention) where that kernel runs, else
+    16. With the Triton kernel a multiple of its 64-key loads."""
     reprefill: Literal["replay", "single_pass"] = "replay"
     """How a KV-less imported request rebuilds its KV (see module doc)."""
     cuda_graph: bool = True
@@ -141,6 +151,8 @@ class EngineConfig:
             raise TidalError("rollout.max_running_requests", self.max_running_requests, "must be >= 1", "e.g. 64")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise TidalError("kv_budget_bytes", self.kv_budget_bytes, "must be positive", "omit it for no cap")
+        if self.kv_block_size is not None and self.kv_block_size < 1:
+            raise TidalError("kv_block_size", self.kv_block_size, "must be >= 1", "e.g. 256, or None")
         if self.vocab_limit is not None and self.vocab_limit < 2:
             raise TidalError("vocab_limit", self.vocab_limit, "must be >= 2", "the tokenizer's size, or None")
         if self.reprefill not in ("replay", "single_pass"):
@@ -178,7 +190,8 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
     version: int | None = None
     slot: int | None = None
-    kv_len: int = 0  # positions of prompt + tokens whose K/V are in the slot
+    kv_len: int = 0  # positions of prompt + tokens whose K/V are in the slot's blocks
+    admitted: int = 0  # admission order (preemption takes the newest)
     replay: deque = field(default_factory=deque)  # recorded tokens to feed before sampling resumes
     pending_kv: list | None = None  # imported KV waiting for a slot
     frozen: bool = False  # exported, waiting for commit/cancel
@@ -201,24 +214,9 @@ class NativeEngine(GenerationEngine):
         self.tp = group_size(model.tp_group)
         kv_heads = self.args.num_kv_heads // self.tp
         s = self.args.max_seq_len
-        slot = SlotKVCache.slot_bytes(self.args.num_layers, kv_heads, s, self.args.head_dim, self.dtype)
-        width = config.max_running_requests
-        if config.kv_budget_bytes is not None:
-            fit = config.kv_budget_bytes // slot
-            width = min(width, fit)
-            if self.device.type == "cpu" and width % CPU_ROW_MULTIPLE and width == fit:
-                width -= 1  # leave room for the dummy slot of the padding rows
-            if width < 1:
-                need = slot * (2 if self.device.type == "cpu" else 1)  # CPU: + the padding rows' dummy slot
-                raise TidalError("kv_budget_bytes", config.kv_budget_bytes,
-                                 f"leaves no room for one request's KV slot ({slot} bytes at max_seq_len={s})",
-                                 f"give at least {need} bytes, or lower model.max_seq_len")
-        self.width = width
+        width = self.width = config.max_running_requests
         # decode rows: on CPU a multiple of 64, so no elementwise kernel has a scalar tail (see module doc)
         self.rows = width if self.device.type != "cpu" else -(-width // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
-        # `gather`: rows read their slot's KV through the row -> slot index (padding rows), else the cache directly.
-        # The two paths differ by an ulp on some CPUs (AMD EPYC, AVX-512: 6 of 1,200 requests' log-probs between a
-        # 64-slot and a 16-slot engine, both 64 rows), so KV moves only between engines on the same path
         # decode key spans and prefill batching (see module doc and `EngineConfig.batch_invariant`)
         self._row_spans = config.batch_invariant if config.batch_invariant is not None else self.device.type == "cpu"
         can_fuse = fused.available(self.device)
@@ -243,14 +241,30 @@ class NativeEngine(GenerationEngine):
                              "set batch_invariant False, or leave compact_rows None")
         self._compact = config.compact_rows if config.compact_rows is not None else (
             self._fused_attention and not self._row_spans)
-        self.numerics = (f"rows={self.rows},gather={int(self.rows > width)},dtype={self.dtype},"
+        # the block size changes no bits: SDPA reads gathered contiguous copies, the Triton kernel the same sums
+        self.numerics = (f"rows={self.rows},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
                          f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)},"
                          f"attention={attention},compact={int(self._compact)}")
-        # padding rows share one dummy slot (so the KV budget holds): `width` real slots + 1
+        block = config.kv_block_size or (decode_attention.CHUNK if self._fused_attention else CPU_KV_BLOCK)
+        if self._fused_attention and block % decode_attention.BLOCK_N:
+            raise TidalError("kv_block_size", block, f"must be a multiple of the Triton decode attention's "
+                             f"{decode_attention.BLOCK_N}-key loads", "e.g. 256, or None")
+        per_request = -(-s // block)   # blocks of a request at max_seq_len
+        block_bytes = PagedKVCache.block_bytes(self.args.num_layers, kv_heads, block, self.args.head_dim, self.dtype)
+        blocks = width * per_request
+        if config.kv_budget_bytes is not None:
+            fit = config.kv_budget_bytes // block_bytes - 1   # less the null block
+            if fit < per_request:
+                raise TidalError("kv_budget_bytes", config.kv_budget_bytes,
+                                 f"leaves no room for one request at max_seq_len={s} ({per_request} blocks of "
+                                 f"{block} positions, {block_bytes} bytes each, + the null block)",
+                                 f"give at least {(per_request + 1) * block_bytes} bytes, or lower model.max_seq_len")
+            blocks = min(blocks, fit)
+        # padding rows use one dummy slot (its table row holds no block): `width` real slots + 1
         self._dummy = width if self.rows > width or self._compact else None
-        self.cache = SlotKVCache(self.args.num_layers, width + (self._dummy is not None), kv_heads, s,
-                                 self.args.head_dim, self.dtype, self.device)
+        self.cache = PagedKVCache(self.args.num_layers, width + (self._dummy is not None), blocks + 1, block,
+                                  kv_heads, s, self.args.head_dim, self.dtype, self.device)
         self._row_slot_list = [min(r, width) for r in range(self.rows)]   # row -> slot (padding rows: the dummy)
         self._row_slot = torch.tensor(self._row_slot_list, device=self.device)
         self.status = EngineStatus.READY
@@ -266,6 +280,8 @@ class NativeEngine(GenerationEngine):
         # and key positions read by decode rows, summed over every row a step computes
         self.prefill_tokens = 0
         self.keys_read = 0
+        self.preemptions = 0   # requests preempted for want of KV blocks (re-prefilled later)
+        self._admissions = 0
         # per-slot sampling params, kept on the device (inactive slots are greedy and ignored); compact rows gather
         # theirs (the dummy slot's included)
         per_slot = self.rows + (self._compact and self.rows == width)
@@ -356,13 +372,16 @@ class NativeEngine(GenerationEngine):
         skipped: list[str] = []
         jobs: list[tuple[_Live, list[int]]] = []   # prefills of this admission, in admission order
         while self._waiting and None in self._slots:
-            rid = self._waiting.popleft()
-            live = self._live[rid]
+            live = self._live[self._waiting[0]]
             if live.frozen:
-                skipped.append(rid)
+                skipped.append(self._waiting.popleft())
                 continue
             slot = self._slots.index(None)
+            if not self._admit_blocks(slot, live):
+                break   # FIFO: nothing overtakes the head of the queue
+            rid = self._waiting.popleft()
             self._slots[slot], live.slot = rid, slot
+            live.admitted = self._admissions = self._admissions + 1
             p = live.request.params
             temp, top_p, top_k = self._params_h
             temp[slot], top_p[slot], top_k[slot] = p.temperature, p.top_p, p.top_k
@@ -379,6 +398,7 @@ class NativeEngine(GenerationEngine):
                 jobs.append((live, list(live.request.prompt_ids)))
         self._waiting.extendleft(reversed(skipped))
         self._upload_params()
+        self.cache.upload()
         for (live, _), logits in zip(jobs, self._prefill_all(jobs)):
             if live.tokens:   # re-prefilled: the recorded tokens after the prefilled ones replay through decode rows
                 live.replay = deque(live.all_tokens()[live.kv_len:-1])
@@ -390,6 +410,56 @@ class NativeEngine(GenerationEngine):
                                  self._top_k[slot:slot + 1], u)
             lp = sampler.logprobs(logits, tok)
             self._record(live, int(tok.item()), float(lp.item()), events)
+
+    def _admit_blocks(self, slot: int, live: _Live) -> bool:
+        """Blocks for what the request's admission writes and its first decode position, if that leaves a free
+        block for each running request that may still grow (so admissions do not force preemptions at once);
+        a lone request is admitted whenever its blocks are free."""
+        if live.pending_kv is not None:
+            positions = live.pending_kv[0][0].shape[1] + 1
+        elif live.tokens and self.config.reprefill == "single_pass":
+            positions = len(live.all_tokens())
+        else:   # a prompt, or a re-prefill that replays its tokens through decode rows (they grow as they go)
+            positions = len(live.request.prompt_ids) + 1
+        growing = sum(1 for rid in self._slots if rid is not None and self._may_grow(self._live[rid]))
+        if self.cache.free_blocks - self.cache.blocks_for(positions) < growing:
+            return False
+        return self.cache.grow(slot, positions)
+
+    def _may_grow(self, live: _Live) -> bool:
+        """An active request whose longest possible length needs more blocks than it holds."""
+        longest = min(len(live.request.prompt_ids) + live.request.params.max_new_tokens, self.args.max_seq_len)
+        return not live.frozen and self.cache.held(cast(int, live.slot)) < self.cache.blocks_for(longest)
+
+    def _grow(self, inflight: _Launched | None) -> None:
+        """Blocks for the position each active row writes in the step being launched, oldest request first. When
+        none is free the newest active request is preempted (its blocks freed, `_preempt`); frozen requests keep
+        theirs (their rows write where they hold no block: the null block)."""
+        ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
+        active = sorted((self._live[rid] for rid in self._slots if rid is not None and not self._live[rid].frozen),
+                        key=lambda lv: lv.admitted)
+        for live in active:
+            was = ahead.get(id(live))
+            if live.slot is None or (was is True and self._finishes_by_length(live, 1)):
+                continue   # preempted in this loop, or ends in the in-flight step
+            while not self.cache.grow(live.slot, live.kv_len + (was is not None) + 1):
+                victim = max((lv for lv in active if lv.slot is not None), key=lambda lv: lv.admitted)
+                self._preempt(victim, inflight)
+                if victim is live:
+                    break
+        self.cache.upload()
+
+    def _preempt(self, live: _Live, inflight: _Launched | None) -> None:
+        """Free a request's slot and blocks and put it first in line; re-admitted, it re-prefills its prompt
+        and replays its tokens through decode rows (its KV rebuilt bit for bit on CPU). A row it has in the
+        in-flight step is skipped when read back, and that row's draw rolled back."""
+        for drawn, state in inflight.drew if inflight is not None else ():
+            if drawn is live:
+                live.generator.set_state(state)
+        self._free_slot(live)
+        live.kv_len, live.replay = 0, deque()
+        self._waiting.appendleft(live.request.request_id)
+        self.preemptions += 1
 
     def _prefill_all(self, jobs: list[tuple[_Live, list[int]]]) -> list[torch.Tensor]:
         """Write each job's K/V into its slot; the last position's full logits [1, V] of each. CPU: one request
@@ -436,11 +506,11 @@ class NativeEngine(GenerationEngine):
         slot = cast(int, live.slot)  # prefill runs on admitted requests, which hold a slot
         if self._use_graph:
             return self._graph_prefill(ids_1T, slot)
-        return self._prefill_forward(ids_1T.to(self.device), self.cache.prefill_writer(slot))
+        return self._prefill_forward(ids_1T.to(self.device), torch.tensor([slot], device=self.device))
 
-    def _prefill_forward(self, ids_1T: torch.Tensor, writer) -> torch.Tensor:
+    def _prefill_forward(self, ids_1T: torch.Tensor, slot_1: torch.Tensor) -> torch.Tensor:
         pos_1T = torch.arange(ids_1T.shape[1], device=self.device)[None]
-        h = self.model.hidden(ids_1T, pos_1T, None, writer, self._kernels)
+        h = self.model.hidden(ids_1T, pos_1T, None, self.cache.prefill_writer(slot_1), self._kernels)
         return self.model.full_logits(self.model.logits_local(h[:, -1:]))[:, -1, :self._vocab].float()
 
     def _graph_prefill(self, ids_1T: torch.Tensor, slot: int) -> torch.Tensor:
@@ -450,15 +520,14 @@ class NativeEngine(GenerationEngine):
         if entry is None:
             static_ids = ids_1T.to(self.device)
             static_slot = torch.tensor([slot], device=self.device)
-            writer = self.cache.prefill_writer(static_slot)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up writes this request's own K/V into its own slot
-                self._prefill_forward(static_ids, writer)
+            with torch.cuda.stream(side):  # warm-up writes this request's own K/V into its own blocks
+                self._prefill_forward(static_ids, static_slot)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self._prefill_forward(static_ids, writer)
+                out = self._prefill_forward(static_ids, static_slot)
             entry = (graph, static_ids, static_slot, out)
             while len(self._prefill_graphs) >= PREFILL_GRAPHS:
                 self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
@@ -478,6 +547,7 @@ class NativeEngine(GenerationEngine):
     def _launch(self, inflight: _Launched | None) -> _Launched | None:
         """Start a decode step over the active rows; `inflight`: the step launched before and not read back
         yet, whose rows this one continues (input token from the device, position + 1). None: no active row."""
+        self._grow(inflight)
         ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
         ids, pos, prev = [0] * self.rows, [0] * self.rows, [False] * self.rows
         rows: list[tuple[_Live, int, bool]] = []
@@ -629,12 +699,12 @@ class NativeEngine(GenerationEngine):
             temp, top_p, top_k = self._temp[slots_R], self._top_p[slots_R], self._top_k[slots_R]
             if prev_R is not None:
                 ids_R = torch.where(prev_R, self._prev_tok[slots_R], ids_R)
-            row_slot: torch.Tensor | None = slots_R
+            row_slot = slots_R
         else:
             temp, top_p, top_k = self._temp, self._top_p, self._top_k
             if prev_R is not None:
                 ids_R = torch.where(prev_R, self._prev_tok, ids_R)
-            row_slot = None if self.rows == self.width else self._row_slot
+            row_slot = self._row_slot
         decoder = self.cache.decoder(pos_R, row_slot, span, groups, fused=self._fused_attention and span is not None)
         logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
@@ -715,12 +785,17 @@ class NativeEngine(GenerationEngine):
     def _remove(self, rid: str, why: str) -> None:
         live = self._live.pop(rid)
         if live.slot is not None:
-            self._slots[live.slot] = None
-            self._params_h[0][live.slot] = 0.0   # inactive slots are greedy (their rows are ignored)
-            self._params_dirty = True
+            self._free_slot(live)
         else:
             self._waiting.remove(rid)
         self._gone[rid] = why
+
+    def _free_slot(self, live: _Live) -> None:
+        slot = cast(int, live.slot)
+        self._slots[slot], live.slot = None, None
+        self.cache.release(slot)
+        self._params_h[0][slot] = 0.0   # inactive slots are greedy (their rows are ignored)
+        self._params_dirty = True
 
     # ---- abort and migration -----------------------------------------------------------------------------
     def _check_ids(self, op: str, ids: Sequence[str], frozen: bool | None) -> list[str]:

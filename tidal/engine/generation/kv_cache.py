@@ -1,8 +1,13 @@
-"""Slot KV cache: one fixed-capacity slot per running request, laid out so decode is row-exact.
+"""Paged KV cache: fixed-size blocks of positions, each request holding the blocks its tokens need.
 
-Per layer two slabs `k`, `v` of shape [W, H_kv_local, S, D]: W slots (+1 dummy slot for padding rows when
-the engine pads the decode batch, see engine.py), S = the model's `max_seq_len`. A request owns one slot
-from admission to finish; its first `kv_len` positions are valid.
+Per layer two pools `k`, `v` of shape [N, H_kv_local, B, D]: N blocks of B positions. Each slot (a running
+request's handle in the engine) has a row of the block table [slots, ceil(S / B)]: logical block j of the slot
+(positions j*B .. j*B + B - 1) lives in physical block `table[slot, j]`. Block 0 is the null block: every
+table entry that holds no block points at it, so a write that lands where a request holds no block (padding
+rows, empty and frozen slots, a padded prefill's tail) goes there, and a read of keys past a row's position
+(masked) reads finite garbage from it. Memory follows the tokens: a request holds ceil(positions / B) blocks,
+not `max_seq_len` positions, and the engine adds a block as a request's next position crosses into it
+(preempting the newest request when none is free: engine.py).
 
 Why the shapes are what they are: on CPU a GEMM's per-row round-off depends on the number of rows M (measured
 with torch 2.13/oneDNN: rows of `F.linear` fall into classes M=1, M=2..15, M>=16 with different bits), but at a
@@ -10,19 +15,19 @@ fixed M a row's result depends neither on its position nor on the other rows' co
 need the row count padded too: engine.py). So decode always runs all R rows through the projections and MLP.
 Attention is where a row's cost follows its length: a row reads the first `span` keys of its slot, span = its
 position + 1 rounded up to a length bucket (`tidal.engine.shapes.padded_len`), masked past its position (masked
-scores are -inf and exp gives exact zeros). In the batch-invariant mode rows are grouped by their own span
-(`RowGroup`), so a row's attention shape depends on its own position only and a request's tokens do not depend
-on which other requests share the batch, which slot it sits in, or which engine (of equal numerics) runs it; the
-step-wide mode gives every row the longest active row's span (one CUDA graph per span). Empty and frozen slots
-compute throw-away rows; garbage beyond a row's valid length is masked and always finite (earlier model output,
-padding's K/V, or zeros).
+scores are -inf and exp gives exact zeros). The SDPA paths gather a row's blocks into a contiguous
+[H_kv, span, D] copy, so the kernel sees the same tensor whatever blocks hold the keys: a row's bits do not
+depend on its block numbers. In the batch-invariant mode rows are grouped by their own span (`RowGroup`), so a
+row's attention shape depends on its own position only and a request's tokens do not depend on which other
+requests share the batch, which slot or blocks it holds, or which engine (of equal numerics) runs it; the
+step-wide mode gives every row the longest active row's span (one CUDA graph per span). The Triton kernel reads
+the blocks in place (a block is a multiple of its 64-key loads, so its sums are those of a contiguous slot).
 
-Prefill writes a prompt's K/V into its slot: one request at a time ([1, T], causal over its own tokens: the same
+Prefill writes a prompt's K/V into its blocks: one request at a time ([1, T], causal over its own tokens: the same
 computation wherever and whenever it runs), or, step-wide, right-padded prompts [n, T] in one forward.
 
-    prefill(slot 3, prompt of 5)         decode step, write position = kv_len of each row, span 16 (a bucket)
-    slot 3: [p p p p p . . .]            slot 0: [x x x w . . . .]   mask row 0: [1 1 1 1 0 0 ... 0] (16 keys)
-                                         slot 1: (empty: write at 0, attend to 0, row discarded)
+    B = 4; slot 3 holds blocks [5, 2]; prefill of 6 tokens      decode at position 6 writes block 2, offset 2
+    table[3] = [5, 2, 0, 0]   block 5: [p p p p]  block 2: [p p . .]     and reads block 5 + block 2[:3]
 """
 
 from __future__ import annotations
@@ -33,55 +38,150 @@ import torch
 
 from tidal.engine.generation.decode_attention import decode_attention_fused
 
+NULL_BLOCK = 0
 
-class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.num_layers, self.num_slots, self.num_kv_heads = num_layers, num_slots, num_kv_heads
-        self.max_seq_len, self.head_dim, self.dtype, self.device = max_seq_len, head_dim, dtype, device
+
+class PagedKVCache:
+    """The KV pools and the block table; owns which blocks each slot holds (the engine decides when to grow,
+    free or preempt: `grow`, `release`, `free_blocks`)."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 max_seq_len: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        if num_blocks < 2:
+            raise ValueError("a paged KV cache needs the null block and at least one more")
+        self.num_layers, self.num_slots, self.num_blocks = num_layers, num_slots, num_blocks
+        self.block_size, self.num_kv_heads, self.max_seq_len = block_size, num_kv_heads, max_seq_len
+        self.head_dim, self.dtype, self.device = head_dim, dtype, device
+        self.max_blocks = -(-max_seq_len // block_size)   # table columns: blocks of the longest request
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        # the table on the host (the owner) and its device copy, uploaded before the next device work reads it
+        self._table_h = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32)
+        self.table = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32, device=device)
+        self._held: list[list[int]] = [[] for _ in range(num_slots)]
+        self._free: list[int] = []
+        self._dirty = False
         self.allocate()
 
     @staticmethod
-    def slot_bytes(num_layers: int, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * max_seq_len * head_dim * torch.empty((), dtype=dtype).element_size()
+    def block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def allocate(self) -> None:
-        shape = (self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        # zeros, not empty: never-written positions are read (masked) by decode and must be finite
+        """The pools (every block free) and an empty table."""
+        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        # zeros, not empty: the null block and never-written positions are read (masked) and must be finite
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._held = [[] for _ in range(self.num_slots)]
+        # lowest numbers first (pop from the end): a fresh cache hands out blocks 1, 2, 3, ...
+        self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
+        self._table_h.zero_()
+        self._dirty = True
+        self.upload()
 
     def free(self) -> None:
         self.k, self.v = [], []
 
+    # ---- blocks ---------------------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def held(self, slot: int) -> int:
+        return len(self._held[slot])
+
+    def grow(self, slot: int, positions: int) -> bool:
+        """Give the slot blocks for positions 0..positions-1; False (and nothing taken) if too few are free."""
+        more = self.blocks_for(positions) - len(self._held[slot])
+        if more <= 0:
+            return True
+        if more > len(self._free):
+            return False
+        for _ in range(more):
+            block = self._free.pop()
+            self._table_h[slot, len(self._held[slot])] = block
+            self._held[slot].append(block)
+        self._dirty = True
+        return True
+
+    def release(self, slot: int) -> None:
+        """The slot's blocks back to the pool; its table row points at the null block again."""
+        if self._held[slot]:
+            self._free.extend(reversed(self._held[slot]))
+            self._held[slot] = []
+            self._table_h[slot].zero_()
+            self._dirty = True
+
+    def upload(self) -> None:
+        """The table to the device if it changed: one asynchronous copy, stream-ordered before the next prefill
+        or decode step (from pinned memory on CUDA, so the host never waits for the queue)."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        if self.table.device.type == "cuda":
+            self.table.copy_(self._table_h.pin_memory(), non_blocking=True)
+        else:
+            self.table.copy_(self._table_h)
+
+    def _rows(self, slots_N: torch.Tensor, positions_NT: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's pool viewed as [N * H_kv * B, D] for (slot n, kv head h, position t): [N, H_kv, T]."""
+        blocks = self.table[slots_N[:, None], torch.div(positions_NT, self.block_size, rounding_mode="floor")]
+        heads = torch.arange(self.num_kv_heads, device=slots_N.device)
+        return ((blocks[:, None, :].long() * self.num_kv_heads + heads[None, :, None]) * self.block_size
+                + (positions_NT % self.block_size)[:, None, :])
+
+    def gather(self, layer: int, slots_N: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `span` keys and values of each slot as contiguous [N, H_kv, span, D] copies."""
+        nb = self.blocks_for(span)
+        blocks = self.table[slots_N, :nb].long()
+        n, h, d = slots_N.shape[0], self.num_kv_heads, self.head_dim
+
+        def one(pool: torch.Tensor) -> torch.Tensor:
+            x = pool[blocks].transpose(1, 2).reshape(n, h, nb * self.block_size, d)
+            return x if nb * self.block_size == span else x[:, :, :span].contiguous()
+        return one(self.k[layer]), one(self.v[layer])
+
     # ---- per-slot access (migration) --------------------------------------------------------------------
     def read(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the first `length` positions of a slot: per layer (k, v) of shape [H_kv, length, D]."""
-        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in zip(self.k, self.v)]
+        self.upload()
+        slots = torch.tensor([slot], device=self.device)
+        out = []
+        for layer in range(self.num_layers):
+            k, v = self.gather(layer, slots, length)
+            out.append((k[0], v[0]))
+        return out
 
     def write(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Load per-layer (k, v) [H_kv, L, D] into the first L positions of a slot; returns L."""
+        """Load per-layer (k, v) [H_kv, L, D] into the first L positions of a slot (which holds blocks for
+        them); returns L."""
         length = kv[0][0].shape[1]
+        self.upload()
+        rows = self._rows(torch.tensor([slot], device=self.device), torch.arange(length, device=self.device)[None])
+        rows = rows.reshape(-1)
+        d = self.head_dim
         for layer, (k, v) in enumerate(kv):
-            self.k[layer][slot, :, :length].copy_(k)
-            self.v[layer][slot, :, :length].copy_(v)
+            self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+            self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
         return length
 
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------
-    def prefill_writer(self, slots: int | torch.Tensor) -> _PrefillWriter:
+    def prefill_writer(self, slots: torch.Tensor) -> _PrefillWriter:
         return _PrefillWriter(self, slots)
 
-    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
+    def decoder(self, positions_R: torch.Tensor, row_slot_R: torch.Tensor,
                 span: int | None = None, groups: list[RowGroup] | None = None, fused: bool = False) -> _Decoder:
-        """Hook for one decode step of R rows; `row_slot_R` maps rows to slots (None: row r is slot r). Either
-        every row attends over the first `span` keys of its slot, or each `RowGroup` over its own span. `fused`
-        (with `span`, CUDA): the Triton kernel of `decode_attention`, each row reading its own keys 0..pos."""
+        """Hook for one decode step of R rows; `row_slot_R` maps rows to slots. Either every row attends over
+        the first `span` keys of its slot, or each `RowGroup` over its own span. `fused` (with `span`, CUDA):
+        the Triton kernel of `decode_attention`, each row reading its own keys 0..pos through the block table."""
         return _Decoder(self, positions_R, row_slot_R, span, groups, fused)
 
 
@@ -111,33 +211,33 @@ def decode_attention(q_RH1D: torch.Tensor, k_RKSD: torch.Tensor, v_RKSD: torch.T
 
 
 class _PrefillWriter:
-    """Writes prompts' K/V into their slots; attention runs over each prompt only (causal, right-padded rows).
+    """Writes prompts' K/V into their slots' blocks; attention runs over each prompt only (causal, right-padded
+    rows). `slots`: a device tensor of one slot per row (a batched prefill, or a CUDA graph whose slot changes
+    between replays: the write rows are computed on the device from the table)."""
 
-    `slots` is an int (one request), or a device tensor of one slot per row (a batched prefill, or a CUDA graph
-    whose slot changes between replays)."""
-
-    def __init__(self, cache: SlotKVCache, slots: int | torch.Tensor):
+    def __init__(self, cache: PagedKVCache, slots: torch.Tensor):
         self.cache, self.slots = cache, slots
+        self._rows: torch.Tensor | None = None
 
     def update(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor):
-        t = k_BHTD.shape[2]
-        if isinstance(self.slots, torch.Tensor):
-            self.cache.k[layer][self.slots, :, :t] = k_BHTD
-            self.cache.v[layer][self.slots, :, :t] = v_BHTD
-        else:
-            self.cache.k[layer][self.slots, :, :t].copy_(k_BHTD[0])
-            self.cache.v[layer][self.slots, :, :t].copy_(v_BHTD[0])
+        if self._rows is None:   # once per forward: every layer writes the same positions
+            t = k_BHTD.shape[2]
+            pos = torch.arange(t, device=self.slots.device).expand(self.slots.shape[0], t)
+            self._rows = self.cache._rows(self.slots, pos).reshape(-1)
+        d = self.cache.head_dim
+        self.cache.k[layer].view(-1, d).index_copy_(0, self._rows, k_BHTD.reshape(-1, d))
+        self.cache.v[layer].view(-1, d).index_copy_(0, self._rows, v_BHTD.reshape(-1, d))
         return k_BHTD, v_BHTD
 
 
 class _Decoder:
     """One decode step: write each row's new K/V at its position, then attend over the keys the row needs.
 
-    `span`: every row reads the first `span` keys of its own slot (rows are slots; CUDA graphs capture one
-    step per span). `groups`: each row reads its own span's keys, gathered per group (the exact CPU path:
-    a row's span depends on its own position only, never on which rows share the step)."""
+    `span`: every row reads the first `span` keys of its own slot (CUDA graphs capture one step per span).
+    `groups`: each row reads its own span's keys, gathered per group (the exact CPU path: a row's span depends
+    on its own position only, never on which rows share the step)."""
 
-    def __init__(self, cache: SlotKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor | None,
+    def __init__(self, cache: PagedKVCache, positions_R: torch.Tensor, row_slot_R: torch.Tensor,
                  span: int | None, groups: list[RowGroup] | None, fused: bool = False):
         if (span is None) == (groups is None):
             raise ValueError("a decode step takes either one span or row groups")
@@ -147,9 +247,8 @@ class _Decoder:
         #: the fused kernel applies RoPE to q and the new K itself (the model passes them unrotated, with the
         #: rows' cos/sin): one launch a layer fewer
         self.rotates_qk = fused
-        self.gather = row_slot_R is not None
+        self.slots = row_slot_R
         device = positions_R.device
-        self.slots = row_slot_R if row_slot_R is not None else torch.arange(cache.num_slots, device=device)
         if fused:
             return   # the kernel masks by position and writes the new K/V itself
         if span is not None:
@@ -159,33 +258,30 @@ class _Decoder:
             # -inf where masked) in every layer's call
             self.mask = torch.zeros(visible.shape, dtype=cache.dtype, device=device).masked_fill_(~visible,
                                                                                                  float("-inf"))
-        # where each row's new K/V goes in a layer's slab viewed as [slots * H_kv * S, D]: one index_copy_ per
+        # where each row's new K/V goes in a layer's pool viewed as [blocks * H_kv * B, D]: one index_copy_ per
         # tensor and layer, these indices computed once per step
-        heads = torch.arange(cache.num_kv_heads, device=device)
-        self.write_rows = ((self.slots[:, None] * cache.num_kv_heads + heads[None, :]) * cache.max_seq_len
-                           + positions_R[:, None]).reshape(-1)
+        self.write_rows = cache._rows(self.slots, positions_R[:, None]).reshape(-1)
 
     def attend(self, layer: int, q_RH1D: torch.Tensor, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor,
                cos_R1D: torch.Tensor | None = None, sin_R1D: torch.Tensor | None = None) -> torch.Tensor:
         """The step's attention output [R, H, 1, D]; q and the new K come unrotated with the rows' cos/sin
         ([R, 1, D]) when `rotates_qk`, rotated otherwise."""
-        k, v = self.cache.k[layer], self.cache.v[layer]
+        cache = self.cache
+        k, v = cache.k[layer], cache.v[layer]
         if self.fused:
             if cos_R1D is None or sin_R1D is None:
                 raise ValueError("the fused decode step applies RoPE: pass the rows' cos and sin")
             out = decode_attention_fused(q_RH1D[:, :, 0], k_RK1D[:, :, 0], v_RK1D[:, :, 0], k, v, self.slots,
-                                         self.positions, cast(int, self.span), cos_R1D[:, 0], sin_R1D[:, 0])
+                                         self.positions, cast(int, self.span), cos_R1D[:, 0], sin_R1D[:, 0],
+                                         block_table=cache.table)
             return out[:, :, None]
-        d = self.cache.head_dim   # padding rows collide in the dummy slot: garbage, never read unmasked
+        d = cache.head_dim   # padding rows collide in the null block: garbage, never read unmasked
         k.view(-1, d).index_copy_(0, self.write_rows, k_RK1D.reshape(-1, d))
         v.view(-1, d).index_copy_(0, self.write_rows, v_RK1D.reshape(-1, d))
         if self.groups is None:
-            span = cast(int, self.span)
-            if self.gather:
-                return decode_attention(q_RH1D, k[self.slots, :, :span], v[self.slots, :, :span], self.mask)
-            return decode_attention(q_RH1D, k[:, :, :span], v[:, :, :span], self.mask)
+            return decode_attention(q_RH1D, *cache.gather(layer, self.slots, cast(int, self.span)), self.mask)
         out = torch.empty_like(q_RH1D)
         for g in self.groups:
-            out[g.rows] = decode_attention(q_RH1D.index_select(0, g.rows), k[g.slots, :, :g.span],
-                                           v[g.slots, :, :g.span], g.mask)
+            out[g.rows] = decode_attention(q_RH1D.index_select(0, g.rows), *cache.gather(layer, g.slots, g.span),
+                                           g.mask)
         return out
