@@ -6,6 +6,8 @@ example.
     python benchmarks/e2e.py --quick --model tiny --json /tmp/e2e.json            # a Hugging Face checkpoint, CPU
     python benchmarks/e2e.py --device cuda --model qwen2.5-1.5b --max-new-tokens 4096 --prompts 64 \
         --max-running 256 --json PATH                                               # 8 GPUs
+    python benchmarks/e2e.py --device cuda --devices 1 --policies collocated --model qwen2.5-1.5b --quick \
+        --no-sim --json PATH                                                        # a dry run on one GPU
 
 `--model` other than `own`: a random Qwen2 checkpoint of that shape written by transformers, loaded through
 `model.path`, GSM8K-format data files, the parity reward (so every step trains), response lengths geometric with
@@ -88,13 +90,14 @@ def build(label: str, a: argparse.Namespace, out: Path):
     from tidal.core.config import build_config
     policy, over = parse_variant(label)
     static = policy in STATIC
-    placement = {"actor,rollout,inference": "0-7"} if policy == "collocated" else \
+    n = getattr(a, "devices", 8)
+    placement = {"actor,rollout,inference": f"0-{n - 1}" if n > 1 else "0"} if policy == "collocated" else \
         {"actor": "0-1", "rollout": "2-5", "inference": "6-7"}
     sections = {k: v for k, v in over.items() if "." in k}
     over = {k: v for k, v in over.items() if "." not in k}
     name = "e2e-" + label.replace("+", "_").replace("=", "-")
     device = getattr(a, "device", "cpu")
-    cluster = {"num_devices_per_node": 8, "device": device, "component_placement": placement,
+    cluster = {"num_devices_per_node": n, "device": device, "component_placement": placement,
                "auto_scheduler": not static}
     if device == "cpu":
         cluster.update(cpu_compute_share=a.share, cpu_share_period_ms=a.share_period_ms,
@@ -523,6 +526,9 @@ def main(argv=None) -> int:
                     help="skip the decode / actor measurements on the capped workers after the static run")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cluster.device: cpu (8 virtual devices with capped shares), cuda (8 GPUs)")
+    ap.add_argument("--devices", type=int, default=8,
+                    help="devices of the cluster: 8 (RLinf's placement); fewer runs `collocated` only (every "
+                         "component on all of them), e.g. 1 for a dry run on one GPU")
     ap.add_argument("--model", choices=("own", *hf_inputs.MODELS), default="own",
                     help="own: Tidal's model from random init on the built-in addition task (--hidden, --layers, "
                          "--intermediate); otherwise a random Hugging Face checkpoint of that shape loaded through "
@@ -534,6 +540,9 @@ def main(argv=None) -> int:
     for k in QUICK:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     a = ap.parse_args(argv)
+    if not 1 <= a.devices <= 8 or (a.devices < 8 and a.policies != "collocated"):
+        ap.error(f"--devices {a.devices}: 8 runs every policy; 1..7 run --policies collocated only (RLinf's "
+                 "placement needs devices 0-7)")
     if a.model != "own":
         hf_inputs.importable_from_root()   # the parity reward's module, on the workers' path too
         a.inputs = hf_inputs.make_inputs(Path(a.work) / a.model, hf_inputs.MODELS[a.model])
@@ -563,7 +572,8 @@ def main(argv=None) -> int:
                               "core (cgroup CPU quota); driver and Ray on the other cores" if a.device == "cpu"
                       else "one GPU a device",
                       "placement": "actor 0-1 (tp1 dp2), rollout 2-5, inference 6-7; collocated: all on 0-7 "
-                                   "(tp1 dp8, 8 rollout instances, 8 scorers, in turn)", "steps": a.steps,
+                                   "(tp1 dp8, 8 rollout instances, 8 scorers, in turn)" if a.devices == 8 else
+                      f"collocated on {a.devices} device(s)", "devices": a.devices, "steps": a.steps,
                       "step_time": "mean over steps >= 1 (step 0: warm-up)", "prompts": a.prompts,
                       "group_size": a.group_size, "n_minibatches": 4, "max_new_tokens": a.max_new_tokens,
                       "max_running_requests": a.max_running,

@@ -223,3 +223,61 @@ def test_compact_rows_compute_the_active_requests_only_and_what_holds_across_buc
     got = _finish(shared)["x"]
     assert abs(got.logprobs[0] - want.logprobs[0]) < 0.05
     assert sum(a == b for a, b in zip(got.token_ids, want.token_ids)) >= len(want.token_ids) // 2
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_triton_decode_attention_reads_a_paged_cache_as_a_contiguous_one(block):
+    """The same slots laid out in shuffled blocks (block 0 left as the null block): the output and the written
+    K/V are bit-identical to the contiguous layout's (a 64-key load lies in one block, so the sums are the same)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    slots, kv_heads, heads, d, seq = 5, 2, 12, 128, 1024
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    kc0, vc0 = randn(slots, kv_heads, seq, d), randn(slots, kv_heads, seq, d)
+    pos = torch.tensor([0, 63, 64, 700, 1023], device="cuda")   # block edges at 64 and 256
+    rows = torch.tensor([2, 0, 3, 1, 4], device="cuda")
+    q, k_new, v_new = randn(5, heads, d), randn(5, kv_heads, d), randn(5, kv_heads, d)
+    kc, vc = kc0.clone(), vc0.clone()
+    want = decode_attention_fused(q, k_new, v_new, kc, vc, rows, pos, span=seq)
+    per = seq // block
+    table = (torch.randperm(slots * per, generator=torch.Generator().manual_seed(0)) + 1).view(slots, per)
+    table = table.to(device="cuda", dtype=torch.int32)
+    kp, vp = randn(slots * per + 1, kv_heads, block, d), randn(slots * per + 1, kv_heads, block, d)
+    for s in range(slots):
+        for j in range(per):
+            span = slice(j * block, (j + 1) * block)
+            kp[table[s, j]], vp[table[s, j]] = kc0[s, :, span], vc0[s, :, span]
+    got = decode_attention_fused(q, k_new, v_new, kp, vp, rows, pos, span=seq, block_table=table)
+    assert torch.equal(got, want)
+    for s in range(slots):
+        for j in range(per):
+            assert torch.equal(kp[table[s, j]], kc[s, :, j * block:(j + 1) * block])
+            assert torch.equal(vp[table[s, j]], vc[s, :, j * block:(j + 1) * block])
+
+
+def test_paged_engine_block_size_changes_no_bits_and_a_tight_budget_preempts():
+    """KV blocks of 64 or 256 positions give the same tokens and log-probs, bit for bit. A budget of a few
+    blocks preempts requests (re-prefilled in a batched prefill, so equal only up to round-off): every request
+    still finishes with its length, and at least half with the same tokens."""
+    m = _model()
+    params = [SamplingParams(0.0, max_new_tokens=200), SamplingParams(1.0, max_new_tokens=200)]
+    reqs = [Request(f"r{i}", _prompt(30 + 7 * i, 90 + i), params[i % 2], seed=i) for i in range(12)]
+
+    def run(**kw):
+        engine = NativeEngine(m, EngineConfig(max_running_requests=12, batch_invariant=False, **kw))
+        for r in reqs:
+            engine.add(r)
+        return engine, _finish(engine)
+
+    _, want = run()
+    _, small = run(kv_block_size=64)
+    assert {k: (r.token_ids, r.logprobs) for k, r in small.items()} == {k: (r.token_ids, r.logprobs)
+                                                                          for k, r in want.items()}
+    block_bytes = 2 * ARGS.num_layers * ARGS.num_kv_heads * 64 * ARGS.head_dim * 2
+    tight, got = run(kv_block_size=64, kv_budget_bytes=24 * block_bytes)   # 23 blocks + the null block
+    assert tight.preemptions > 0 and tight.cache.free_blocks == 23
+    assert all(len(got[k].token_ids) == len(want[k].token_ids) for k in want)
+    assert all(abs(got[k].logprobs[0] - want[k].logprobs[0]) < 0.05 for k in want)
+    assert sum(got[k].token_ids == want[k].token_ids for k in want) >= 6
