@@ -68,6 +68,9 @@ QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, l
 #: the labels that run the static policy: disaggregated, and every component on all 8 devices
 STATIC = ("static", "collocated")
 MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 8 of them
+#: GPU: actor micro-batches by token budget (sorted by length, little padding), as the collocated benchmark trains;
+#: 8 sequences of geometric lengths padded to their longest train ~2.5x their tokens (the longest of 8 is ~2.7 means)
+GPU_MICRO_BATCH_TOKENS = 16384
 FULL = dict(steps=5, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
 
 
@@ -111,7 +114,9 @@ def build(label: str, a: argparse.Namespace, out: Path):
                 "eval_every": 10_000},
         "cluster": cluster,
         "scheduler": {"policy": policy if not static else "tidal", **over},
-        "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4 if inputs is None else 1e-6, "warmup_iters": 0},
+        "actor": {"micro_batch_size": MICRO_BATCH, "lr": 1e-4 if inputs is None else 1e-6, "warmup_iters": 0,
+                  **({"max_tokens_per_micro_batch": max(GPU_MICRO_BATCH_TOKENS, 64 + a.max_new_tokens)}
+                     if device == "cuda" else {})},
         "rollout": rollout,
         "algorithm": {"group_size": a.group_size, "n_minibatches": 4},
         "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
@@ -452,7 +457,7 @@ def table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
     c = res["config"]
-    t = Table(title="e2e on 8 GPUs" if c.get("device") == "cuda" else
+    t = Table(title=f"e2e on {c.get('devices', 8)} GPU(s)" if c.get("device") == "cuda" else
               f"e2e on 8 CPU virtual devices, each capped at {c['cores_per_device']:.2f} core "
               f"(cluster.cpu_compute_share {c['cpu_compute_share']})")
     for col in ("policy", "step s (steps>=1)", "vs static", "vs collocated", "paired vs static (median, range)",
