@@ -77,6 +77,24 @@ def test_bad_input_fails_before_any_worker_naming_the_field(tmp_path, hf_run_inp
     assert run.group is None and not (tmp_path / "runs" / "r").exists()
 
 
+def test_workers_read_the_checkpoint_themselves_and_start_from_its_weights(tmp_path, hf_run_inputs):
+    """The driver hands the workers a reference to `model.path` (`HFWeights`: no tensor), each worker reads the
+    checkpoint itself, and the actor starts from exactly its weights."""
+    import pickle
+
+    from tidal.engine.hf_checkpoint import HFWeights, load_hf_weights
+    cfg = _cfg(tmp_path, hf_run_inputs("qwen2") + ["run.name=ref"])
+    ref = read_inputs(cfg).initial_weights()
+    assert isinstance(ref, HFWeights) and len(pickle.dumps(ref)) < 20_000
+    run = TrainingRun(cfg, tmp_path / "ref")
+    try:
+        run.open()
+        got, want = run.pipe.global_weights(), load_hf_weights(ref.model)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        run.close()
+
+
 def _train(tmp_path, name, overrides, steps, resume=None):
     cfg = _cfg(tmp_path, overrides + [f"run.num_steps={steps}", f"run.name={name}"])
     run = TrainingRun(cfg, tmp_path / name)

@@ -293,6 +293,18 @@ def load_hf_weights(model: HFModel) -> dict[str, torch.Tensor]:
     return {s.name: out[s.name] for s in param_specs(model.args)}
 
 
+@dataclass(frozen=True)
+class HFWeights:
+    """A checkpoint's weights by reference: each worker reads them from `model.path` itself (`load`), so the
+    driver never holds the model and no copy of it crosses the object store (at 1.5B parameters that was 5.9 GB of
+    fp32 spilled to disk before every worker read it back)."""
+
+    model: HFModel
+
+    def load(self) -> dict[str, torch.Tensor]:
+        return load_hf_weights(self.model)
+
+
 def hf_config_for(args: ModelArgs, architecture: str = "Qwen2ForCausalLM", *, bos_id: int | None = None,
                   eos_ids: tuple[int, ...] = (), pad_id: int | None = None) -> dict:
     """A config.json for weights Tidal made itself (the warm start), through transformers' config class."""

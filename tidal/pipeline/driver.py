@@ -37,6 +37,7 @@ from tidal.engine.datasets import DataPosition
 from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.groups import growth_rank_sets
 from tidal.engine.grpo import count_response_tokens, flatten_groups, group_width, step_metrics
+from tidal.engine.hf_checkpoint import HFWeights
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
@@ -101,7 +102,7 @@ def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], rese
 class Pipeline:
     """A training run's driver. `policy(state, signals, now) -> actions` is consulted at actor iter boundaries."""
 
-    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict, policy, sched_state, source,
+    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict | HFWeights, policy, sched_state, source,
                  clock: Callable[[], float] | None = None, on_event: Callable[[dict], None] | None = None):
         t0 = time.monotonic()
         self.clock = clock or (lambda: time.monotonic() - t0)
@@ -121,7 +122,8 @@ class Pipeline:
         self.sharing = Sharing.of(p, cfg.actor)
         self.version = 0
         self.data_pos = DataPosition()
-        self._weights: dict | None = weights   # the initial weights, until start() has sent them
+        #: the initial weights until start() has sent them: global tensors, or a checkpoint each worker reads itself
+        self._weights: dict | HFWeights | None = weights
         #: devices whose worker kept a copy of the current generation weights (`sync_weights`), and the step-end
         #: calls that keep the next ones
         self.kept: frozenset[int] = frozenset()
@@ -150,7 +152,7 @@ class Pipeline:
         import ray
         c, g = self.cluster, self.group
         g.gather(g.submit_all(roles.setup, spec=self.spec))
-        ref = ray.put(self._weights)
+        ref = self._weights if isinstance(self._weights, HFWeights) else ray.put(self._weights)
         built = g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
         self.actor_build = built[0]   # every rank builds alike (a backend's choices depend on config and machine)
         log.info("actor: %s", self.actor_build)

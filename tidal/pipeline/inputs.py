@@ -21,7 +21,7 @@ from typing import cast
 from tidal.core.config import TidalConfig
 from tidal.core.errors import ConfigError
 from tidal.engine.datasets import DataSpec
-from tidal.engine.hf_checkpoint import HFModel, load_hf_weights, read_hf_config
+from tidal.engine.hf_checkpoint import HFModel, HFWeights, read_hf_config
 from tidal.engine.hf_tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from tidal.engine.model import ModelArgs
 from tidal.engine.prompt_source import FileSource, PromptSource, TaskSource
@@ -44,9 +44,10 @@ class RunInputs:
         """Ids generation may emit: the tokenizer's, when the embedding is padded past it."""
         return self.tok.vocab_size if self.tok.vocab_size < self.args.vocab_size else None
 
-    def initial_weights(self) -> dict | None:
-        """The checkpoint's weights (global fp32), or None: Tidal's own model starts from its warm start."""
-        return load_hf_weights(self.hf) if self.hf is not None else None
+    def initial_weights(self) -> HFWeights | None:
+        """The checkpoint's weights, read by each worker itself, or None: Tidal's own model starts from its warm
+        start."""
+        return HFWeights(self.hf) if self.hf is not None else None
 
 
 def _checkpoint_inputs(cfg: TidalConfig) -> RunInputs:

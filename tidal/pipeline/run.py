@@ -32,7 +32,7 @@ from tidal.core.errors import ConfigError, TidalError, TrainingError
 from tidal.engine.checkpoint import latest
 from tidal.engine.evaluation import greedy_accuracy
 from tidal.engine.generation.requests import SamplingParams
-from tidal.engine.hf_checkpoint import save_hf
+from tidal.engine.hf_checkpoint import HFWeights, save_hf
 from tidal.engine.model import Transformer, init_global_weights, param_specs
 from tidal.engine.optim import OptimConfig
 from tidal.engine.prompt_source import TaskSource
@@ -200,7 +200,7 @@ class TrainingRun:
         task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.t_run = time.monotonic()
-        weights = inputs.initial_weights()
+        weights: dict | HFWeights | None = inputs.initial_weights()   # a checkpoint: read by each worker itself
         if weights is not None:
             self.ws_meta = {"source": str(cfg.model.path)}
         else:

@@ -42,6 +42,7 @@ from tidal.engine.grpo import (
     pack_sequences,
     unpack_response_logprobs,
 )
+from tidal.engine.hf_checkpoint import HFWeights
 from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs, Transformer, compute_dtype
@@ -150,7 +151,10 @@ def _rollout(ctx) -> RolloutSlot:
 
 
 def _resolve(value: Any) -> Any:
-    """Ray resolves ObjectRefs passed at top level only; our kwargs travel in a dict, so resolve here."""
+    """Ray resolves ObjectRefs passed at top level only; our kwargs travel in a dict, so resolve here. A
+    checkpoint's weights by reference (`HFWeights`) are read here, by this worker."""
+    if isinstance(value, HFWeights):
+        return value.load()
     try:
         import ray
         if isinstance(value, ray.ObjectRef):
