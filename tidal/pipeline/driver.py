@@ -50,7 +50,7 @@ from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles
 from tidal.workers.errors import WorkerDied
 from tidal.workers.gc_pauses import GcPauses
-from tidal.workers.messages import KeptWeights, RolloutModel, RolloutReport
+from tidal.workers.messages import BroadcastWeights, KeptWeights, RolloutModel, RolloutReport
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import WorkerGroup
 
@@ -129,6 +129,9 @@ class Pipeline:
         self.kept: frozenset[int] = frozenset()
         self._keeping: list = []
         self.weights_ref: ObjectRef | None = None
+        #: static placements: the process group over which each step's weights go from the actor's first device to
+        #: the engines that kept no copy (made at start; None: weights go through the driver, see `_broadcast_plan`)
+        self._sync_ranks: tuple[int, ...] | None = None
         self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
         #: set by start(): the actor's specs etc., to plan reshards here (None: the actor's backend plans them)
         self.program_inputs: ProgramInputs | None = None
@@ -160,6 +163,7 @@ class Pipeline:
         self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
         self._assign_placement()
         self._load_generation(ref, step=0)
+        self._plan_broadcast_sync()
         actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
                                lambda d: {"weights": self.weights_for(d), "version": self.version},
                                self.initial_layout, self.program_inputs)
@@ -200,9 +204,14 @@ class Pipeline:
         def w(d):
             return KeptWeights(self.version) if d in self.kept else weights_ref
 
+        hs = []
+        if isinstance(weights_ref, BroadcastWeights):   # before any hand-over offloads the actor's weights
+            self.weights_ref = None
+            hs = g.submit_all(roles.actor_broadcast_weights, device_ids=list(c.actor_layout.devices),
+                              plan=weights_ref)
         hand = self._to_generation()
-        hs = [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
-                       version=self.version, step=step) for d in c.rollout]
+        hs += [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
+                        version=self.version, step=step) for d in c.rollout]
         hs += [g.submit(d, roles.inference_load, version=self.version,
                         weights=RolloutModel(self.version) if share.rollout_inference and d in c.rollout
                         else w(d)) for d in c.inference]
@@ -638,11 +647,46 @@ class Pipeline:
         keeping, self._keeping = self._keeping, []
         self.kept = frozenset(d for (d, _), ok in zip(keeping, g.gather([h for _, h in keeping])) if ok)
         self.version += 1
-        remote = [d for d in c.rollout + c.inference if d not in self.kept]
-        self._load_generation(ray.put(self.global_weights()) if remote else None, step + 1)
+        remote = self._receivers(self.kept)
+        plan = self._broadcast_plan(remote)
+        self._load_generation(plan or (ray.put(self.global_weights()) if remote else None), step + 1)
         c.timeline.add_busy(c.rollout + c.inference, "moving", "weight sync", t0, self.clock())
         c.record("weight_sync", step=step, version=self.version, seconds=self.clock() - t0,
-                 local=sorted(set(c.rollout + c.inference) & self.kept), remote=remote)
+                 local=sorted(set(c.rollout + c.inference) & self.kept), remote=remote,
+                 path="broadcast" if plan else "driver" if remote else "kept")
+
+    def _receivers(self, kept) -> list[int]:
+        """Devices whose engine loads the step's weights from outside (`_load_generation`'s `weights_ref`): rollout
+        devices without a kept copy, and inference devices without one that do not score with a rollout model."""
+        c, share = self.cluster, self.sharing
+        inference = [d for d in c.inference if not (share.rollout_inference and d in c.rollout)]
+        return sorted({d for d in c.rollout + inference if d not in kept})
+
+    def _plan_broadcast_sync(self) -> None:
+        """Static placements: make (world-wide, once) the process group of the actor's first device and the
+        engines that will keep no copy at a step end, so every sync sends the weights device to device. Dynamic
+        placements keep the driver path: an instance started mid-step (a lend) loads the step's weights from the
+        object store (`weights_for`)."""
+        if self.cfg.cluster.auto_scheduler:
+            return
+        shares = self.sharing.actor_rollout or self.sharing.actor_inference
+        receivers = self._receivers(set(self.initial_layout.devices) if shares else set())
+        if not receivers:
+            return
+        ranks = tuple(sorted({self.initial_layout.devices[0], *receivers}))
+        self.group.gather(self.group.submit_all(roles.actor_make_groups, rank_sets=[ranks]))
+        self._sync_ranks = ranks
+
+    def _broadcast_plan(self, remote: list[int]) -> BroadcastWeights | None:
+        """The device-to-device sync of `remote`, if it is the one planned at start and every rank is still in the
+        world (a recovery that changed the actor's devices or the engines falls back to the driver path)."""
+        if self._sync_ranks is None or not remote:
+            return None
+        src = self.cluster.actor_layout.devices[0]
+        ranks = tuple(sorted({src, *remote}))
+        # a replacement worker (`cluster.replace_failed`) is in no world: its engine loads through the driver
+        ok = ranks == self._sync_ranks and set(ranks) <= set(self.group.world_ids)
+        return BroadcastWeights(self.version, src, ranks) if ok else None
 
     def evaluate(self, items: list) -> float:
         """Greedy held-out accuracy of `items` (`EvalItem`s) under the weights inference holds."""

@@ -3,6 +3,8 @@
 
 - `KeptWeights(version)`: the `weights` argument that tells an engine to load the copy its worker kept at the
   step end (`roles.actor_keep_weights`) instead of weights sent through the object store.
+- `BroadcastWeights(version, src, ranks)`: the weights arrive by a broadcast from the actor's device `src` over
+  the process group of `ranks` (device to device), sent by `roles.actor_broadcast_weights`.
 - `RolloutReport`: what a rollout time slice reports besides its finished groups (engine counters, the slice's
   own time and tokens): the scheduler's view of the instance.
 - `MigrationPackage`: the work an export froze (queued groups, open groups with their finished samples, engine
@@ -24,6 +26,17 @@ class KeptWeights:
     """Load the weights of `version` this worker kept (it must hold that version: else it is a driver bug)."""
 
     version: int
+
+
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """Receive the weights of `version` from device `src` (the actor's first device) by one broadcast per
+    parameter (`param_specs` order, global shapes, the compute dtype) over the process group of `ranks`: NCCL
+    between GPUs, gloo between CPU workers; no copy through the driver or the object store."""
+
+    version: int
+    src: int
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
 from tidal.core.errors import TidalError
 from tidal.engine.actor import Coord, IterReport, LossFn, SharedQueue
@@ -45,12 +46,13 @@ from tidal.engine.grpo import (
 from tidal.engine.hf_checkpoint import HFWeights
 from tidal.engine.hf_tokenizer import TokenizerSpec
 from tidal.engine.layout import Layout
-from tidal.engine.model import ModelArgs, Transformer, compute_dtype
+from tidal.engine.model import ModelArgs, Transformer, compute_dtype, param_specs
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.verifier import Verifier
 from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import (
+    BroadcastWeights,
     ExportReceipt,
     KeptWeights,
     MigrationPackage,
@@ -390,8 +392,43 @@ def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
     return budget
 
 
+def actor_broadcast_weights(ctx, plan: BroadcastWeights) -> int:
+    """Every device of the actor's layout (`gather_replica` is collective over it at TP > 1): the device `plan.src`
+    broadcasts the whole weights to the engines of `plan.ranks` (they receive in `_weights`), one parameter at a
+    time in `param_specs` order. Returns the bytes this device sent."""
+    shard = actor_of(ctx)
+    replica = shard.gather_replica()
+    if ctx.device_id != plan.src:
+        return 0
+    if replica is None:   # the driver names the layout's first device: a bug, not an input
+        raise RuntimeError(f"device {ctx.device_id} holds no actor weights to broadcast (version {plan.version})")
+    group = cast(dist.ProcessGroup, shard.groups.of_ranks(plan.ranks))   # >= 2 ranks: a group
+    sent = 0
+    for s in param_specs(roles_of(ctx).run.args):
+        t = replica[s.name].contiguous()
+        dist.broadcast(t, src=plan.src, group=group)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def _receive(ctx, plan: BroadcastWeights) -> dict[str, torch.Tensor]:
+    """The weights `actor_broadcast_weights` sends, received on this device in the compute dtype."""
+    spec = roles_of(ctx).run
+    group = cast(dist.ProcessGroup, actor_of(ctx).groups.of_ranks(plan.ranks))
+    dtype = compute_dtype(spec.dtype, ctx.device)
+    out = {}
+    for s in param_specs(spec.args):
+        t = torch.empty(s.shape, dtype=dtype, device=ctx.device)
+        dist.broadcast(t, src=plan.src, group=group)
+        out[s.name] = t
+    return out
+
+
 def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
-    """Global weights from a driver-side value (dict or object ref), or `KeptWeights`: this worker's kept copy."""
+    """Global weights from a driver-side value (dict or object ref), `KeptWeights`: this worker's kept copy, or
+    `BroadcastWeights`: received from the actor's device now."""
+    if isinstance(weights, BroadcastWeights):
+        return _receive(ctx, weights)
     if isinstance(weights, KeptWeights):
         kept = roles_of(ctx).kept
         if kept is None or kept.version != weights.version:
