@@ -19,7 +19,7 @@ non-parameters (`rotary_emb.inv_freq` buffers) and a stored `lm_head.weight` of 
 embedding. Weights load as fp32 masters whatever the dtype on disk (bf16, fp16, fp32).
 
 `max_seq_len` is the run's (longest prompt + response), not `max_position_embeddings`: it sizes the RoPE
-tables and KV slots, and must not exceed what the checkpoint was trained for.
+tables and the KV block table, and must not exceed what the checkpoint was trained for.
 """
 
 from __future__ import annotations

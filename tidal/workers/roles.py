@@ -84,7 +84,7 @@ class RunSpec:
     """Generation samples ids below this (the tokenizer's size) when the embedding is padded past it."""
     seed: int
     gpu_memory_utilization: float = 0.5
-    """Fraction of a GPU's memory a rollout engine fills with weights and KV slots (CPU: unused)."""
+    """Fraction of a GPU's memory a rollout engine fills with weights and KV blocks (CPU: unused)."""
     dtype: str = "auto"
     """`actor.dtype`: the compute dtype of the actor and of the engines (`model.compute_dtype`)."""
     activation_checkpointing: bool = False
