@@ -155,10 +155,11 @@ def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     assert syncs == [([5], [2, 3, 4, 6, 7])] * 2, syncs
     assert [(e["local"], e["remote"]) for e in static.pipe.cluster.events if e["kind"] == "weight_sync"] == \
         [([], [2, 3, 4, 5, 6, 7])] * 2
-    # the static run's engines received the weights by a broadcast from the actor's device 0 (gloo here, NCCL on
-    # GPUs); the dynamic run's through the driver (a lend mid-step loads them from the object store)
-    assert [e["path"] for e in static.pipe.cluster.events if e["kind"] == "weight_sync"] == ["broadcast"] * 2
-    assert [e["path"] for e in events if e["kind"] == "weight_sync"] == ["driver"] * 2
+    # the other engines received the weights by a broadcast from the actor's device 0 (gloo here, NCCL on GPUs);
+    # an instance the dynamic run starts mid-step on a device that kept no copy loads device 0's kept copy from the
+    # object store
+    for run in (static, dynamic):
+        assert [e["path"] for e in run.pipe.cluster.events if e["kind"] == "weight_sync"] == ["broadcast"] * 2
     for step in range(2):
         kinds = [e["kind"] for e in events if e.get("step") == step]
         assert kinds.count("reshard") >= 3 and kinds.count("migration") >= 2, kinds

@@ -129,9 +129,6 @@ class Pipeline:
         self.kept: frozenset[int] = frozenset()
         self._keeping: list = []
         self.weights_ref: ObjectRef | None = None
-        #: static placements: the process group over which each step's weights go from the actor's first device to
-        #: the engines that kept no copy (made at start; None: weights go through the driver, see `_broadcast_plan`)
-        self._sync_ranks: tuple[int, ...] | None = None
         self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
         #: set by start(): the actor's specs etc., to plan reshards here (None: the actor's backend plans them)
         self.program_inputs: ProgramInputs | None = None
@@ -163,7 +160,6 @@ class Pipeline:
         self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
         self._assign_placement()
         self._load_generation(ref, step=0)
-        self._plan_broadcast_sync()
         actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
                                lambda d: {"weights": self.weights_for(d), "version": self.version},
                                self.initial_layout, self.program_inputs)
@@ -207,8 +203,9 @@ class Pipeline:
         hs = []
         if isinstance(weights_ref, BroadcastWeights):   # before any hand-over offloads the actor's weights
             self.weights_ref = None
-            hs = g.submit_all(roles.actor_broadcast_weights, device_ids=list(c.actor_layout.devices),
-                              plan=weights_ref)
+            lay = c.actor_layout   # at TP > 1 the layout gathers a replica first (collective over it)
+            hs = g.submit_all(roles.actor_broadcast_weights, device_ids=[weights_ref.src] if lay.tp == 1
+                              else list(lay.devices), plan=weights_ref)
         hand = self._to_generation()
         hs += [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
                         version=self.version, step=step) for d in c.rollout]
@@ -650,6 +647,10 @@ class Pipeline:
         remote = self._receivers(self.kept)
         plan = self._broadcast_plan(remote)
         self._load_generation(plan or (ray.put(self.global_weights()) if remote else None), step + 1)
+        if plan is not None and self.cfg.cluster.auto_scheduler:
+            # for instances started mid-step on devices that kept no copy: a kept copy's bytes in the object store,
+            # by a call not waited for (its result is the reference `weights_for` hands out)
+            self.weights_ref = g.submit(min(self.kept), roles.kept_weights, version=self.version).ref
         c.timeline.add_busy(c.rollout + c.inference, "moving", "weight sync", t0, self.clock())
         c.record("weight_sync", step=step, version=self.version, seconds=self.clock() - t0,
                  local=sorted(set(c.rollout + c.inference) & self.kept), remote=remote,
@@ -662,31 +663,24 @@ class Pipeline:
         inference = [d for d in c.inference if not (share.rollout_inference and d in c.rollout)]
         return sorted({d for d in c.rollout + inference if d not in kept})
 
-    def _plan_broadcast_sync(self) -> None:
-        """Static placements: make (world-wide, once) the process group of the actor's first device and the
-        engines that will keep no copy at a step end, so every sync sends the weights device to device. Dynamic
-        placements keep the driver path: an instance started mid-step (a lend) loads the step's weights from the
-        object store (`weights_for`)."""
-        if self.cfg.cluster.auto_scheduler:
-            return
-        shares = self.sharing.actor_rollout or self.sharing.actor_inference
-        receivers = self._receivers(set(self.initial_layout.devices) if shares else set())
-        if not receivers:
-            return
-        ranks = tuple(sorted({self.initial_layout.devices[0], *receivers}))
-        self.group.gather(self.group.submit_all(roles.actor_make_groups, rank_sets=[ranks]))
-        self._sync_ranks = ranks
-
     def _broadcast_plan(self, remote: list[int]) -> BroadcastWeights | None:
-        """The device-to-device sync of `remote`, if it is the one planned at start and every rank is still in the
-        world (a recovery that changed the actor's devices or the engines falls back to the driver path)."""
-        if self._sync_ranks is None or not remote:
+        """The engines of `remote` receive the weights by a broadcast from the actor's first device, over the group
+        of those ranks (made world-wide the first time: every worker is between steps here). None, and the weights
+        go through the object store, where a rank is not in the world (a replacement worker), or where a dynamic
+        placement kept no copy at the step end: an instance the scheduler starts mid-step on another device loads
+        the weights from a kept copy (`weights_for`)."""
+        g = self.group
+        if not remote or (self.cfg.cluster.auto_scheduler and not self.kept):
             return None
         src = self.cluster.actor_layout.devices[0]
         ranks = tuple(sorted({src, *remote}))
-        # a replacement worker (`cluster.replace_failed`) is in no world: its engine loads through the driver
-        ok = ranks == self._sync_ranks and set(ranks) <= set(self.group.world_ids)
-        return BroadcastWeights(self.version, src, ranks) if ok else None
+        if not set(ranks) <= set(g.world_ids):
+            return None
+        actuator = self._control.actuator
+        if ranks not in actuator.rank_sets:
+            g.gather(g.submit_all(roles.actor_make_groups, device_ids=g.world_ids, rank_sets=[ranks]))
+            actuator.known_rank_sets([ranks])
+        return BroadcastWeights(self.version, src, ranks)
 
     def evaluate(self, items: list) -> float:
         """Greedy held-out accuracy of `items` (`EvalItem`s) under the weights inference holds."""

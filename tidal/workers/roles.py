@@ -393,11 +393,15 @@ def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
 
 
 def actor_broadcast_weights(ctx, plan: BroadcastWeights) -> int:
-    """Every device of the actor's layout (`gather_replica` is collective over it at TP > 1): the device `plan.src`
+    """The actor's device `plan.src` (at TP > 1 every device of the layout: `gather_replica` is collective over it)
     broadcasts the whole weights to the engines of `plan.ranks` (they receive in `_weights`), one parameter at a
     time in `param_specs` order. Returns the bytes this device sent."""
-    shard = actor_of(ctx)
-    replica = shard.gather_replica()
+    shard, kept = actor_of(ctx), roles_of(ctx).kept
+    replica: dict[str, torch.Tensor] | None
+    if kept is not None and kept.version == plan.version and shard.layout.tp == 1:
+        replica = kept.weights   # the copy kept at the step end: no second one
+    else:
+        replica = shard.gather_replica()
     if ctx.device_id != plan.src:
         return 0
     if replica is None:   # the driver names the layout's first device: a bug, not an input
