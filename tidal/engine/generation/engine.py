@@ -371,16 +371,19 @@ class NativeEngine(GenerationEngine):
     def _admit(self, events: list[RequestEvent]) -> None:
         skipped: list[str] = []
         jobs: list[tuple[_Live, list[int]]] = []   # prefills of this admission, in admission order
+        # running requests that may still need a block: admission leaves one free block for each
+        growing = sum(1 for rid in self._slots if rid is not None and self._may_grow(self._live[rid]))
         while self._waiting and None in self._slots:
             live = self._live[self._waiting[0]]
             if live.frozen:
                 skipped.append(self._waiting.popleft())
                 continue
             slot = self._slots.index(None)
-            if not self._admit_blocks(slot, live):
+            if not self._admit_blocks(slot, live, growing):
                 break   # FIFO: nothing overtakes the head of the queue
             rid = self._waiting.popleft()
             self._slots[slot], live.slot = rid, slot
+            growing += self._may_grow(live)
             live.admitted = self._admissions = self._admissions + 1
             p = live.request.params
             temp, top_p, top_k = self._params_h
@@ -411,17 +414,16 @@ class NativeEngine(GenerationEngine):
             lp = sampler.logprobs(logits, tok)
             self._record(live, int(tok.item()), float(lp.item()), events)
 
-    def _admit_blocks(self, slot: int, live: _Live) -> bool:
+    def _admit_blocks(self, slot: int, live: _Live, growing: int) -> bool:
         """Blocks for what the request's admission writes and its first decode position, if that leaves a free
-        block for each running request that may still grow (so admissions do not force preemptions at once);
-        a lone request is admitted whenever its blocks are free."""
+        block for each of the `growing` running requests that may still grow (so admissions do not force
+        preemptions at once); a lone request is admitted whenever its blocks are free."""
         if live.pending_kv is not None:
             positions = live.pending_kv[0][0].shape[1] + 1
         elif live.tokens and self.config.reprefill == "single_pass":
             positions = len(live.all_tokens())
         else:   # a prompt, or a re-prefill that replays its tokens through decode rows (they grow as they go)
             positions = len(live.request.prompt_ids) + 1
-        growing = sum(1 for rid in self._slots if rid is not None and self._may_grow(self._live[rid]))
         if self.cache.free_blocks - self.cache.blocks_for(positions) < growing:
             return False
         return self.cache.grow(slot, positions)
@@ -431,22 +433,28 @@ class NativeEngine(GenerationEngine):
         longest = min(len(live.request.prompt_ids) + live.request.params.max_new_tokens, self.args.max_seq_len)
         return not live.frozen and self.cache.held(cast(int, live.slot)) < self.cache.blocks_for(longest)
 
-    def _grow(self, inflight: _Launched | None) -> None:
-        """Blocks for the position each active row writes in the step being launched, oldest request first. When
-        none is free the newest active request is preempted (its blocks freed, `_preempt`); frozen requests keep
-        theirs (their rows write where they hold no block: the null block)."""
-        ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
-        active = sorted((self._live[rid] for rid in self._slots if rid is not None and not self._live[rid].frozen),
-                        key=lambda lv: lv.admitted)
-        for live in active:
+    def _grow(self, ahead: dict[int, bool], inflight: _Launched | None) -> None:
+        """Blocks for the position each active row writes in the step being launched (`ahead`: the in-flight
+        step's rows), oldest request first. When none is free the newest active request is preempted (its blocks
+        freed, `_preempt`); frozen requests keep theirs (their rows write where they hold no block: the null
+        block). Per step only a comparison per row: a row crosses into a new block once every block_size steps."""
+        capacity = self.cache.block_size
+        need: list[tuple[_Live, int]] = []
+        for rid in self._slots:
+            live = self._live[rid] if rid is not None else None
+            if live is None or live.frozen:
+                continue
             was = ahead.get(id(live))
-            if live.slot is None or (was is True and self._finishes_by_length(live, 1)):
-                continue   # preempted in this loop, or ends in the in-flight step
-            while not self.cache.grow(live.slot, live.kv_len + (was is not None) + 1):
-                victim = max((lv for lv in active if lv.slot is not None), key=lambda lv: lv.admitted)
-                self._preempt(victim, inflight)
-                if victim is live:
-                    break
+            if was is True and self._finishes_by_length(live, 1):
+                continue   # ends in the in-flight step
+            positions = live.kv_len + (was is not None) + 1
+            if positions > self.cache.held(cast(int, live.slot)) * capacity:
+                need.append((live, positions))
+        for live, positions in sorted(need, key=lambda lp: lp[0].admitted):
+            while live.slot is not None and not self.cache.grow(live.slot, positions):
+                self._preempt(max((self._live[rid] for rid in self._slots
+                                   if rid is not None and not self._live[rid].frozen),
+                                  key=lambda lv: lv.admitted), inflight)
         self.cache.upload()
 
     def _preempt(self, live: _Live, inflight: _Launched | None) -> None:
@@ -547,8 +555,8 @@ class NativeEngine(GenerationEngine):
     def _launch(self, inflight: _Launched | None) -> _Launched | None:
         """Start a decode step over the active rows; `inflight`: the step launched before and not read back
         yet, whose rows this one continues (input token from the device, position + 1). None: no active row."""
-        self._grow(inflight)
         ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
+        self._grow(ahead, inflight)
         ids, pos, prev = [0] * self.rows, [0] * self.rows, [False] * self.rows
         rows: list[tuple[_Live, int, bool]] = []
         for slot, rid in enumerate(self._slots):
