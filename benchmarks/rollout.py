@@ -22,8 +22,10 @@ Kernels (`kernels`): `fused` is packed q/k/v and gate/up GEMMs with elementwise 
 (`tidal.engine.generation.fused`) and torch's SDPA for decode attention, `eager` the same engine launching torch's
 own kernels; `triton` is `fused` with the Triton decode attention (`EngineConfig.decode_attention`), `overlap` is
 `triton` with each step launched before the previous one is read back (`EngineConfig.overlap`) and decode rows
-compacted to the active requests (`EngineConfig.compact_rows`): the CUDA engine's default; `full` is `overlap`
-computing a row for every slot. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same
+compacted to the active requests (`EngineConfig.compact_rows`); `gemm` is `overlap` with the projections on the
+engine's Triton GEMMs, the SiLU product, residual adds and norms fused in (`EngineConfig.decode_gemm`): the CUDA
+engine's default; `full` is `overlap` computing a row for every slot. Every variant but `gemm` and `slots` runs
+cuBLAS GEMMs. `speedup_vs_eager` = eager ms per step / the variant's ms per step at the same
 batch, measured side by side. HF `generate` runs once per batch, beside the first variant.
 `decode_profile.top_kernels`: the kernels with the most device time per step.
 
@@ -290,9 +292,11 @@ def throughput(a, device, dtype, report):
         engine = NativeEngine(m, EngineConfig(max_running_requests=running, fused_kernels=kernels != "eager",
                                               kv_budget_bytes=budget,
                                               decode_attention="triton" if kernels in ("triton", "overlap", "full",
-                                                                                       "slots") else "sdpa",
-                                              overlap=kernels in ("overlap", "full", "slots"),
-                                              compact_rows=False if kernels == "full" else None))
+                                                                                       "gemm", "slots") else "sdpa",
+                                              overlap=kernels in ("overlap", "full", "gemm", "slots"),
+                                              compact_rows=False if kernels == "full" else None,
+                                              decode_gemm=("triton" if kernels == "gemm" else
+                                                           None if kernels == "slots" else "cublas")))
         preempted = engine.preemptions
         # a whole warm-up run: it captures every CUDA graph the timed runs replay (one per decode key span)
         t_warm = time.perf_counter()
@@ -485,8 +489,9 @@ def batches(text: str) -> list[int]:
 
 def kernel_variants(text: str) -> list[str]:
     out = text.split(",")
-    if not out or any(k not in ("fused", "triton", "overlap", "full", "eager", "slots") for k in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, full, eager, slots")
+    if not out or any(k not in ("fused", "triton", "overlap", "full", "gemm", "eager", "slots") for k in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of fused, triton, overlap, full, gemm, eager, "
+                                         f"slots")
     return out
 
 
@@ -524,9 +529,10 @@ def main(argv=None):
     p.add_argument("--kernels", type=kernel_variants, default=None, metavar="K[,K...]",
                    help="engine kernels to time side by side: fused (packed GEMMs, compiled elementwise stages; "
                         "CUDA with Triton), triton (fused + the Triton decode attention), overlap (triton + "
-                        "overlapped decode; the CUDA default: compact rows), full (overlap computing a row for every "
-                        "slot, `compact_rows` off), slots (overlap running only the requests a cache of one "
-                        "max_seq_len slot per request holds in --kv-budget-gib) and/or eager (default: fused,eager "
+                        "overlapped decode, compact rows), gemm (overlap with the Triton decode GEMMs: the CUDA "
+                        "default), full (overlap computing a row for every slot, `compact_rows` off), slots (the "
+                        "default kernels running only the requests a cache of one max_seq_len slot per request holds "
+                        "in --kv-budget-gib) and/or eager (default: fused,eager "
                         "on CUDA, eager on CPU)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="KV memory of each engine (`EngineConfig.kv_budget_bytes`): requests hold blocks as their "

@@ -281,3 +281,76 @@ def test_paged_engine_block_size_changes_no_bits_and_a_tight_budget_preempts():
     assert all(len(got[k].token_ids) == len(want[k].token_ids) for k in want)
     assert all(abs(got[k].logprobs[0] - want[k].logprobs[0]) < 0.05 for k in want)
     assert sum(got[k].token_ids == want[k].token_ids for k in want) >= 6
+
+
+@pytest.mark.parametrize("hidden,qkv,inter", [(1536, 2048, 8960), (256, 512, 512)])
+def test_triton_decode_gemms_are_the_product_and_a_row_does_not_depend_on_the_batch(hidden, qkv, inter):
+    """Each decode GEMM equals the fp32 product of its bf16 inputs up to bf16 round-off, its fused stage (bias,
+    SiLU product, residual add + norm) computes the eager math, and a row's output bits are the same computed
+    alone, among 8, 64 or 200 rows (fixed K splits, no batch-dependent kernel choice)."""
+    from tidal.engine.generation import decode_gemm as dg
+    from tidal.engine.model import add_rms_norm, silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*s, scale=1.0):
+        return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, act = rand(200, hidden), rand(200, inter)
+    w_qkv, b_qkv = rand(qkv, hidden, scale=hidden ** -0.5), rand(qkv)
+    w_gu, w_o, w_d = rand(2 * inter, hidden, scale=hidden ** -0.5), rand(hidden, hidden, scale=hidden ** -0.5), \
+        rand(hidden, inter, scale=inter ** -0.5)
+    resid, norm_w = rand(200, hidden), rand(hidden)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    def close_ulp(a, b):   # equal within one bf16 rounding step of the larger magnitude
+        return bool(((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs().clamp_min(1e-3)).all())
+
+    cfg_qkv, cfg_gu = dg.config_for("qkv", qkv, hidden), dg.config_for("gate_up", inter, hidden)
+    cfg_o, cfg_d = dg.config_for("o", hidden, hidden), dg.config_for("down", hidden, inter)
+    y = dg.linear(x, w_qkv, b_qkv, cfg_qkv)
+    assert rel(y, x.float() @ w_qkv.float().T + b_qkv.float()) < 1e-2
+    gate = dg.linear(x, w_gu[:inter], None, dg.GemmConfig(cfg_gu.block_n, cfg_gu.block_k))
+    up = dg.linear(x, w_gu[inter:], None, dg.GemmConfig(cfg_gu.block_n, cfg_gu.block_k))
+    a = dg.gate_up_silu(x, w_gu, cfg_gu)
+    assert rel(gate, x.float() @ w_gu[:inter].float().T) < 1e-2
+    assert close_ulp(a, silu_mul(gate.float(), up.float()).to(torch.bfloat16))
+    for w, inp, cfg in ((w_o, x, cfg_o), (w_d, act, cfg_d)):
+        parts = dg.linear_partials(inp, w, cfg)
+        assert parts.shape[0] == -(-w.shape[1] // cfg.k_per_split(w.shape[1]))
+        assert rel(parts.sum(0), inp.float() @ w.float().T) < 1e-3
+        x_new, h = dg.reduce_add_rms_norm(parts, resid, norm_w, 1e-6)
+        want_x, want_h = add_rms_norm(resid, parts.sum(0).to(torch.bfloat16), norm_w, 1e-6)
+        assert close_ulp(x_new, want_x) and close_ulp(h, want_h)
+    # a row's bits: alone, among 8, 64, 200
+    outs = {m: (dg.linear(x[:m], w_qkv, b_qkv, cfg_qkv), dg.gate_up_silu(x[:m], w_gu, cfg_gu),
+                dg.reduce_add_rms_norm(dg.linear_partials(act[:m], w_d, cfg_d), resid[:m], norm_w, 1e-6)[1])
+            for m in (1, 8, 64, 200)}
+    for m in (8, 64, 200):
+        for got, want in zip(outs[m], outs[1]):
+            assert torch.equal(got[:1], want)
+
+
+def test_triton_decode_gemms_in_the_engine_compute_the_cublas_step_up_to_round_off():
+    """The default CUDA engine runs its decode projections on the Triton GEMMs (`gemm=triton` in its numerics):
+    the function the cuBLAS step computes, up to bf16 round-off."""
+    m = _model()
+    prompts = [_prompt(30 + 7 * i, 10 + i) for i in range(8)]
+
+    def run(gemm, **kw):
+        e = NativeEngine(m, EngineConfig(max_running_requests=8, batch_invariant=False, decode_gemm=gemm, **kw))
+        for i, p in enumerate(prompts):
+            e.add(Request(f"q{i}", p, SamplingParams(0.0, max_new_tokens=16), seed=i))
+        return e, _finish(e)
+
+    engine, triton = run(None)
+    assert "gemm=triton" in engine.numerics
+    cublas_engine, cublas = run("cublas")
+    assert "gemm=cublas" in cublas_engine.numerics
+    second = torch.tensor([[triton[k].logprobs[1], cublas[k].logprobs[1]] for k in triton
+                           if triton[k].token_ids[0] == cublas[k].token_ids[0]])
+    assert len(second) >= 6 and (second[:, 0] - second[:, 1]).abs().max() < 0.05
+    same = sum(triton[k].token_ids[:4] == cublas[k].token_ids[:4] for k in triton)
+    assert same >= 6, f"only {same} of 8 requests agree on their first 4 greedy tokens"

@@ -78,7 +78,7 @@ from typing import Any, Literal, cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.generation import decode_attention, fused, sampler
+from tidal.engine.generation import decode_attention, decode_gemm, fused, sampler
 from tidal.engine.generation.kv_cache import PagedKVCache, RowGroup
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
@@ -129,6 +129,11 @@ class EngineConfig:
     same launch; needs the fused kernels). None: `triton` where the fused kernels run and the head dim and dtype
     suit it (`benchmarks/rollout.py --kernels fused,triton`: 7% fewer ms per decode step on an H200 at batch 64),
     else `sdpa`."""
+    decode_gemm: Literal["cublas", "triton"] | None = None
+    """The decode step's projections on CUDA: `cublas` (torch's GEMMs, with the compiled norms and SiLU product
+    between them) or `triton` (`tidal.engine.generation.decode_gemm`: weight-streaming GEMMs with the SiLU
+    product, the residual adds and the norms fused in; a row's sums independent of the batch; TP 1). None:
+    `triton` where the Triton decode attention runs at TP 1, else `cublas`."""
     overlap: bool | None = None
     """Launch decode step n+1 before reading step n's tokens back, its inputs fed from the device (each row's
     token of step n, its position + 1), so the host's per-step work (recording tokens, drawing the next uniforms)
@@ -159,6 +164,8 @@ class EngineConfig:
             raise TidalError("reprefill", self.reprefill, "unknown mode", 'use "replay" or "single_pass"')
         if self.decode_attention not in (None, "sdpa", "triton"):
             raise TidalError("decode_attention", self.decode_attention, "unknown kernel", 'use "sdpa" or "triton"')
+        if self.decode_gemm not in (None, "cublas", "triton"):
+            raise TidalError("decode_gemm", self.decode_gemm, "unknown kernel", 'use "cublas" or "triton"')
 
     @staticmethod
     def from_rollout(rollout_cfg, kv_budget_bytes: int | None = None) -> EngineConfig:
@@ -235,6 +242,13 @@ class NativeEngine(GenerationEngine):
                              f"{self.args.head_dim}, {self.dtype})", 'use "sdpa"')
         if self._fused:
             model.pack_projections()
+        can_gemm = self._fused_attention and decode_gemm.usable(model)
+        gemm = config.decode_gemm or ("triton" if can_gemm else "cublas")
+        self._decode_gemm = gemm == "triton"
+        if self._decode_gemm and not can_gemm:
+            raise TidalError("decode_gemm", "triton", f"needs the Triton decode attention, TP 1 and a bf16/fp16 "
+                             f"model on CUDA (this engine: attention={attention}, tp={self.tp}, {self.dtype})",
+                             'use "cublas"')
         if config.compact_rows and self._row_spans:
             raise TidalError("compact_rows", True, "needs the step-wide mode (its rows are gathered from their "
                              "slots); the batch-invariant mode computes a row per slot",
@@ -245,7 +259,7 @@ class NativeEngine(GenerationEngine):
         self.numerics = (f"rows={self.rows},dtype={self.dtype},"
                          f"device={self.device.type},tp={self.tp},seq={s},"
                          f"span={'row' if self._row_spans else 'step'},fused={int(self._fused)},"
-                         f"attention={attention},compact={int(self._compact)}")
+                         f"attention={attention},compact={int(self._compact)},gemm={gemm}")
         block = config.kv_block_size or (decode_attention.CHUNK if self._fused_attention else CPU_KV_BLOCK)
         if self._fused_attention and block % decode_attention.BLOCK_N:
             raise TidalError("kv_block_size", block, f"must be a multiple of the Triton decode attention's "
@@ -714,7 +728,11 @@ class NativeEngine(GenerationEngine):
                 ids_R = torch.where(prev_R, self._prev_tok, ids_R)
             row_slot = self._row_slot
         decoder = self.cache.decoder(pos_R, row_slot, span, groups, fused=self._fused_attention and span is not None)
-        logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
+        if self._decode_gemm:
+            logits_local = self.model.logits_local(decode_gemm.decode_hidden(self.model, ids_R, pos_R, decoder,
+                                                                             self._kernels))
+        else:
+            logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
         tok = sampler.sample(logits, temp, top_p, top_k, u_R, filtered)
         if prev_R is not None:
