@@ -80,12 +80,13 @@ def test_kv_migration_continues_bit_for_bit():
 def test_batched_prefill_matches_one_at_a_time_up_to_round_off():
     m = _model()
     reqs = [Request(f"r{i}", _prompt(30 + 7 * i, 100 + i), GREEDY, seed=i) for i in range(16)]
-    batched = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=False))
+    # the same decode kernels (cuBLAS GEMMs, compiled elementwise stages): only the prefill differs
+    batched = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=False, decode_gemm="cublas"))
     for r in reqs:
         batched.add(r)
     fast = _finish(batched)
     single = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=True, cuda_graph=False,
-                                          fused_kernels=True))   # the same kernels: only the prefill differs
+                                          fused_kernels=True))
     for r in reqs:
         single.add(r)
     exact = _finish(single)
@@ -305,8 +306,8 @@ def test_triton_decode_gemms_are_the_product_and_a_row_does_not_depend_on_the_ba
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
 
-    def close_ulp(a, b):   # equal within one bf16 rounding step of the larger magnitude
-        return bool(((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs().clamp_min(1e-3)).all())
+    def close_ulp(a, b):   # within two bf16 rounding steps (the norm rounds twice: normalised, then scaled)
+        return bool(((a.float() - b.float()).abs() <= 2 ** -6 * b.float().abs().clamp_min(1e-3)).all())
 
     cfg_qkv, cfg_gu = dg.config_for("qkv", qkv, hidden), dg.config_for("gate_up", inter, hidden)
     cfg_o, cfg_d = dg.config_for("o", hidden, hidden), dg.config_for("down", hidden, inter)
@@ -354,3 +355,25 @@ def test_triton_decode_gemms_in_the_engine_compute_the_cublas_step_up_to_round_o
     assert len(second) >= 6 and (second[:, 0] - second[:, 1]).abs().max() < 0.05
     same = sum(triton[k].token_ids[:4] == cublas[k].token_ids[:4] for k in triton)
     assert same >= 6, f"only {same} of 8 requests agree on their first 4 greedy tokens"
+
+
+def test_the_sampling_kernel_draws_the_torch_samplers_tokens_and_log_probs():
+    """Rows without top-k/top-p sample in one Triton kernel on CUDA (`sample_kernel`): with the same uniforms it
+    draws the torch sampler's tokens (the inverse CDF in vocab order; greedy the lowest argmax) up to fp32
+    round-off at a block boundary, and the log-probs agree to fp32 round-off; a vocab-limited view reads only
+    its ids."""
+    from tidal.engine.generation import sample_kernel, sampler
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, v = 512, 151936
+    logits = (torch.randn(n, v, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    view = logits[:, :151665]
+    temp = torch.tensor([0.0, 1.0, 0.6, 1.2], device="cuda").repeat(n // 4)
+    u = torch.rand(n, generator=g, device="cuda")
+    tok, lp = sample_kernel.sample_logprobs(view, temp, u)
+    ones, zeros = torch.ones(n, device="cuda"), torch.zeros(n, dtype=torch.long, device="cuda")
+    ref = sampler.sample(view.float(), temp, ones, zeros, u, filtered=False)
+    assert (tok == ref).float().mean() > 0.99 and bool((tok[temp <= 0] == ref[temp <= 0]).all())
+    assert int(tok.max()) < 151665
+    agree = tok == ref
+    assert (lp[agree] - sampler.logprobs(view.float(), tok)[agree]).abs().max() < 1e-4

@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from tidal.engine.generation import fused
+
 #: keys per stage-1 program (fixed: a row's chunk boundaries, hence its result, never depend on the step)
 CHUNK = 256
 #: keys per online-softmax block inside a chunk
@@ -57,7 +59,10 @@ def _kernels():
     def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_sb, c_sh, c_sp,
                table_ptr, t_ss, slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale, cos_ptr, sin_ptr,
                cs_sr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
-               BLOCK_N_: tl.constexpr, KV_BLOCK: tl.constexpr, ROPE: tl.constexpr):
+               BLOCK_N_: tl.constexpr, KV_BLOCK: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:   # programmatic dependent launch (`fused.pdl`): nothing read before the previous kernel is done
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         c = tl.program_id(2)
@@ -120,7 +125,10 @@ def _kernels():
 
     @triton.jit
     def stage2(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, o_sr, o_sh, max_chunks, num_heads,
-               D: tl.constexpr, CHUNK_: tl.constexpr):
+               D: tl.constexpr, CHUNK_: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + row).to(tl.int32)
@@ -186,6 +194,8 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
     mid_lse = torch.empty((r, h, max_chunks), dtype=torch.float32, device=q_RHD.device)
     out = torch.empty((r, h, d), dtype=q_RHD.dtype, device=q_RHD.device)
     stage1, stage2 = _kernels()
+    pdl = fused.pdl(q_RHD.device)
+    launch = {"launch_pdl": True} if pdl else {}
     stage1[(r, kv, max_chunks)](
         q_RHD, q_RHD.stride(0), q_RHD.stride(1), k_new_RKD, k_new_RKD.stride(0), k_new_RKD.stride(1),
         v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
@@ -193,8 +203,8 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         block_table, block_table.stride(0), slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
         cs, sn, cs_sr,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n,
-        KV_BLOCK=k_cache.shape[2], ROPE=rope,
-        num_warps=num_warps, num_stages=num_stages)
+        KV_BLOCK=k_cache.shape[2], ROPE=rope, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch)
     stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=chunk,
-                   num_warps=1)
+                   PDL=pdl, num_warps=1, **launch)
     return out

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.engine.generation import fused
 from tidal.engine.tp import group_size
 
 
@@ -60,7 +61,9 @@ def _kernels():
     @triton.jit
     def gemm(x_ptr, x_sm, w_ptr, w_sn, b_ptr, out_ptr, o_sm, part_ptr, M, N, K, K_SPLIT, UP_OFFSET,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr,
-             HAS_BIAS: tl.constexpr, SILU_UP: tl.constexpr):
+             HAS_BIAS: tl.constexpr, SILU_UP: tl.constexpr, PDL: tl.constexpr):
+        if PDL:   # the next kernel may start its programs now (they wait for this one before reading its output)
+            tl.extra.cuda.gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -70,9 +73,22 @@ def _kernels():
         nmask = rn < N
         k_lo = pid_k * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        # the first K step's weight tiles before waiting for the previous kernel (weights: written by no kernel
+        # of the step), then its x; the loop runs the remaining steps
+        rk = k_lo + tl.arange(0, BLOCK_K)
+        kmask = rk < k_hi
+        w = tl.load(w_ptr + rn[:, None] * w_sn + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if SILU_UP:
+            u = tl.load(w_ptr + (rn + UP_OFFSET)[:, None] * w_sn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + rm[:, None] * x_sm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w))
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if SILU_UP:
+            acc_up = tl.dot(x, tl.trans(u))
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < k_hi
             x = tl.load(x_ptr + rm[:, None] * x_sm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -98,7 +114,10 @@ def _kernels():
 
     @triton.jit
     def reduce_add_rms_norm(part_ptr, x_ptr, w_ptr, x_out_ptr, h_out_ptr, M, N, eps, SPLIT,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         cmask = cols < N
@@ -139,11 +158,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Ge
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     gemm, _ = _kernels()
+    pdl = fused.pdl(x.device)
     grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
     gemm[grid](x, x.stride(0), w, w.stride(0), bias if bias is not None else w, out, n, out,
                m, n, k, k_split, n if silu_up else 0,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=partials,
-               HAS_BIAS=bias is not None, SILU_UP=silu_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               HAS_BIAS=bias is not None, SILU_UP=silu_up, PDL=pdl, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -175,27 +196,32 @@ def reduce_add_rms_norm(partials: torch.Tensor, x: torch.Tensor, weight: torch.T
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     _, kernel = _kernels()
     block = triton.next_power_of_2(n)
-    kernel[(m,)](partials, x, weight, x_out, h_out, m, n, eps, SPLIT=s, BLOCK=block,
-                 num_warps=4 if block <= 4096 else 8)
+    pdl = fused.pdl(x.device)
+    kernel[(m,)](partials, x, weight, x_out, h_out, m, n, eps, SPLIT=s, BLOCK=block, PDL=pdl,
+                 num_warps=4 if block <= 4096 else 8, **({"launch_pdl": True} if pdl else {}))
     return x_out, h_out
 
 
 # ---- the tilings the engine runs --------------------------------------------------------------------------
-#: programs a split-K GEMM aims at (about two per multiprocessor of an H100/H200: enough loads in flight to
-#: stream the weights at full bandwidth)
-TARGET_PROGRAMS = 264
+#: most rows the engine runs on these kernels; larger decode buckets run cuBLAS (at 256 rows a GEMM is no longer
+#: bound by its weight read alone, and cuBLAS's large tiles win)
+MAX_ROWS = 64
+#: programs a split-K GEMM aims at: splits beyond it write more partial sums than they save in latency
+SPLIT_PROGRAMS = 96
 
 
 def config_for(role: str, n: int, k: int) -> GemmConfig:
     """The tiling of one decode GEMM of the engine (`role`: qkv, o, gate_up, down; n the output columns, for
-    gate_up the SiLU product's). A function of (role, n, k) alone: a row's sums never depend on the batch."""
-    if role in ("qkv", "gate_up"):   # one pass over K (a bias or the SiLU product in the epilogue)
-        return GemmConfig(block_n=16 if n <= 4096 else 32, block_k=128, num_stages=3 if role == "gate_up" else 4)
+    gate_up the SiLU product's). A function of (role, n, k) alone: a row's sums never depend on the batch.
+    The fastest of `benchmarks/decode_gemm.py`'s sweep at 64 rows on an H200 (Qwen2.5-1.5B's projections)."""
+    if role == "qkv":   # one pass over K, the bias in the epilogue
+        return GemmConfig(block_n=16, block_k=128, num_stages=5)
+    if role == "gate_up":   # one pass over K, both weights' tiles, the SiLU product in the epilogue
+        return GemmConfig(block_n=128, block_k=64, num_stages=5)
     if role in ("o", "down"):
-        block_n, block_k = 64, 128
-        steps = -(-k // block_k)
-        split = max(1, min(steps, round(TARGET_PROGRAMS / -(-n // block_n))))
-        return GemmConfig(block_n=block_n, block_k=block_k, split_k=split)
+        block_n = 32 if role == "o" else 64
+        split = max(1, min(-(-k // 128), round(SPLIT_PROGRAMS / -(-n // block_n))))
+        return GemmConfig(block_n=block_n, block_k=128, split_k=split, num_stages=5)
     raise ValueError(f"decode_gemm.config_for: unknown role {role!r}")
 
 

@@ -78,7 +78,7 @@ from typing import Any, Literal, cast
 import torch
 
 from tidal.core.errors import TidalError
-from tidal.engine.generation import decode_attention, decode_gemm, fused, sampler
+from tidal.engine.generation import decode_attention, decode_gemm, fused, sample_kernel, sampler
 from tidal.engine.generation.kv_cache import PagedKVCache, RowGroup
 from tidal.engine.generation.protocol import (
     TRANSITIONS,
@@ -132,8 +132,9 @@ class EngineConfig:
     decode_gemm: Literal["cublas", "triton"] | None = None
     """The decode step's projections on CUDA: `cublas` (torch's GEMMs, with the compiled norms and SiLU product
     between them) or `triton` (`tidal.engine.generation.decode_gemm`: weight-streaming GEMMs with the SiLU
-    product, the residual adds and the norms fused in; a row's sums independent of the batch; TP 1). None:
-    `triton` where the Triton decode attention runs at TP 1, else `cublas`."""
+    product, the residual adds and the norms fused in; a row's sums independent of the batch; TP 1) for steps of
+    up to `decode_gemm.MAX_ROWS` rows, cuBLAS above. None: `triton` where the Triton decode attention runs at
+    TP 1, else `cublas`."""
     overlap: bool | None = None
     """Launch decode step n+1 before reading step n's tokens back, its inputs fed from the device (each row's
     token of step n, its position + 1), so the host's per-step work (recording tokens, drawing the next uniforms)
@@ -728,19 +729,24 @@ class NativeEngine(GenerationEngine):
                 ids_R = torch.where(prev_R, self._prev_tok, ids_R)
             row_slot = self._row_slot
         decoder = self.cache.decoder(pos_R, row_slot, span, groups, fused=self._fused_attention and span is not None)
-        if self._decode_gemm:
+        if self._decode_gemm and ids_R.shape[0] <= decode_gemm.MAX_ROWS:
             logits_local = self.model.logits_local(decode_gemm.decode_hidden(self.model, ids_R, pos_R, decoder,
                                                                              self._kernels))
         else:
             logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
-        logits = self.model.full_logits(logits_local)[:, -1, :self._vocab].float()
-        tok = sampler.sample(logits, temp, top_p, top_k, u_R, filtered)
+        logits = self.model.full_logits(logits_local)[:, -1, :self._vocab]
+        if self._fused and not filtered:   # one Triton kernel: the token and its log-prob (`sample_kernel`)
+            tok, lp = sample_kernel.sample_logprobs(logits, temp, u_R)
+        else:
+            logits = logits.float()
+            tok = sampler.sample(logits, temp, top_p, top_k, u_R, filtered)
+            lp = sampler.logprobs(logits, tok)
         if prev_R is not None:
             if slots_R is not None:   # padding rows all write the dummy slot: never read for a real row
                 self._prev_tok.index_copy_(0, slots_R, tok)
             else:
                 self._prev_tok.copy_(tok)
-        return tok, sampler.logprobs(logits, tok)
+        return tok, lp
 
     def _graph_decode(self, ids_R: torch.Tensor, pos_R: torch.Tensor, u_R: torch.Tensor,
                       prev_R: torch.Tensor | None, filtered: bool, span: int, slots_R: torch.Tensor | None = None):

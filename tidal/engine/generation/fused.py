@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -30,6 +31,21 @@ from tidal.engine.model import Kernels, add_rms_norm, rms_norm, rope_qk, silu_mu
 def available(device: torch.device) -> bool:
     """Fused kernels run here: a CUDA device with Triton installed."""
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Our Triton kernels launch with programmatic dependent launch here (Hopper or newer, a Triton with grid
+    dependency control, not the interpreter): a kernel's programs start while the previous kernel finishes and
+    wait (`gdc_wait`) before they read what it wrote, which hides a launch's ramp-up and the previous kernel's
+    tail. Before that wait a kernel reads only what no kernel of the step writes (a GEMM's weights)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache
