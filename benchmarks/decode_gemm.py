@@ -19,7 +19,7 @@ bandwidth measured in the same run (`copy_bandwidth_GBps`, as `benchmarks/rollou
 / us. `rel_err` = ||out - ref|| / ||ref|| against the fp32 product of the same bf16 inputs (the GEMM output, before
 the norm). `row_invariant`: the first row computed alone has the bits it has in the batch. `engine`: the tiling
 `decode_gemm.config_for` gives the engine; `best`: the fastest of the sweep (`--block-n`, `--block-k`, `--split`,
-`--stages`); `cublas`: the path it replaces. `layer_us`: the four roles summed, per variant.
+`--stages`, `--warps`); `cublas`: the path it replaces. `layer_us`: the four roles summed, per variant.
 """
 
 from __future__ import annotations
@@ -115,15 +115,15 @@ def sweep_role(a, shape: str, role: str, m: int, bandwidth: float) -> dict:
 
     split_role = role in ("o", "down")
     configs = []
-    for bn, bk, st in itertools.product(a.block_n, a.block_k, a.stages):
+    for bn, bk, st, wp in itertools.product(a.block_n, a.block_k, a.stages, a.warps):
         if split_role:
             steps = -(-k // bk)
             for s in a.split:
                 programs = -(-n // bn) * s
                 if 2 <= s <= steps and 64 <= programs <= 1024:
-                    configs.append(dg.GemmConfig(block_n=bn, block_k=bk, split_k=s, num_stages=st))
+                    configs.append(dg.GemmConfig(block_n=bn, block_k=bk, split_k=s, num_warps=wp, num_stages=st))
         else:
-            configs.append(dg.GemmConfig(block_n=bn, block_k=bk, num_stages=st))
+            configs.append(dg.GemmConfig(block_n=bn, block_k=bk, num_warps=wp, num_stages=st))
     rows_out = [entry(c) for c in configs]
     eng_cfg = dg.config_for(role, n, k)
     engine = entry(eng_cfg)
@@ -148,6 +148,7 @@ def main() -> None:
     p.add_argument("--block-k", type=ints, default=[64, 128, 256])
     p.add_argument("--split", type=ints, default=[2, 3, 4, 6, 8, 12, 16])
     p.add_argument("--stages", type=ints, default=[3, 5])
+    p.add_argument("--warps", type=ints, default=[4])
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_gemm.py needs a CUDA device")
