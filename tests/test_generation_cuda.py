@@ -78,22 +78,25 @@ def test_kv_migration_continues_bit_for_bit():
 
 
 def test_batched_prefill_matches_one_at_a_time_up_to_round_off():
+    """What a prefill computes (each request's first token and its log-prob) is the same batched as one at a
+    time, up to bf16 round-off: log-probs within 0.05, greedy tokens equal but for a near-tie. (The decode steps
+    after it run other kernels in the two engines, so later tokens are not compared.)"""
     m = _model()
-    reqs = [Request(f"r{i}", _prompt(30 + 7 * i, 100 + i), GREEDY, seed=i) for i in range(16)]
-    # the same decode kernels (cuBLAS GEMMs, compiled elementwise stages): only the prefill differs
-    batched = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=False, decode_gemm="cublas"))
+    first = SamplingParams(0.0, max_new_tokens=1)
+    reqs = [Request(f"r{i}", _prompt(30 + 7 * i, 100 + i), first, seed=i) for i in range(16)]
+    batched = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=False))
     for r in reqs:
         batched.add(r)
     fast = _finish(batched)
     single = NativeEngine(m, EngineConfig(max_running_requests=16, batch_invariant=True, cuda_graph=False,
-                                          fused_kernels=True))
+                                          fused_kernels=True))   # the same prefill kernels, one request at a time
     for r in reqs:
         single.add(r)
     exact = _finish(single)
-    first = [abs(fast[r.request_id].logprobs[0] - exact[r.request_id].logprobs[0]) for r in reqs]
-    assert max(first) < 0.05, first    # bf16: the first token's log-prob agrees to round-off
+    gaps = [abs(fast[r.request_id].logprobs[0] - exact[r.request_id].logprobs[0]) for r in reqs]
+    assert max(gaps) < 0.05, gaps
     same = sum(fast[r.request_id].token_ids == exact[r.request_id].token_ids for r in reqs)
-    assert same >= len(reqs) // 2, same   # greedy tokens agree but for near-ties flipped by round-off
+    assert same >= len(reqs) - 1, same
 
 
 def test_fused_kernels_compute_the_eager_math_and_free_with_the_weights():

@@ -217,7 +217,7 @@ def config_for(role: str, n: int, k: int) -> GemmConfig:
     if role == "qkv":   # one pass over K, the bias in the epilogue
         return GemmConfig(block_n=16, block_k=128, num_stages=5)
     if role == "gate_up":   # one pass over K, both weights' tiles, the SiLU product in the epilogue
-        return GemmConfig(block_n=128, block_k=64, num_stages=4)   # 5 stages exceed an H200's shared memory
+        return GemmConfig(block_n=32, block_k=64, num_stages=3)
     if role in ("o", "down"):
         block_n = 32 if role == "o" else 64
         split = max(1, min(-(-k // 128), round(SPLIT_PROGRAMS / -(-n // block_n))))
