@@ -60,18 +60,33 @@ def _kernels():
                table_ptr, t_ss, slot_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, max_chunks, sm_scale, cos_ptr, sin_ptr,
                cs_sr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr,
                BLOCK_N_: tl.constexpr, KV_BLOCK: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
-        if PDL:   # programmatic dependent launch (`fused.pdl`): nothing read before the previous kernel is done
+        if PDL:   # programmatic dependent launch (`fused.pdl`): the next kernel may start its programs
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         c = tl.program_id(2)
+        # pos, slot and the block table are the step's inputs and the cached keys were written by earlier steps:
+        # none is written by the kernels this one may overlap, so they and the chunk's first key block are read
+        # before waiting for the previous kernel (whose q/k/v this program needs next)
         pos = tl.load(pos_ptr + row).to(tl.int32)   # loop bounds and offsets in one integer type
         start = c * CHUNK_
         if start <= pos:
             slot = tl.load(slot_ptr + row).to(tl.int64)
-            offs_g = tl.arange(0, BLOCK_G)
             offs_d = tl.arange(0, D)
+            table = table_ptr + slot * t_ss   # the slot's row of the block table
+            end = tl.minimum(start + CHUNK_, pos + 1)
+            offs_n = start + tl.arange(0, BLOCK_N_)
+            nmask = offs_n < end
+            own = offs_n == pos   # the row's own key: masked here, written below
+            # a load of BLOCK_N keys lies in one KV block (KV_BLOCK is a multiple of BLOCK_N, or one block)
+            j = start // KV_BLOCK
+            block = tl.load(table + j).to(tl.int64)
+            at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
+            k_first = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+            v_first = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            offs_g = tl.arange(0, BLOCK_G)
             gmask = offs_g < G
             heads = kvh * G + offs_g
             q = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + offs_d[None, :], mask=gmask[:, None],
@@ -88,8 +103,6 @@ def _kernels():
                 q = (q.to(tl.float32) * cs[None, :] + q_p.to(tl.float32) * sn[None, :]).to(q_p.dtype)
                 k_p = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + partner)
                 k_new = (k_new.to(tl.float32) * cs + k_p.to(tl.float32) * sn).to(k_p.dtype)
-            table = table_ptr + slot * t_ss   # the slot's row of the block table
-            end = tl.minimum(start + CHUNK_, pos + 1)
             if pos < start + CHUNK_:   # this chunk holds the row's own key: store it for later steps
                 own_block = tl.load(table + pos // KV_BLOCK).to(tl.int64)
                 at_own = own_block * c_sb + kvh * c_sh + (pos - (pos // KV_BLOCK) * KV_BLOCK) * c_sp + offs_d
@@ -99,18 +112,21 @@ def _kernels():
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             qk_scale = sm_scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
-            for n0 in range(start, end, BLOCK_N_):
+            k, v = k_first, v_first
+            for n0 in range(start, end, BLOCK_N_):   # keys n0.. are in k, v; the next block loads during the math
                 offs_n = n0 + tl.arange(0, BLOCK_N_)
                 nmask = offs_n < end
                 own = offs_n == pos
-                # a load of BLOCK_N keys lies in one KV block (KV_BLOCK is a multiple of BLOCK_N, or one block)
-                j = n0 // KV_BLOCK
-                block = tl.load(table + j).to(tl.int64)
-                at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
-                k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
-                v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
                 k = tl.where(own[:, None], k_new[None, :], k)
                 v = tl.where(own[:, None], v_new[None, :], v)
+                n1 = n0 + BLOCK_N_
+                offs_n1 = n1 + tl.arange(0, BLOCK_N_)
+                next_mask = (offs_n1 < end) & (offs_n1 != pos)
+                j = tl.minimum(n1, end - 1) // KV_BLOCK   # past the chunk: a masked load, a table entry in range
+                block = tl.load(table + j).to(tl.int64)
+                at = block * c_sb + kvh * c_sh + (offs_n1 - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
+                k_next = tl.load(kc_ptr + at, mask=next_mask[:, None], other=0.0)
+                v_next = tl.load(vc_ptr + at, mask=next_mask[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
                 s = tl.where(nmask[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -119,6 +135,7 @@ def _kernels():
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+                k, v = k_next, v_next
             at_mid = (row * (G * tl.num_programs(1)) + heads) * max_chunks + c
             tl.store(mid_o_ptr + at_mid[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=gmask[:, None])
             tl.store(mid_lse_ptr + at_mid, m_i + tl.log2(l_i), mask=gmask)   # log2-sum-exp2 of scaled scores
