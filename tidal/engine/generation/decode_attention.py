@@ -112,21 +112,28 @@ def _kernels():
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             qk_scale = sm_scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
-            k, v = k_first, v_first
-            for n0 in range(start, end, BLOCK_N_):   # keys n0.. are in k, v; the next block loads during the math
+            # the first block (read before the wait), then the chunk's other blocks: the same steps in order
+            k = tl.where(own[:, None], k_new[None, :], k_first)
+            v = tl.where(own[:, None], v_new[None, :], v_first)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+            for n0 in range(start + BLOCK_N_, end, BLOCK_N_):
                 offs_n = n0 + tl.arange(0, BLOCK_N_)
                 nmask = offs_n < end
                 own = offs_n == pos
+                j = n0 // KV_BLOCK
+                block = tl.load(table + j).to(tl.int64)
+                at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
+                k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+                v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
                 k = tl.where(own[:, None], k_new[None, :], k)
                 v = tl.where(own[:, None], v_new[None, :], v)
-                n1 = n0 + BLOCK_N_
-                offs_n1 = n1 + tl.arange(0, BLOCK_N_)
-                next_mask = (offs_n1 < end) & (offs_n1 != pos)
-                j = tl.minimum(n1, end - 1) // KV_BLOCK   # past the chunk: a masked load, a table entry in range
-                block = tl.load(table + j).to(tl.int64)
-                at = block * c_sb + kvh * c_sh + (offs_n1 - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
-                k_next = tl.load(kc_ptr + at, mask=next_mask[:, None], other=0.0)
-                v_next = tl.load(vc_ptr + at, mask=next_mask[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * qk_scale
                 s = tl.where(nmask[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -135,7 +142,6 @@ def _kernels():
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-                k, v = k_next, v_next
             at_mid = (row * (G * tl.num_programs(1)) + heads) * max_chunks + c
             tl.store(mid_o_ptr + at_mid[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=gmask[:, None])
             tl.store(mid_lse_ptr + at_mid, m_i + tl.log2(l_i), mask=gmask)   # log2-sum-exp2 of scaled scores
