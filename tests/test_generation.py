@@ -110,6 +110,18 @@ def test_compact_rows_compute_only_the_active_requests_and_generate_the_same():
         NativeEngine(m, EngineConfig(max_running_requests=8, batch_invariant=True, compact_rows=True))
 
 
+def test_the_triton_decode_gemms_are_refused_where_they_cannot_run_and_cublas_is_named():
+    """`decode_gemm="triton"` needs the Triton decode attention (CUDA, TP 1, bf16/fp16): elsewhere the engine
+    refuses it, naming the key and the way out; an unknown value is refused before any engine is built; the
+    default on CPU runs torch's GEMMs and says so in its numerics."""
+    m = model()
+    with pytest.raises(TidalError, match='decode_gemm.*attention=sdpa.*use "cublas"'):
+        NativeEngine(m, EngineConfig(max_running_requests=8, decode_gemm="triton"))
+    with pytest.raises(TidalError, match="decode_gemm.*unknown kernel"):
+        EngineConfig(decode_gemm="cutlass")  # type: ignore[arg-type]
+    assert "gemm=cublas" in NativeEngine(m, EngineConfig(max_running_requests=8)).numerics
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens():
     m = model()
     p = SamplingParams(1.0, max_new_tokens=12)
