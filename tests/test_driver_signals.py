@@ -18,6 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TIDAL = Path(sys.executable).parent / "tidal"
+#: one device per component (the shutdown stops however many workers there are): a run with workers and a
+#: dynamic scheduler, started in a third of the 8-device placement's time
+PLACEMENT = ["cluster.num_devices_per_node=3", "cluster.component_placement={actor: 0, rollout: 1, inference: 2}"]
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
@@ -25,7 +28,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     cmd = [str(TIDAL), "train", "experiments/addition_dynamic.yaml", f"run.output_dir={tmp_path}/runs",
            f"tracking.db_url=sqlite:///{tmp_path}/tidal.db", f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlruns.db",
            f"tracking.mlflow_artifacts={tmp_path}/artifacts", "warm_start.iters=0", "run.num_steps=1000",
-           "data.eval_size=8", "run.eval_every=1000"]
+           "data.eval_size=8", "run.eval_every=1000", *PLACEMENT]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
     with open(log, "w") as out:   # the child holds its own copy of the descriptor
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
