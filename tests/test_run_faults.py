@@ -21,15 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 TIDAL = str(Path(sys.executable).parent / "tidal")
 STEPS = 3
 COMMON = ["data.eval_size=8", "run.eval_every=1000", "run.checkpoint_every=1", f"run.num_steps={STEPS}",
-          "reward.function=tests.parity_reward:score"]   # about half of every group rewarded: every step trains
+          "reward.function=tests.parity_reward:score",   # about half of every group rewarded: every step trains
+          # the actor on two devices (each is killed once), rollout and inference on one each
+          "cluster.num_devices_per_node=4", "cluster.component_placement={actor: 0-1, rollout: 2, inference: 3}"]
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
        # the reward function's module, tests/parity_reward.py, is imported by the driver and its workers
        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def _config(tmp_path: Path, hf_run_inputs) -> list[str]:
-    """experiments/addition_dynamic.yaml's placement and GRPO settings on a Qwen2 checkpoint written by transformers,
-    trained from GSM8K-format files: `tidal train`'s leading arguments."""
+    """experiments/addition_dynamic.yaml's dynamic scheduling and GRPO settings on a Qwen2 checkpoint written by
+    transformers, trained from GSM8K-format files, on 4 devices (COMMON): `tidal train`'s leading arguments."""
     cfg = yaml.safe_load((REPO / "experiments/addition_dynamic.yaml").read_text())
     del cfg["model"], cfg["warm_start"], cfg["data"]["task"]
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
