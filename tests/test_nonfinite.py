@@ -78,8 +78,10 @@ def test_the_run_ends_with_the_step_the_device_and_the_checkpoint_named(tmp_path
     from tidal.cli.main import main
     # AdamW's first steps move every weight by about lr: 3e38 twice overflows fp32 (1e30 would not: RMSNorm
     # then maps the huge weights to zeros, a degenerate but finite model)
+    # the actor on two ranks (the message names the device that raised), rollout and inference on one device each
     code = main(["train", "experiments/addition_dynamic.yaml", f"run.output_dir={tmp_path}", "actor.lr=3e38",
-                 "warm_start.iters=0", "run.num_steps=3", "data.eval_size=8", "--no-track"])
+                 "warm_start.iters=0", "run.num_steps=3", "data.eval_size=8", "cluster.num_devices_per_node=4",
+                 "cluster.component_placement={actor: 0-1, rollout: 2, inference: 3}", "--no-track"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "actor.on_nonfinite" in err and "RL step" in err and "raised on device" in err
