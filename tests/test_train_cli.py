@@ -53,7 +53,10 @@ def test_train_as_a_prefect_flow_without_a_server(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     out = tmp_path / "summary.json"
+    # one device per component: what is checked is the flow around the job, whatever its placement
     assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "run.num_steps=1", "warm_start.iters=20",
-                 "data.eval_size=16", "--flow", "--no-track", "--json", str(out)]) == 0
+                 "data.eval_size=16", "cluster.num_devices_per_node=3",
+                 "cluster.component_placement={actor: 0, rollout: 1, inference: 2}", "--flow", "--no-track",
+                 "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["steps"] == 1 and len(summary["reward_per_step"]) == 1
