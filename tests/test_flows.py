@@ -260,10 +260,13 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
     log = tmp_path / "serve.log"
     serve = _start([str(Path(sys.executable).parent / "tidal"), "serve"], env, log, REPO)
     try:
-        # 1. a short real training run (rlinf policy: it reshards the actor)
+        # 1. a short real training run (rlinf policy: it reshards the actor onto the rollout devices once they are
+        # done), on 4 devices
         fr = _run_deployment(api, "rl-training", {"request": {
             "config": "experiments/addition_dynamic.yaml",
             "overrides": ["run.num_steps=2", "warm_start.iters=20", "data.eval_size=32", "scheduler.policy=rlinf",
+                          "cluster.num_devices_per_node=4",
+                          "cluster.component_placement={actor: 0, rollout: 1-2, inference: 3}",
                           "run.name=rest-run", *tracking]}}, 900, serve, log)
         names = _task_names(api, fr["id"])
         assert {"open-run", "finish-run", "close-run"} <= set(names), names
