@@ -3,13 +3,14 @@
 At decode a layer's GEMMs have a few dozen rows (the running requests) and read 94 MB of weights (Qwen2.5-1.5B):
 they are bound by the weight read, not by arithmetic. cuBLAS reaches 0.72 of it on gate/up and far less on the
 small q/k/v and o projections (latency-bound at a few microseconds each), and the norms, SiLU product and
-residual adds between them are launches of their own. Here a layer is five launches besides attention:
+residual adds between them are launches of their own. Here a layer is six launches besides attention:
 
     qkv      x_n @ W_qkv^T + b              tiles of BLOCK_N output columns over the whole K (one pass)
     o        attn @ W_o^T                   split-K: fp32 partial sums [S, M, N] of fixed K ranges
     norm     x += sum_s(partials); x_n = rms_norm(x) * w      (`reduce_add_rms_norm`: residual add + next norm)
     gate/up  silu(x_n @ W_g^T) * (x_n @ W_u^T)                 both tiles in one program, the product stored
-    down     act @ W_d^T                    split-K partials, summed by the next `reduce_add_rms_norm`
+    down     act @ W_d^T                    split-K partials
+    norm     the same for the MLP's output, with the next layer's input norm (the final norm after the last)
 
 Invariant (batch invariance of a row): a row's output depends on its own inputs and the weights only. The K
 ranges of the splits and the BLOCK_K steps inside them are fixed by (N, K) alone (`GemmConfig`), partial sums
