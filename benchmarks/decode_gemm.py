@@ -28,6 +28,8 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import shlex
+import sys
 
 import torch
 from decode_attention import graph_us, ints  # benchmarks/ is the script's folder
@@ -156,7 +158,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(dev) * 1e9
     report = {"name": "decode_gemm", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
               "commit": commit(), "machine": machine(dev), "copy_bandwidth_GBps": bandwidth / 1e9,
-              "command": "python benchmarks/decode_gemm.py " + " ".join(__import__("sys").argv[1:]), "results": []}
+              "command": shlex.join(["python", "benchmarks/decode_gemm.py", *sys.argv[1:]]), "results": []}
     for shape in a.shapes.split(","):
         for m in a.batch:
             roles = [sweep_role(a, shape, role, m, bandwidth) for role in a.roles.split(",")]

@@ -217,8 +217,7 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
     mid_lse = torch.empty((r, h, max_chunks), dtype=torch.float32, device=q_RHD.device)
     out = torch.empty((r, h, d), dtype=q_RHD.dtype, device=q_RHD.device)
     stage1, stage2 = _kernels()
-    pdl = fused.pdl(q_RHD.device)
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = fused.pdl_launch(q_RHD.device)
     stage1[(r, kv, max_chunks)](
         q_RHD, q_RHD.stride(0), q_RHD.stride(1), k_new_RKD, k_new_RKD.stride(0), k_new_RKD.stride(1),
         v_new_RKD, v_new_RKD.stride(0), v_new_RKD.stride(1),
@@ -226,8 +225,8 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
         block_table, block_table.stride(0), slots_R, pos_R, mid_o, mid_lse, max_chunks, 1.0 / d ** 0.5,
         cs, sn, cs_sr,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK_N_=block_n,
-        KV_BLOCK=k_cache.shape[2], ROPE=rope, PDL=pdl,
+        KV_BLOCK=k_cache.shape[2], ROPE=rope,
         num_warps=num_warps, num_stages=num_stages, **launch)
     stage2[(r, h)](mid_o, mid_lse, pos_R, out, out.stride(0), out.stride(1), max_chunks, h, D=d, CHUNK_=chunk,
-                   PDL=pdl, num_warps=1, **launch)
+                   num_warps=1, **launch)
     return out

@@ -60,7 +60,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def gemm(x_ptr, x_sm, w_ptr, w_sn, b_ptr, out_ptr, o_sm, part_ptr, M, N, K, K_SPLIT, UP_OFFSET,
+    def gemm(x_ptr, x_sm, w_ptr, w_sn, b_ptr, out_ptr, M, N, K, K_SPLIT, UP_OFFSET,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr,
              HAS_BIAS: tl.constexpr, SILU_UP: tl.constexpr, PDL: tl.constexpr):
         if PDL:   # the next kernel may start its programs now (they wait for this one before reading its output)
@@ -108,10 +108,9 @@ def _kernels():
                 g = y.to(tl.float32)
                 up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
                 y = (g * tl.sigmoid(g) * up).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rm[:, None] * o_sm + rn[None, :], y, mask=omask)
-        else:
-            at = (pid_k * M + rm)[:, None] * N + rn[None, :]
-            tl.store(part_ptr + at, acc, mask=omask)
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], y, mask=omask)
+        else:   # out is the fp32 partials [S, M, N]
+            tl.store(out_ptr + (pid_k * M + rm)[:, None] * N + rn[None, :], acc, mask=omask)
 
     @triton.jit
     def reduce_add_rms_norm(part_ptr, x_ptr, w_ptr, x_out_ptr, h_out_ptr, M, N, eps, SPLIT,
@@ -159,13 +158,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Ge
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     gemm, _ = _kernels()
-    pdl = fused.pdl(x.device)
     grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
-    gemm[grid](x, x.stride(0), w, w.stride(0), bias if bias is not None else w, out, n, out,
+    gemm[grid](x, x.stride(0), w, w.stride(0), bias if bias is not None else w, out,
                m, n, k, k_split, n if silu_up else 0,
                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PARTIALS=partials,
-               HAS_BIAS=bias is not None, SILU_UP=silu_up, PDL=pdl, num_warps=cfg.num_warps,
-               num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+               HAS_BIAS=bias is not None, SILU_UP=silu_up, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               **fused.pdl_launch(x.device))
     return out
 
 
@@ -197,9 +195,8 @@ def reduce_add_rms_norm(partials: torch.Tensor, x: torch.Tensor, weight: torch.T
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
     _, kernel = _kernels()
     block = triton.next_power_of_2(n)
-    pdl = fused.pdl(x.device)
-    kernel[(m,)](partials, x, weight, x_out, h_out, m, n, eps, SPLIT=s, BLOCK=block, PDL=pdl,
-                 num_warps=4 if block <= 4096 else 8, **({"launch_pdl": True} if pdl else {}))
+    kernel[(m,)](partials, x, weight, x_out, h_out, m, n, eps, SPLIT=s, BLOCK=block,
+                 num_warps=4 if block <= 4096 else 8, **fused.pdl_launch(x.device))
     return x_out, h_out
 
 

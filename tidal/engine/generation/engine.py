@@ -735,7 +735,7 @@ class NativeEngine(GenerationEngine):
         else:
             logits_local = self.model(ids_R[:, None], pos_R[:, None], None, decoder, self._kernels)
         logits = self.model.full_logits(logits_local)[:, -1, :self._vocab]
-        if self._fused and not filtered:   # one Triton kernel: the token and its log-prob (`sample_kernel`)
+        if self._fused and not filtered:   # the token and its log-prob in Triton (`sample_kernel`)
             tok, lp = sample_kernel.sample_logprobs(logits, temp, u_R)
         else:
             logits = logits.float()

@@ -48,6 +48,13 @@ def pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_launch(device: torch.device) -> dict:
+    """The launch keywords of one of our Triton kernels on `device`: its `PDL` constexpr (whether it calls
+    `gdc_launch_dependents` / `gdc_wait`) and, where `pdl` holds, Triton's `launch_pdl`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
 @functools.cache
 def compiled_kernels() -> Kernels:
     """The model's elementwise stages compiled (one per process; Inductor compiles on first call)."""

@@ -103,12 +103,11 @@ def sample_logprobs(logits_NV: torch.Tensor, temperature_N: torch.Tensor, unifor
     stats = torch.empty((n, chunks, 4), dtype=torch.float32, device=logits_NV.device)
     tok = torch.empty(n, dtype=torch.int64, device=logits_NV.device)
     lp = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
-    pdl = fused.pdl(logits_NV.device)
-    launch = {"launch_pdl": True} if pdl else {}
+    launch = fused.pdl_launch(logits_NV.device)
     chunk_stats, sample_logprob = _kernel()
-    chunk_stats[(n, chunks)](logits_NV, logits_NV.stride(0), v, temperature_N, stats, chunks, CHUNK_=CHUNK, PDL=pdl,
+    chunk_stats[(n, chunks)](logits_NV, logits_NV.stride(0), v, temperature_N, stats, chunks, CHUNK_=CHUNK,
                              num_warps=4, **launch)
     sample_logprob[(n,)](logits_NV, logits_NV.stride(0), v, temperature_N, uniform_N, stats, chunks, tok, lp,
-                         CHUNK_=CHUNK, MAX_CHUNKS=max(2, triton.next_power_of_2(chunks)), PDL=pdl, num_warps=8,
+                         CHUNK_=CHUNK, MAX_CHUNKS=max(2, triton.next_power_of_2(chunks)), num_warps=8,
                          **launch)
     return tok, lp
