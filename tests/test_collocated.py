@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained
 
 from tidal.core.config import build_config
 from tidal.core.devices import Owner
@@ -27,6 +28,7 @@ BASE = {
     "algorithm": {"group_size": 4, "n_minibatches": 2},
     "data": {"rollout_batch_size": 8, "eval_size": 8},
     "warm_start": {"iters": 0},
+    "reward": {"function": PARITY_REWARD},   # the random model's groups are half rewarded: every iter trains
 }
 
 OFFLOAD_ALL = ["actor.offload_optimizer=true", "actor.offload_grad=true", "actor.offload_weight=true"]
@@ -54,16 +56,18 @@ def _cfg(tmp_path, name, extra=()):
 
 
 def _train(tmp_path, name, steps=None, resume_from=None, extra=()):
+    """(the run, the checkpoint after `steps` steps, or None when it ran to the end, `Trained` at the end)"""
     cfg = _cfg(tmp_path, name, extra)
     run = TrainingRun(cfg, tmp_path / _slug(name))
     try:
         run.open(resume_from=resume_from)
+        start = start_weights(run)
         for _ in range(steps if steps is not None else cfg.run.num_steps - run.next_step):
             run.step()
         if steps is not None:
             return run, run.checkpoint(), None
-        summary = run.finish()
-        return run, None, summary
+        run.finish()
+        return run, None, trained(run, start)
     finally:
         run.close()
 
@@ -75,20 +79,17 @@ def _spans(run, role, what=None):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The disaggregated static run every shared run must equal."""
-    run, _, summary = _train(tmp_path_factory.mktemp("ref"), "disaggregated")
-    return run.final_weights, summary
+    run, _, ref = _train(tmp_path_factory.mktemp("ref"), "disaggregated")
+    return run.rewards, ref
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["collocated", "actor+inference|rollout", "actor+rollout|inference", "one device"])
 def test_a_shared_run_equals_the_disaggregated_static_run(tmp_path, name, reference):
-    ref_weights, ref = reference
-    run, _, summary = _train(tmp_path, name)
-    assert summary.reward_per_step == ref.reward_per_step
-    assert set(run.final_weights) == set(ref_weights)
-    for k, w in ref_weights.items():
-        assert torch.equal(w, run.final_weights[k]), k
-    assert summary.final_weights_sha == ref.final_weights_sha
+    ref_rewards, ref = reference
+    run, _, shared = _train(tmp_path, name)
+    assert run.rewards == ref_rewards
+    assert_same_training(ref, shared)
     events = run.pipe.cluster.events
     _, placement, _ = PLACEMENTS[name]
     shared = sorted({d for key, ids in placement.items() if "," in key
@@ -135,12 +136,11 @@ def _step_end(events, step):
 def test_a_collocated_run_resumes_exactly(tmp_path, reference):
     """Checkpoint after step 1 of a collocated run with every offload on (the state is saved from host memory),
     resume in a new run: it ends where the uninterrupted runs end."""
-    ref_weights, ref = reference
+    ref_rewards, ref = reference
     _, ckpt, _ = _train(tmp_path, "collocated", steps=1)
-    run, _, summary = _train(tmp_path / "resumed", "collocated", resume_from=ckpt)
-    assert summary.reward_per_step == ref.reward_per_step[1:]
-    for k, w in ref_weights.items():
-        assert torch.equal(w, run.final_weights[k]), k
+    run, _, resumed = _train(tmp_path / "resumed", "collocated", resume_from=ckpt)
+    assert run.rewards == ref_rewards[1:]
+    assert_same_training(ref, resumed)
     assert any(e["kind"] == "resume" for e in run.pipe.cluster.events)
 
 
@@ -149,11 +149,10 @@ def test_a_tp2_actor_on_shared_devices_hands_its_engines_a_gathered_replica(tmp_
     """Actor TP 2 collocated on 2 devices: at every step end its two shards are all-gathered on both devices and
     the engines there load them in place; it ends as the disaggregated TP 2 run does (TP changes the reduction
     order, so the reference has the same TP)."""
-    ref, _, ref_sum = _train(tmp_path, "disaggregated tp2")
-    run, _, summary = _train(tmp_path, "collocated tp2")
-    assert summary.reward_per_step == ref_sum.reward_per_step
-    for k, w in ref.final_weights.items():
-        assert torch.equal(w, run.final_weights[k]), k
+    ref_run, _, ref = _train(tmp_path, "disaggregated tp2")
+    run, _, shared = _train(tmp_path, "collocated tp2")
+    assert run.rewards == ref_run.rewards
+    assert_same_training(ref, shared)
     syncs = [(e["local"], e["remote"]) for e in run.pipe.cluster.events if e["kind"] == "weight_sync"]
     assert syncs == [([0, 1], [])] * 2, syncs
     assert {e["tp"] for e in run.pipe.cluster.events if e["kind"] == "iter"} == {2}

@@ -10,6 +10,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+from training_equality import PARITY_REWARD, Trained, assert_same_training, start_weights, trained
 
 from db import add_run, list_faults, list_transitions, open_database, session_scope
 from tidal.core.config import build_config
@@ -18,7 +19,7 @@ from tidal.engine.checkpoint import latest, verify
 from tidal.pipeline.cluster import CallKind, Flight
 from tidal.pipeline.faults import lost_groups, overdue
 from tidal.pipeline.recording import DbRecorder
-from tidal.pipeline.run import TrainingRun, weights_sha
+from tidal.pipeline.run import TrainingRun
 from tidal.pipeline.run_metrics import step_event_metrics, table_fields
 from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles_ckpt
@@ -107,43 +108,41 @@ SMALL = {
     "rollout": {"max_new_tokens": 8, "max_running_requests": 4},
     "algorithm": {"group_size": 4, "n_minibatches": 2},
     "data": {"rollout_batch_size": 8, "eval_size": 8},
-    # a short warm start: rewards differ within groups, so every step trains (from the random init every group
-    # is rewarded 0 alike and nothing would be learned, with or without a fault)
-    "warm_start": {"iters": 600, "num_examples": 500, "lr": 3e-3, "eval_every": 1000},
+    "warm_start": {"iters": 0},
+    "reward": {"function": PARITY_REWARD},   # the random model's groups are half rewarded: every iter trains
 }
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
-    """One output folder for the module's runs: the warm start is made once (cached there)."""
+    """One output folder for the module's runs."""
     return tmp_path_factory.mktemp("faults")
 
 
 def _run(out, name, arm=None, overrides=(), recorder=None):
-    """The run's (final weights sha, groups scored per step, the driver); `arm(pipe)` may set a fault up."""
+    """What the run trained (`Trained`), groups scored per step, the driver; `arm(pipe)` may set a fault up."""
     cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, out / name, recorder=recorder)
     try:
         run.open()
+        start = start_weights(run)
         if arm is not None:
             arm(run.pipe)
         scored = []
         for _ in range(cfg.run.num_steps):
             run.step()
             scored.append(sorted(run.pipe.step_state.scored))
-        summary = run.finish()
-        return summary.final_weights_sha, scored, run.pipe
+        run.finish()
+        return trained(run, start), scored, run.pipe
     finally:
         run.close()
 
 
 @pytest.fixture(scope="module")
 def clean(out):
-    """The run without a fault: (final weights sha, groups scored per step). It learns: its weights move."""
-    start: list[str] = []
-    sha, scored, _ = _run(out, "clean", lambda pipe: start.append(weights_sha(pipe.global_weights())))
-    assert sha != start[0]
-    return sha, scored
+    """The run without a fault: (`Trained`, groups scored per step)."""
+    ref, scored, _ = _run(out, "clean")
+    return ref, scored
 
 
 def _kill(pipe, device: int) -> None:
@@ -168,14 +167,14 @@ def test_a_rollout_worker_killed_while_generating_costs_its_work_not_the_run(out
             return f
         pipe.cluster.submit_slice = spy
 
-    sha, scored, pipe = _run(out, "rollout-killed", arm)
+    killed, scored, pipe = _run(out, "rollout-killed", arm)
     assert killed
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
     assert (ev["device"], ev["role"], ev["step"]) == (2, "rollout", 1) and ev["reason"], ev
     assert ev["groups_regenerated"] and ev["time"] - killed[0] < 20.0, (ev, killed)
     assert pipe.ledger.owner(2) is Owner.FAILED and pipe.cluster.rollout == [1]
     assert scored == clean[1] == [list(range(8))] * 2   # every group once
-    assert sha == clean[0]
+    assert_same_training(clean[0], killed)
 
 
 @pytest.mark.slow
@@ -195,14 +194,14 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
             return f
         pipe.cluster.submit = spy
 
-    sha, scored, pipe = _run(out, "inference-killed", arm)
+    killed, scored, pipe = _run(out, "inference-killed", arm)
     assert killed
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
     assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", 0), ev
     assert ev["groups_rescored"] == sorted(killed[0]), ev
     assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
     assert scored == clean[1]
-    assert sha == clean[0]
+    assert_same_training(clean[0], killed)
 
 
 @pytest.mark.slow
@@ -232,9 +231,10 @@ def test_a_replaced_rollout_device_rejoins_and_is_given_work_in_a_later_step(out
     with session_scope(engine) as s:
         run_id = add_run(s, name="rejoin", config={}).id
     old_pid = []
-    sha, scored, pipe = _run(out, "rollout-rejoins", lambda p: (old_pid.append(p.group.pid(2)), arm(p)),
+    rejoined, scored, pipe = _run(out, "rollout-rejoins", lambda p: (old_pid.append(p.group.pid(2)), arm(p)),
                              ["cluster.replace_failed=true"], DbRecorder(engine, run_id, "static"))
-    assert killed and scored == clean[1] and sha == clean[0]
+    assert killed and scored == clean[1]
+    assert_same_training(clean[0], rejoined)
     kinds = [(e["kind"], e["step"]) for e in pipe.cluster.events if e["kind"].startswith("device_")]
     assert kinds == [("device_failed", 0), ("device_recovered", 0), ("device_rejoined", 0)], kinds
     rejoined = next(e for e in pipe.cluster.events if e["kind"] == "device_rejoined")
@@ -264,10 +264,11 @@ def test_an_actor_worker_killed_during_a_checkpoint_write_stops_the_run_and_leav
     run = TrainingRun(cfg, out / "ckpt-killed")
     try:
         run.open()
+        start = start_weights(run)
         run.step()
         first = run.checkpoint(ckpt)
         run.step()
-        want = weights_sha(run.pipe.global_weights())
+        want = trained(run, start, final=run.pipe.global_weights())
         g = run.group
         submit_all = g.submit_all
 
@@ -284,17 +285,18 @@ def test_an_actor_worker_killed_during_a_checkpoint_write_stops_the_run_and_leav
         run.close()
     assert sorted(p.name for p in ckpt.iterdir()) == [first.name] and latest(ckpt) == first
     verify(first)
-    sha, _, _ = _resume(out, "ckpt-resumed", ckpt)
-    assert sha == want
+    assert_same_training(want, _resume(out, "ckpt-resumed", ckpt))
 
 
-def _resume(out, name, ckpt):
+def _resume(out, name, ckpt) -> Trained:
     cfg = build_config(SMALL, [f"run.output_dir={out}", f"run.name={name}"])
     run = TrainingRun(cfg, out / name)
     try:
         run.open(resume_from=ckpt)
+        start = start_weights(run)
         while run.next_step < cfg.run.num_steps:
             run.step()
-        return run.finish().final_weights_sha, None, run.pipe
+        run.finish()
+        return trained(run, start)
     finally:
         run.close()

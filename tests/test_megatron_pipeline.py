@@ -34,6 +34,7 @@ import pytest
 import torch
 from conftest import make_gsm8k_files, make_hf_checkpoint
 from safetensors.torch import load_file
+from training_equality import PARITY_REWARD, Trained, assert_same_training, start_weights, trained
 
 from scheduler.actions import ReshardActor
 from scheduler.signals import ActorLayout
@@ -59,7 +60,7 @@ BASE = {
     "algorithm": {"group_size": 4, "n_minibatches": 4},
     "data": {"rollout_batch_size": 8, "eval_size": 8, "prompt_key": "question", "max_prompt_length": 20},
     # a random model never earns the task's reward, and equal rewards train nothing: half the samples are rewarded
-    "reward": {"function": "tests.parity_reward:score"},
+    "reward": {"function": PARITY_REWARD},
     "warm_start": {"iters": 0},
 }
 #: every component on device 0, taking turns
@@ -97,11 +98,12 @@ def _open(root: Path, name: str, overrides: list[str], policy=None, base: dict =
     return run.open()
 
 
-def _train(run: TrainingRun) -> dict[str, torch.Tensor]:
+def _train(run: TrainingRun) -> Trained:
+    start = start_weights(run)
     for _ in range(run.cfg.run.num_steps):
         run.step()
     run.finish()
-    return run.final_weights
+    return trained(run, start)
 
 
 def _actor_vs_inference(run: TrainingRun) -> float:
@@ -139,7 +141,7 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         assert _actor_vs_inference(run) < 1e-5
         ckpt = run.checkpoint(root / "ckpt-megatron")
         resume(run.pipe, ckpt)   # the native format, read back into the Megatron actor
-        assert _max_diff(run.pipe.global_weights(), meg) == 0.0
+        assert _max_diff(run.pipe.global_weights(), meg.final) == 0.0
     finally:
         run.close()
     # fp32 on CPU: each rank's master range equals its params there, and Adam's moments are carried
@@ -154,7 +156,7 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         moves = [e for e in run.pipe.cluster.events if e["kind"] == "reshard"]
         assert len(moves) == 3 and all(e["prepared"] for e in moves)   # the native actor runs the driver's programs
         resume(run.pipe, ckpt)   # the Megatron actor's checkpoint in the native actor: the same weights
-        assert _max_diff(run.pipe.global_weights(), meg) == 0.0
+        assert _max_diff(run.pipe.global_weights(), meg.final) == 0.0
     finally:
         run.close()
     run = _open(root, "megatron-static", ["actor.backend=megatron", "actor.megatron_transformer_engine=false",
@@ -182,11 +184,13 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         assert _actor_vs_inference(run) < 1e-5
     finally:
         run.close()
-    d_native, d_static, d_coll = _max_diff(meg, native), _max_diff(meg, static), _max_diff(collocated, static)
+    d_native, d_static, d_coll = (_max_diff(a.final, b.final) for a, b in ((meg, native), (meg, static),
+                                                                           (collocated, static)))
     print(f"megatron vs native {d_native:.2e}, megatron dynamic vs static {d_static:.2e}, collocated (tp1dp1) vs "
           f"static (tp1dp2) {d_coll:.2e}")
-    assert 0 < d_native < MEGATRON_VS_NATIVE
-    assert d_static < MEGATRON_VS_NATIVE and d_coll < MEGATRON_VS_NATIVE
+    assert d_native > 0   # two engines' kernels: equal only to round-off
+    for a, b in ((meg, native), (meg, static), (collocated, static)):
+        assert_same_training(a, b, atol=MEGATRON_VS_NATIVE)
 
 
 def test_training_backend_is_rlinf_s_name_for_backend():

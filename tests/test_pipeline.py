@@ -3,6 +3,7 @@ inference's old log-probs equal the actor's, and a dynamic run equals a static o
 
 import pytest
 import torch
+from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained
 
 from scheduler.actions import (
     LendToRollout,
@@ -31,6 +32,7 @@ TINY = {
     "algorithm": {"group_size": 4, "n_minibatches": 4},
     "data": {"rollout_batch_size": 16, "eval_size": 16},
     "warm_start": {"iters": 0},
+    "reward": {"function": PARITY_REWARD},   # the random model's groups are half rewarded: every iter trains
 }
 
 
@@ -100,11 +102,13 @@ def _check_kept_weights(run):
 
 
 def _run(tmp_path, name, overrides, policy=None, base=TINY):
+    """(the run, what it trained: `training_equality.Trained`, groups scored per step, versions per step)"""
     cfg = build_config(base, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, tmp_path / name)
     run.policy = policy
     try:
         run.open()
+        start = start_weights(run)
         versions, scored = [], []
         for _ in range(cfg.run.num_steps):
             run.step()
@@ -114,7 +118,8 @@ def _run(tmp_path, name, overrides, policy=None, base=TINY):
         _check_inference_matches_actor(run)
         _check_kept_weights(run)
         summary = run.finish()
-        return run, summary, scored, versions
+        assert summary.reward_per_step and all(0 < r < 1 for r in summary.reward_per_step), summary.reward_per_step
+        return run, trained(run, start), scored, versions
     finally:
         run.close()
 
@@ -134,9 +139,9 @@ def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     if family != "own":
         base = {k: v for k, v in TINY.items() if k != "model"}
         waves += hf_run_inputs(family)
-    static, s_sum, s_scored, s_versions = _run(tmp_path, "static", waves, base=base)
-    dynamic, d_sum, d_scored, d_versions = _run(tmp_path, "dynamic", ["cluster.auto_scheduler=true", *waves],
-                                                 scripted, base=base)
+    static, s_trained, s_scored, s_versions = _run(tmp_path, "static", waves, base=base)
+    dynamic, d_trained, d_scored, d_versions = _run(tmp_path, "dynamic", ["cluster.auto_scheduler=true", *waves],
+                                                     scripted, base=base)
     # every group of every step arrived whole and once, in both runs
     assert s_scored == d_scored == [list(range(32))] * 2
     assert s_versions == d_versions == [1, 2]
@@ -179,11 +184,8 @@ def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     # every rank used the program the driver planned for it (the bitwise checks below cover its correctness)
     assert all(e["prepared"] for e in events if e["kind"] == "reshard")
     assert sum(e["requests"] for e in events if e["kind"] == "migration") > 0  # in-flight requests moved (KV)
-    assert set(static.final_weights) == set(dynamic.final_weights)
-    for name, w in static.final_weights.items():
-        assert torch.equal(w, dynamic.final_weights[name]), name
-    assert s_sum.reward_per_step == d_sum.reward_per_step
-    assert s_sum.final_weights_sha == d_sum.final_weights_sha
+    assert static.rewards == dynamic.rewards
+    assert_same_training(s_trained, d_trained)
 
 
 #: 4 slots per instance (its groups run in waves, so moves find requests in flight): the policy tests' placement
@@ -193,8 +195,8 @@ SMALL_WAVES = ["rollout.max_running_requests=4"]
 @pytest.fixture(scope="module")
 def small_static(tmp_path_factory):
     """The static run on SMALL_WAVES both failure tests must end like: (summary, groups scored per step)."""
-    _, summary, scored, _ = _run(tmp_path_factory.mktemp("static"), "static", SMALL_WAVES)
-    return summary, scored
+    _, static, scored, _ = _run(tmp_path_factory.mktemp("static"), "static", SMALL_WAVES)
+    return static, scored
 
 
 def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path, small_static):
@@ -207,8 +209,9 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path, small_stat
         lay = sig.actor.layout
         return [ReshardActor("impossible", lay, ActorLayout(1, 3, (0, 1, 9)))] if sig.trigger != "start" else []
 
-    s_sum, _ = small_static
-    run, summary, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true", *SMALL_WAVES], stubborn)
+    static, _ = small_static
+    run, stubborn_run, _, versions = _run(tmp_path, "stubborn", ["cluster.auto_scheduler=true", *SMALL_WAVES],
+                                          stubborn)
     events = run.pipe.cluster.events
     for step in range(2):
         failed = [e for e in events if e["kind"] == "action" and e.get("step") == step]
@@ -216,7 +219,7 @@ def test_a_policy_that_keeps_failing_is_paused_for_the_step(tmp_path, small_stat
         assert len(failed) == MAX_FAILURES_PER_STEP, len(failed)
         assert [e["step"] for e in events if e["kind"] == "scheduler_paused"].count(step) == 1
     assert versions == [1, 2]
-    assert summary.final_weights_sha == s_sum.final_weights_sha
+    assert_same_training(static, stubborn_run)
 
 
 def test_instances_started_on_the_actors_devices_end_with_the_step(tmp_path, small_static):
@@ -233,14 +236,14 @@ def test_instances_started_on_the_actors_devices_end_with_the_step(tmp_path, sma
         return [ReshardActor("script", lay, ActorLayout(1, 1, (0,))),
                 StartRollout("script", devices=(1,), instance_ids=(1,))]
 
-    s_sum, s_scored = small_static
-    run, summary, scored, _ = _run(tmp_path, "give", ["cluster.auto_scheduler=true", *SMALL_WAVES], give)
+    static, s_scored = small_static
+    run, given, scored, _ = _run(tmp_path, "give", ["cluster.auto_scheduler=true", *SMALL_WAVES], give)
     events = run.pipe.cluster.events
     started = [e for e in events if e["kind"] == "action" and e["action"] == "StartRollout"]
     assert [e["ok"] for e in started] == [True, True], started
     assert done == {0, 1} and run.pipe.cluster.actor_layout.devices == (0, 1)
     assert scored == s_scored
-    assert summary.final_weights_sha == s_sum.final_weights_sha
+    assert_same_training(static, given)
 
 
 def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_path, small_static):
@@ -259,13 +262,13 @@ def test_a_failed_import_cancels_its_move_and_the_rest_of_the_wave_lands(tmp_pat
             return [MigrateBatch("script", moves=((5, 4, 1), (5, 6, 1)), kv=True)]
         return []
 
-    s_sum, s_scored = small_static
-    run, summary, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *SMALL_WAVES],
-                                   misdirected)
+    static, s_scored = small_static
+    run, misdirected_run, scored, _ = _run(tmp_path, "misdirected", ["cluster.auto_scheduler=true", *SMALL_WAVES],
+                                           misdirected)
     events = run.pipe.cluster.events
     failed = [e for e in events if e["kind"] == "action" and not e["ok"]]
     assert failed and all("1 of 2 moves failed" in e["error"] and "5 -> 6" in e["error"] for e in failed), failed
     landed = [e for e in events if e["kind"] == "migration"]
     assert landed and {(e["src"], e["dst"]) for e in landed} == {(5, 4)}, landed
     assert scored == s_scored   # every group arrived whole and once
-    assert summary.final_weights_sha == s_sum.final_weights_sha
+    assert_same_training(static, misdirected_run)

@@ -10,12 +10,13 @@ import os
 import signal
 
 import pytest
+from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained
 
 from tidal.core.config import build_config
 from tidal.core.devices import Owner
 from tidal.engine.layout import Layout
 from tidal.pipeline.cluster import CallKind
-from tidal.pipeline.run import TrainingRun, weights_sha
+from tidal.pipeline.run import TrainingRun
 from tidal.pipeline.survivors import NoSurvivors, survivor_placement
 from tidal.workers import roles, roles_ckpt
 from tidal.workers.errors import WorkerDied, WorkerTimeout
@@ -78,7 +79,8 @@ BASE = {
     "rollout": {"max_new_tokens": 8, "max_running_requests": 4},
     "algorithm": {"group_size": 4, "n_minibatches": 2},
     "data": {"rollout_batch_size": 8, "eval_size": 8},
-    "warm_start": {"iters": 600, "num_examples": 500, "lr": 3e-3, "eval_every": 1000},
+    "warm_start": {"iters": 0},
+    "reward": {"function": PARITY_REWARD},   # the random model's groups are half rewarded: every iter trains
 }
 
 
@@ -89,11 +91,13 @@ def out(tmp_path_factory):
 
 def _train(out, name, arm=None):
     """A run as `run_training` drives it (host copy before the first step and after each, `recover` on a loss),
-    with `arm(run)` setting a fault up; returns (final weights sha, the run, its pipeline's worker pids at start)."""
+    with `arm(run)` setting a fault up; returns (what it trained: `Trained`, the run, its pipeline's worker pids at
+    start)."""
     cfg = build_config(BASE, [f"run.output_dir={out}", f"run.name={name}"])
     run = TrainingRun(cfg, out / name)
     try:
         run.open()
+        start = start_weights(run)
         pids = {d: run.group.pid(d) for d in run.group.device_ids}
         if arm is not None:
             arm(run)
@@ -107,7 +111,8 @@ def _train(out, name, arm=None):
                 assert len(run.restarts) < cfg.run.max_restarts, failure
                 run.recover(failure)
         run.checkpoint()
-        return run.finish().final_weights_sha, run, pids
+        run.finish()
+        return trained(run, start), run, pids
     finally:
         run.close()
         run.drop_host_copy()
@@ -115,12 +120,10 @@ def _train(out, name, arm=None):
 
 @pytest.fixture(scope="module")
 def clean(out):
-    start: list[str] = []
-    sha, run, _ = _train(out, "clean", lambda r: start.append(weights_sha(r.pipe.global_weights())))
-    assert sha != start[0]   # it learns: equal weights are not trivial
+    ref, run, _ = _train(out, "clean")
     reshards = [e for e in run.pipe.cluster.events if e["kind"] == "reshard"]
     assert reshards   # the scheduler moves the actor: a reshard to kill in
-    return sha
+    return ref
 
 
 def _kill(pipe, device: int) -> None:
@@ -177,11 +180,11 @@ def test_an_actor_worker_killed_in_its_iter_costs_the_step_not_the_run(out, clea
             return f
         pipe.cluster.submit = spy
 
-    sha, run, pids = _train(out, "actor-iter", arm)
+    survived, run, pids = _train(out, "actor-iter", arm)
     assert killed
     rec = _carried_on(run, pids, 0)
     assert (rec["layout_from"], rec["layout_to"]) == ("tp=1,dp=2,devices=0-1", "tp=1,dp=1,devices=1"), rec
-    assert sha == clean
+    assert_same_training(clean, survived)
 
 
 @pytest.mark.slow
@@ -189,7 +192,7 @@ def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, cle
     """The actor's second worker killed as the tidal policy's reshard onto rollout devices is handed out."""
     killed: list[int] = []
     arm = _kill_on_call(killed, 1, lambda pipe, fn, kw: fn is roles.actor_reshard and pipe.step_state.step == 1)
-    sha, run, pids = _train(out, "actor-reshard", arm)
+    survived, run, pids = _train(out, "actor-reshard", arm)
     assert killed
     (rec,) = run.restarts
     assert rec["device"] == 1 and rec["source"] == "host copy" and rec["steps_redone"] == 0, rec
@@ -200,7 +203,7 @@ def test_an_actor_worker_killed_in_a_reshard_costs_the_step_not_the_run(out, cle
         _carried_on(run, pids, 1, more_lost_ok=True)
     else:
         assert rec["workers"] == "replaced", rec
-    assert sha == clean
+    assert_same_training(clean, survived)
 
 
 @pytest.mark.slow
@@ -209,8 +212,8 @@ def test_an_actor_worker_killed_in_a_checkpoint_write_costs_the_step_not_the_run
     kept after step 0 and runs step 1 again."""
     killed: list[int] = []
     arm = _kill_on_call(killed, 0, lambda pipe, fn, kw: fn is roles_ckpt.actor_save and kw["gen"] == 2)
-    sha, run, _ = _train(out, "actor-ckpt", arm)
+    survived, run, _ = _train(out, "actor-ckpt", arm)
     assert killed
     (rec,) = run.restarts
     assert rec["workers"] == "kept" and rec["resumed_step"] == 1 and rec["steps_redone"] == 1, rec
-    assert sha == clean
+    assert_same_training(clean, survived)

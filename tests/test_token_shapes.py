@@ -4,6 +4,7 @@ change when model.max_seq_len doubles with the same requests."""
 
 import pytest
 import torch
+from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained
 
 from tidal.core.errors import TidalError
 from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
@@ -111,6 +112,7 @@ ONE_DEVICE = {
     "algorithm": {"group_size": 4, "n_minibatches": 2},
     "data": {"rollout_batch_size": 8, "eval_size": 8},
     "warm_start": {"iters": 0},
+    "reward": {"function": PARITY_REWARD},   # the random model's groups are half rewarded: every iter trains
 }
 
 
@@ -123,11 +125,13 @@ def _pipeline_run(tmp_path, max_seq_len):
     run = TrainingRun(cfg, tmp_path / name)
     try:
         run.open()
+        start = start_weights(run)
         work = []
         for _ in range(cfg.run.num_steps):
             run.step()
             work.append({k: v for k, v in run._res.metrics.items() if k.startswith("work/")})
-        return work, run.finish()
+        run.finish()
+        return work, trained(run, start)
     finally:
         run.close()
 
@@ -141,4 +145,4 @@ def test_doubling_max_seq_len_leaves_a_runs_work_and_result_unchanged(tmp_path):
     assert work64 == work128
     assert all(w["work/actor_tokens"] > 0 and w["work/inference_tokens"] > 0 and w["work/rollout_kv_read_tokens"] > 0
                for w in work64)
-    assert end64.final_weights_sha == end128.final_weights_sha
+    assert_same_training(end64, end128)

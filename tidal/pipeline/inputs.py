@@ -5,7 +5,8 @@
       inputs.hf          HFModel of model.path (None: Tidal's own model)
       inputs.tok         Tokenizer (the checkpoint's through transformers, or the tiny tasks' characters)
       inputs.source      PromptSource (data files, or the built-in task)
-      inputs.reward      reward.function as the workers run it (None: the built-in task's exact verifier)
+      inputs.reward      reward.function as the workers run it (None: Tidal's own model on the built-in task's exact
+                         verifier)
 
 Every mistake a user can make in these (a missing directory or file, an unsupported architecture, a key missing
 from the data, no chat template while apply_chat_template is on, a tokenizer larger than the embedding) is a
@@ -73,10 +74,6 @@ def _checkpoint_inputs(cfg: TidalConfig) -> RunInputs:
 
 
 def _own_model_inputs(cfg: TidalConfig) -> RunInputs:
-    if cfg.reward.function is not None:
-        raise ConfigError("reward.function", cfg.reward.function, "Tidal's own model runs the built-in tasks, "
-                          "whose responses are checked by their exact verifier",
-                          "drop reward.function, or set model.path to a checkpoint to use another verifier")
     char = default_tokenizer()
     task = get_task(cfg.data.task)
     task.check_tokenizer(char)
@@ -88,7 +85,7 @@ def _own_model_inputs(cfg: TidalConfig) -> RunInputs:
     check_compatible(char, args.vocab_size)
     spec = TokenizerSpec("char", chars=char.chars)
     tok = spec.build()
-    return RunInputs(args, None, tok, spec, TaskSource(task, tok, cfg.data.seed), None)
+    return RunInputs(args, None, tok, spec, TaskSource(task, tok, cfg.data.seed), cfg.reward.function)
 
 
 def read_inputs(cfg: TidalConfig) -> RunInputs:
