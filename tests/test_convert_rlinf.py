@@ -207,7 +207,8 @@ def test_collocated_fsdp_mapping(rlinf_env):
     assert c["rollout"] == {"backend": "vllm", "tensor_parallel_size": 2, "max_running_requests": 96,
                             "max_new_tokens": 1536, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
                             "gpu_memory_utilization": 0.6}
-    assert c["inference"] == {"micro_batch_size": 4}
+    assert "inference" not in c   # a log-prob micro-batch size: Tidal scores a group as one batch
+    assert "one batch" in {d.key: d.reason for d in conv.dropped}["algorithm.logprob_forward_micro_batch_size"]
     assert c["algorithm"] == {"name": "grpo", "group_size": 8, "n_minibatches": 4, "clip_eps": 0.2, "kl_coef": 0.001}
     assert c["data"] == {"train_files": [f"{data}/train.jsonl"], "val_files": [f"{data}/test.jsonl"],
                          "prompt_key": "question", "answer_key": "answer", "max_prompt_length": 512,
@@ -239,7 +240,7 @@ def test_disaggregated_megatron_mapping(rlinf_env):
     assert c["actor"]["tensor_parallel_size"] == 2 and "dtype" not in c["actor"]       # fp16: not carried
     assert c["actor"]["lr"] == 2e-5 and isinstance(c["actor"]["lr"], float)            # YAML read "2e-05" as text
     assert c["actor"]["min_lr_ratio"] == 1.0 and c["actor"]["warmup_iters"] == 0       # constant schedule
-    assert c["inference"] == {"tensor_parallel_size": 2, "micro_batch_size": 1}
+    assert c["inference"] == {"tensor_parallel_size": 2}
     assert c["rollout"]["top_k"] == 0 and c["rollout"]["max_new_tokens"] == 3072
     assert "backend" not in c["rollout"]
     # RLinf's offload keys and KV budget are carried (used where the actor shares devices with rollout)

@@ -26,6 +26,10 @@ CASES = {
     "host copy folder missing": (["actor.redundancy=host", "actor.redundancy_dir=/nonexistent/shm"],
                                  "actor.redundancy_dir"),
     "host copy without restarts": (["actor.redundancy=host", "run.max_restarts=0"], "actor.redundancy"),
+    # keys the pipeline would ignore or fail on mid-run
+    "vLLM rollout": (["rollout.backend=vllm"], "rollout.backend"),
+    "KL to a reference": (["algorithm.kl_coef=0.01"], "algorithm.kl_coef"),
+    "log-prob micro-batch size": (["inference.micro_batch_size=16"], "inference.micro_batch_size"),
 }
 
 

@@ -314,7 +314,10 @@ def _rollout(b: Builder) -> None:
 
 def _inference(b: Builder) -> None:
     b.simple("inference.model.tensor_model_parallel_size", "inference.tensor_parallel_size", b.as_int, positive)
-    b.simple("algorithm.logprob_forward_micro_batch_size", "inference.micro_batch_size", b.as_int, positive)
+    if b.take("algorithm.logprob_forward_micro_batch_size") not in (ABSENT, None):
+        b.drop("algorithm.logprob_forward_micro_batch_size", "Tidal scores each group as one batch of group_size "
+                                                             "sequences, so its log-probs do not depend on which "
+                                                             "groups arrive together")
 
 
 def _algorithm(b: Builder) -> None:

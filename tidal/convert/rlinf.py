@@ -34,8 +34,7 @@ Mapping (RLinf key -> Tidal key; values checked and converted, see `Conversion.c
     algorithm.sampling_params.temperature, top_p, top_k,             rollout.temperature, top_p, top_k,
       max_new_tokens, use_greedy / do_sample                         max_new_tokens (greedy -> temperature 0)
     rollout.tensor_parallel_size, max_running_requests, rollout_backend: vllm    rollout.*, rollout.backend
-    inference.model.tensor_model_parallel_size;                      inference.tensor_parallel_size;
-      algorithm.logprob_forward_micro_batch_size                     inference.micro_batch_size
+    inference.model.tensor_model_parallel_size                       inference.tensor_parallel_size
     algorithm.group_size, n_minibatches, ratio_clip_eps, kl_beta,    algorithm.group_size, n_minibatches, clip_eps,
       adv_type (grpo)                                                kl_coef, name
     data.train_data_paths, val_data_paths, prompt_key, answer_key,   data.train_files, val_files, prompt_key,

@@ -290,8 +290,8 @@ class RolloutConfig(Section):
     backend: Literal["native", "vllm"] = Field(
         "native",
         description="Generation engine: `native` (Tidal's torch engine) or `vllm` (RLinf: rollout.rollout_backend). "
-                    "`tidal train`'s rollout runs the native engine either way; `vllm` makes the scheduler plan "
-                    "migrations as re-prefills instead of KV-cache moves.")
+                    "`tidal train` and `tidal validate` take `native` only (the pipeline's rollout is the native "
+                    "engine); `tidal simulate` reads `vllm` as migration by re-prefill instead of KV-cache moves.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=MAX_DEVICES_PER_NODE,
         description="Devices per rollout instance (RLinf key); divides num_heads, num_kv_heads and the rollout device "
@@ -331,11 +331,6 @@ class InferenceConfig(Section):
         description="Devices per inference (log-prob scoring) instance; divides num_heads, num_kv_heads and the "
                     "inference device count (RLinf: inference.model.tensor_model_parallel_size). `tidal train` runs 1 "
                     "only.")
-    micro_batch_size: int = Field(
-        32, ge=1, le=1 << 16,
-        description="Sequences per log-prob forward (RLinf: algorithm.logprob_forward_micro_batch_size). `tidal "
-                    "train` does not read it: it scores each group as one batch of group_size sequences, so the "
-                    "result does not depend on which groups arrive together.")
 
 
 class AlgorithmConfig(Section):
@@ -348,9 +343,8 @@ class AlgorithmConfig(Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range (RLinf: algorithm.ratio_clip_eps).")
     kl_coef: float = Field(
         0.0, ge=0,
-        description="KL-to-reference coefficient of the GRPO loss (k3 estimator; RLinf: algorithm.kl_beta); 0 needs "
-                    "no reference model. `tidal train` computes no reference log-probs, so a value > 0 stops its "
-                    "first actor iter with an error.")
+        description="KL-to-reference coefficient of the GRPO loss (k3 estimator; RLinf: algorithm.kl_beta). `tidal "
+                    "train` and `tidal validate` take 0 only: the pipeline keeps no reference model.")
 
 
 class DataConfig(Section):
@@ -413,8 +407,8 @@ class RewardConfig(Section):
         description="Verifier: gsm8k (#### N, else the last number), gsm8k_strict, math (last \\boxed{} by symbolic "
                     "equivalence, math-verify), exact, or `module.path:function` with verl's signature "
                     "compute_score(data_source, solution_str, ground_truth, extra_info=None) (RLinf: "
-                    "reward.reward_type: math is math). null: gsm8k with data files, exact with a built-in task; "
-                    "Tidal's own model takes only null (its tasks' exact verifier).")
+                    "reward.reward_type: math is math). null: gsm8k with data files, exact with a built-in task "
+                    "(for Tidal's own model, the task's exact verifier on its character tokens).")
     timeout_s: float = Field(
         10.0, gt=0, le=3600,
         description="Longest one call of `math` or a custom function may take (they run in a child process); one that "

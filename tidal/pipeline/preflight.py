@@ -3,7 +3,8 @@ a config that validates is one that starts (and one that does not start fails va
 
     inputs, kind = preflight(cfg, tracked=True, resume_from=None)
 
-Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1),
+Checks, each a TidalError naming the field and the fix: what the pipeline can run (rollout and inference TP 1,
+the native rollout engine, no KL-to-reference term),
 the actor backend (`actor.backend: megatron` needs megatron-core importable here, and the model and actor TP in
 what megatron-core can express), the model, tokenizer, prompts and verifier (`read_inputs`), the device kind
 (`cuda` needs a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is
@@ -32,11 +33,18 @@ from tidal.pipeline.inputs import RunInputs, read_inputs
 
 
 def check_runnable(cfg: TidalConfig) -> None:
-    """What the streaming pipeline can run today."""
+    """What the streaming pipeline runs: a key it would ignore or fail on is refused here, not met mid-run."""
     if cfg.rollout.tensor_parallel_size != 1 or cfg.inference.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size,
-                          "the pipeline runs rollout and inference instances on one device each for now",
+                          "the pipeline runs rollout and inference instances on one device each",
                           "set rollout/inference tensor_parallel_size: 1 (actor TP may be any size)")
+    if cfg.rollout.backend != "native":
+        raise ConfigError("rollout.backend", cfg.rollout.backend, "the pipeline's rollout runs Tidal's native engine "
+                          "(the vLLM backend runs standalone, docs/vllm.md, and in `tidal simulate`'s costs)",
+                          "set rollout.backend: native")
+    if cfg.algorithm.kl_coef > 0:
+        raise ConfigError("algorithm.kl_coef", cfg.algorithm.kl_coef, "the pipeline keeps no reference model, so no "
+                          "KL-to-reference term can be formed", "set algorithm.kl_coef: 0")
 
 
 def check_backend(cfg: TidalConfig, args: ModelArgs) -> None:
