@@ -21,8 +21,10 @@ on, and (offload + onload) / step < 0.1. Every variant must end with the same we
 
 Model: a Qwen2.5-1.5B-shaped Hugging Face checkpoint (`--model qwen2.5-0.5b`: 0.5B; random weights, written by
 `transformers`) with a small BPE tokenizer, on GSM8K-format addition problems (`--quick`: a tiny Qwen2 on CPU).
-A random model earns none of the task's reward, so its steps train nothing; `--reward parity` rewards responses of
-even length (about half of every group), so every iter has a loss and a gradient.
+A random model earns none of the task's reward, so its steps would train nothing: the reward is `parity` by default
+(1 for a response of even length, about half of every group), so every iter has a gradient and the variants' equal
+final weights say something; `every_iter_trained` records that every iter's gradient norm was finite and non-zero.
+`--reward task` takes the GSM8K verifier instead.
 
 Backends (`--backends native,megatron`: `actor.backend`; variants named `<backend>-<variant>`): each variant per
 backend, and `backend_parity`: per actor iter (from the run's `iter` events) loss, gradient norm, tokens/s and
@@ -30,7 +32,9 @@ MFU of both, with the loss's absolute and the gradient norm's relative differenc
 on-policy). Step 0's iters see the same samples in both runs (same weights and
 seeds); later rollouts come from weights that differ by round-off, so later iters may train on other samples
 (`same_tokens`). MFU per iter: model FLOPs (6 N + 12 L hidden T per token, T the iter's mean sequence length, as
-benchmarks/train_throughput.py) over the iter's seconds, against 790 TFLOP/s.
+benchmarks/train_throughput.py) over the iter's seconds, against the chip's datasheet dense bf16 peak (`mfu`,
+989 TFLOP/s on H100/H200) and the bf16 GEMM rate measured on the card in the same run (`mfu_of_gemm`;
+benchmarks/mfu.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -50,14 +55,13 @@ from tidal.core.provenance import commit
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the shared inputs
 import hf_inputs
 from hf_inputs import PARITY_REWARD, TINY, make_inputs, matmul_params
+from mfu import MFUReference, mfu_reference_in_child
 
 VARIANTS = {"none": {}, "optimizer": {"offload_optimizer": True}, "grad": {"offload_grad": True},
             "weight": {"offload_weight": True},
             "all": {"offload_optimizer": True, "offload_grad": True, "offload_weight": True}}
 MODELS = {k: v for k, v in hf_inputs.MODELS.items() if k != "tiny"}
 BACKENDS = ("native", "megatron")
-#: dense bf16 peak for MFU (as benchmarks/train_throughput.py: the H200's measured bf16 GEMM ceiling)
-PEAK_TFLOPS = 790.0
 
 
 def machine() -> str:
@@ -148,8 +152,7 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path, backend:
     return {"variant": variant, "backend": backend, "offload": VARIANTS[variant], "open_s": open_s,
             "step_s": step_s,
             "actor_iter_tokens_per_s": mean(i["tokens_per_s"] for i in iters) if iters else None,
-            "actor_mfu": mean(i["mfu"] for i in iters if i["mfu"] is not None) if any(
-                i["mfu"] is not None for i in iters) else None,
+            "actor_mfu": _mean_of(iters, "mfu"), "actor_mfu_of_gemm": _mean_of(iters, "mfu_of_gemm"),
             "phase_seconds": {k: mean(s["phase_seconds"].get(k, 0.0) for s in measured)
                               for k in sorted({k for s in measured for k in s["phase_seconds"]})},
             "offload_s": mean(s["offload_s"] for s in measured), "onload_s": mean(s["onload_s"] for s in measured),
@@ -164,18 +167,23 @@ def run_variant(variant: str, a: argparse.Namespace, inputs, out: Path, backend:
             "final_weights_sha": summary.final_weights_sha, "steps": steps}
 
 
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r[key] is not None]
+    return statistics.mean(vals) if vals else None
+
+
 def iter_figures(e: dict, a: argparse.Namespace) -> dict:
     """One actor iter from its event: loss, gradient norm, tokens/s (real tokens over the iter's seconds) and MFU
     (model FLOPs, as benchmarks/train_throughput.py: 6 N per token + 12 L hidden T per token, T the iter's mean
     sequence length; CUDA only)."""
-    import torch
+    ref: MFUReference = a.mfu_ref
     shape = a.shape
     seqs = a.prompts * a.group_size / 2   # n_minibatches 2
     flops = (6 * matmul_params(shape) + 12 * shape["num_hidden_layers"] * shape["hidden_size"] * e["tokens"] / seqs
              ) * e["tokens"]
     return {"step": e["step"], "iter": e["iter"], "loss": e.get("loss"), "grad_norm": e.get("grad_norm"),
             "tokens": e["tokens"], "seconds": e["seconds"], "tokens_per_s": e["tokens"] / e["seconds"],
-            "mfu": flops / e["seconds"] / (PEAK_TFLOPS * 1e12) if torch.cuda.is_available() else None}
+            "mfu": ref.mfu(flops / e["seconds"]), "mfu_of_gemm": ref.of_gemm(flops / e["seconds"])}
 
 
 def backend_parity(variants: dict) -> dict | None:
@@ -222,10 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="runs/collocated", help="checkpoint, data and run folders")
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b", help="the checkpoint's shape")
     ap.add_argument("--backends", default="native", help=f"actor.backend, comma-separated, of {', '.join(BACKENDS)}")
-    ap.add_argument("--reward", choices=("task", "parity"), default="task",
-                    help="task: the GSM8K verifier (a random model earns none of it: the steps train nothing); "
-                         "parity: 1 for a response of even length, so every step trains (for loss and gradient "
-                         "norm comparisons)")
+    ap.add_argument("--reward", choices=("task", "parity"), default="parity",
+                    help="parity: 1 for a response of even length, so every iter of the random model trains; task: "
+                         "the GSM8K verifier (a random model earns none of it: its steps train nothing)")
     a = ap.parse_args(argv)
     if a.reward == "parity":
         hf_inputs.importable_from_root()
@@ -235,6 +242,7 @@ def main(argv=None) -> int:
     a.prompts = a.prompts or (4 if a.quick else 16)
     a.new_tokens = a.new_tokens or (16 if a.quick else 256)
     shape = a.shape = TINY if a.quick else MODELS[a.model]
+    a.mfu_ref = mfu_reference_in_child()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -250,7 +258,7 @@ def main(argv=None) -> int:
                       "activation_checkpointing": a.activation_checkpointing,
                       "steps": a.steps, "step_figures": "means over steps >= 1 (step 0: warm-up)",
                       "checkpoint_made_s": make_s, "backends": backends, "reward": a.reward,
-                      "mfu_peak_tflops": PEAK_TFLOPS},
+                      "mfu_reference": a.mfu_ref.to_json()},
            "variants": {}}
     variants = a.variants.split(",")
     if any(v not in VARIANTS for v in variants):
@@ -262,6 +270,8 @@ def main(argv=None) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))   # what is done so far survives a cut-off run
     # the offloads are exact: each backend's variants end with the same weights (two backends differ by round-off)
+    norms = [i["grad_norm"] for r in res["variants"].values() for s in r["steps"] for i in s["iters"]]
+    res["every_iter_trained"] = bool(norms) and all(n is not None and math.isfinite(n) and n > 0 for n in norms)
     res["same_final_weights"] = all(len({r["final_weights_sha"] for r in res["variants"].values()
                                          if r["backend"] == b}) == 1 for b in backends)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
@@ -279,8 +289,9 @@ def main(argv=None) -> int:
         print(f"megatron vs native, iters on the same samples: max difference "
               f"{parity['max_diff_same_tokens']}; actor tokens/s {parity['actor_iter_tokens_per_s']}, "
               f"MFU {parity['actor_mfu']}")
-    print(f"same final weights across variants: {res['same_final_weights']}")
-    return 0 if res["same_final_weights"] else 1
+    print(f"same final weights across variants: {res['same_final_weights']}; every iter trained (finite, non-zero "
+          f"gradient norm): {res['every_iter_trained']}")
+    return 0 if res["same_final_weights"] and res["every_iter_trained"] else 1
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ master weights, bf16 params republished). FLOPs per iter = 6 * N * tokens + 12 *
 (attention scores and values, PaLM's formula; T = seq_len, no causal discount), where N (`matmul_params` in the
 JSON) is every parameter but the input embedding: the input lookup is no matmul, while the output head (vocab x
 hidden) is one and is counted, whether it is its own matrix or the tied embedding (norm weights are in N too, under
-0.01%). Recompute is not counted (model FLOPs), so activation checkpointing costs MFU. MFU = FLOP/s / peak (790
-TFLOP/s dense bf16 on H200 by default); goal >= 40% for qwen2.5-1.5b. `peak_bytes` / `peak_GiB`: the device's peak
-allocated memory over the timed iters (null on CPU).
+0.01%). Recompute is not counted (model FLOPs), so activation checkpointing costs MFU. `mfu` = FLOP/s over the
+chip's datasheet dense bf16 peak (989 TFLOP/s on H100/H200; `--peak-tflops` for another chip); `mfu_of_gemm` over
+the bf16 GEMM rate measured on the card in the same run (benchmarks/mfu.py). `peak_bytes` / `peak_GiB`: the device's
+peak allocated memory over the timed iters (null on CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ import torch
 
 from tidal.core.provenance import commit
 from tidal.engine.model import ModelArgs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # benchmarks/: the MFU references
+from mfu import MFUReference, mfu_reference_in_child
 
 BIG = ModelArgs(vocab_size=32000, hidden_size=1536, num_layers=20, num_heads=12, num_kv_heads=4,
                 intermediate_size=4096, max_seq_len=1024)
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="recompute each layer's activations in the backward; both: every setting without, then with")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak of the GPU's datasheet (default: benchmarks/mfu.py's table by device name)")
     p.add_argument("--json", dest="json_path")
     ns = p.parse_args(argv)
     from tidal.cli.reshard_check import run_world
@@ -138,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = _parse_configs(ns.configs or ("16x8,32x4,32x8" if cuda else "4x4"))
     configs = [(mb, n, ac) for mb, n in settings for ac in CHECKPOINTING[ns.activation_checkpointing]]
     backend = "nccl" if cuda else "gloo"
+    ref = mfu_reference_in_child() if cuda else MFUReference("cpu", None, None)
+    if ns.peak_tflops is not None:
+        ref = dataclasses.replace(ref, datasheet_tflops=ns.peak_tflops)
     r = run_world(1, backend, _body, dataclasses.asdict(args), seq, configs, ns.iters, ns.warmup, backend)[0]
     n_params = args.num_params()
     # the input embedding is a lookup; a tied embedding stays in N as the output head's matmul
@@ -157,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         sec = statistics.median(c["seconds"])
         peak = c["peak_bytes"]
         row.update(iter_seconds=sec, iter_seconds_all=c["seconds"], tokens_per_s=tokens / sec,
-                   tflops=flops / sec / 1e12, mfu=flops / sec / (ns.peak_tflops * 1e12) if cuda else None,
+                   tflops=flops / sec / 1e12, mfu=ref.mfu(flops / sec), mfu_of_gemm=ref.of_gemm(flops / sec),
                    peak_bytes=peak, peak_GiB=peak / 2**30 if peak is not None else None, losses=c["losses"])
         row["max_mem_gb"] = row["peak_GiB"]
         rows.append(row)
         print(f"{n_params / 1e6:.1f}M params {c['dtype']} on {r['device']}, seq {seq}, micro-batch {name}: "
               f"{tokens / sec:.0f} tokens/s, {flops / sec / 1e12:.1f} TFLOP/s"
-              + (f", MFU {row['mfu']:.1%}" if cuda else "") + f", iter {sec:.3f} s"
+              + (f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else "") + f", iter {sec:.3f} s"
               + (f", peak {row['peak_GiB']:.1f} GiB" if peak is not None else ""), flush=True)
     done = [row for row in rows if "error" not in row]
     best = max(done, key=lambda row: row["tokens_per_s"]) if done else {}
@@ -173,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
            "command": shlex.join(["python", "benchmarks/train_throughput.py",
                                   *(sys.argv[1:] if argv is None else argv)]),
            "model": dataclasses.asdict(args), "seq_len": seq, "num_params": n_params, "matmul_params": n_matmul,
-           "peak_tflops": ns.peak_tflops, "iters": ns.iters, "warmup": ns.warmup, "best": best.get("config"),
+           "mfu_reference": ref.to_json(), "iters": ns.iters, "warmup": ns.warmup, "best": best.get("config"),
            **{k: v for k, v in best.items() if k not in ("config", "iter_seconds_all")}, "configs": rows}
     if best:
         print(f"best: micro-batch {out['best']}: {best['tokens_per_s']:.0f} tokens/s"
-              + (f", MFU {best['mfu']:.1%}" if cuda else ""))
+              + (f", MFU {best['mfu']:.1%}" if best["mfu"] is not None else ""))
     if ns.json_path:
         with open(ns.json_path, "w") as f:
             json.dump(out, f, indent=2)
