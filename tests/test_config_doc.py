@@ -1,4 +1,4 @@
-"""README's configuration table is generated from the config models (tidal.core.config_doc) and must match them."""
+"""docs/config.md is generated from the config models (tidal.core.config_doc) and must match them."""
 
 import enum
 import re
@@ -10,19 +10,18 @@ from pydantic import BaseModel, Field
 
 from tidal.core.config import TidalConfig
 from tidal.core.config_doc import (
-    BEGIN,
-    END,
+    INTRO,
+    PAGE,
     REGENERATE,
     Row,
+    config_page,
     config_rows,
     config_table,
-    extract_table,
     main,
     render_default,
-    replace_table,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = ""):
@@ -34,9 +33,24 @@ def _leaf_fields(model: type[BaseModel], prefix: str = ""):
             yield f"{prefix}{name}", field
 
 
-def test_readme_table_matches_the_code():
-    table = extract_table(README.read_text(encoding="utf-8"))
-    assert table == config_table(), f"README's config table differs from the code; run {REGENERATE}"
+def test_config_page_matches_the_code():
+    page = ROOT / PAGE
+    assert page.is_file(), f"{PAGE} is missing; run {REGENERATE}"
+    assert page.read_text(encoding="utf-8") == config_page(), f"{PAGE} differs from the code; run {REGENERATE}"
+
+
+def test_page_is_title_intro_then_table():
+    page = config_page()
+    assert page.startswith("# Configuration reference\n") and page.endswith("|\n")
+    intro, table = page.split("\n| key | default | meaning |\n", 1)
+    assert intro == INTRO and "key.path=value" in intro and "(RLinf key)" in intro and REGENERATE in intro
+    assert f"| key | default | meaning |\n{table}" == config_table() + "\n"
+
+
+def test_readme_links_the_page_and_holds_no_table():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"({PAGE})" in readme, f"README should link {PAGE}"
+    assert "| `run.name` |" not in readme, f"the config table lives in {PAGE} only"
 
 
 def test_every_config_field_has_a_description():
@@ -95,28 +109,17 @@ def test_nested_sections_factories_and_pipes():
     assert table[2] == "| `inner.mode` | `x` | x \\| y |"
 
 
-def test_replace_touches_only_the_text_between_the_markers():
-    doc = f"# T\n\nintro\n\n{BEGIN}\nold table\n{END}\n\n## Next\n"
-    new = replace_table(doc, "| a |")
-    assert new == f"# T\n\nintro\n\n{BEGIN}\n| a |\n{END}\n\n## Next\n"
-    assert extract_table(new) == "| a |"
-    assert replace_table(new, "| a |") == new
-    for bad in ("no markers", f"{END}\n{BEGIN}", f"{BEGIN}\n{END}\n{BEGIN}\n{END}"):
-        with pytest.raises(ValueError, match="markers"):
-            extract_table(bad)
-
-
 def test_cli_prints_checks_and_writes(tmp_path, capsys):
     assert main([]) == 0
-    assert capsys.readouterr().out.strip() == config_table()
-    doc = tmp_path / "README.md"
-    doc.write_text(f"before\n{BEGIN}\n| stale |\n{END}\nafter\n", encoding="utf-8")
+    assert capsys.readouterr().out == config_page()
+    doc = tmp_path / "config.md"
+    assert main(["--check", str(doc)]) == 1
+    assert "is missing" in capsys.readouterr().err
+    doc.write_text(config_page().replace("| `run.name` |", "| `run.nom` |"), encoding="utf-8")
     assert main(["--check", str(doc)]) == 1
     assert REGENERATE in capsys.readouterr().err
     assert main(["--write", str(doc)]) == 0
-    text = doc.read_text(encoding="utf-8")
-    assert text.startswith(f"before\n{BEGIN}\n") and text.endswith(f"\n{END}\nafter\n")
-    assert extract_table(text) == config_table()
+    assert doc.read_text(encoding="utf-8") == config_page()
     assert main(["--check", str(doc)]) == 0
-    (tmp_path / "plain.md").write_text("no markers\n", encoding="utf-8")
-    assert main(["--check", str(tmp_path / "plain.md")]) == 2
+    assert main(["--write", str(doc)]) == 0
+    assert "up to date" in capsys.readouterr().out

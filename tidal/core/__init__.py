@@ -3,7 +3,7 @@
 - `errors`     `TidalError(field, value, problem, fix)` (exit code 2) and its kinds `ConfigError`, `LayoutError`;
 - `placement`  RLinf's `component_placement` syntax -> `Placement` (device ids per component) and its `Mode`;
 - `config`     `TidalConfig` (typed sections), `load_config(path, overrides)`, `build_config`, `flatten`;
-- `config_doc` README's configuration table, generated from the field descriptions;
+- `config_doc` docs/config.md, the configuration reference, generated from the field descriptions;
 - `devices`    `DeviceLedger`: who owns each device (`Owner`), the allowed moves and their history.
 
 Imports: nothing outside the core, and no torch, Ray or orchestration library: `errors` imports nothing,

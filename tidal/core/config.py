@@ -684,7 +684,7 @@ def _translate(err: ValidationError) -> ConfigError:
         return ConfigError(field, loc[-1], "unknown key", fix)
     if e["type"] == "model_type" or e["type"] == "dict_type":
         return ConfigError(field, value, "must be a mapping of keys", "write it as `key: value` lines")
-    fix = "see README's config reference for the allowed values"
+    fix = "see docs/config.md for the allowed values"
     parent = _model_at(loc[:-1]) if loc else None
     if parent and loc and str(loc[-1]) in parent.model_fields:
         doc = parent.model_fields[str(loc[-1])].description

@@ -1,14 +1,18 @@
-"""README's configuration table, generated from the config models' field descriptions.
+"""docs/config.md, the configuration reference, generated from the config models' field descriptions.
 
-    python -m tidal.core.config_doc                     # print the table
-    python -m tidal.core.config_doc --write README.md   # rewrite the table between the markers, nothing else
-    python -m tidal.core.config_doc --check README.md   # exit 1 if the table there differs from the code
+    python -m tidal.core.config_doc                          # print the page
+    python -m tidal.core.config_doc --write docs/config.md   # rewrite the page
+    python -m tidal.core.config_doc --check docs/config.md   # exit 1 if the page differs from the code
+
+The page is generated whole: a title, how a run is configured (a YAML file plus overrides), how RLinf's keys
+are marked, then one table row per key. Nothing in it is written by hand, so the field descriptions in
+`tidal.core.config` are its single source.
 
 `config_rows(TidalConfig)` walks the models' fields recursively (a field whose type is a config model is a
 section, its fields are dotted under it) and gives one row per leaf key: the dotted key, the default as a
 YAML reader would write it (null, true/false, strings in backticks, collections in YAML flow style,
 `default_factory` evaluated, enums by value) and the field's description. `config_table` renders them as a
-markdown table; `replace_table` puts a table between `BEGIN` and `END` in a document.
+markdown table; `config_page` puts the table under the page's title and introduction.
 """
 
 from __future__ import annotations
@@ -26,10 +30,23 @@ from pydantic_core import PydanticUndefined
 
 from tidal.core.config import TidalConfig
 
-BEGIN = "<!-- config-table:begin -->"
-END = "<!-- config-table:end -->"
+PAGE = "docs/config.md"
 HEADER = ("| key | default | meaning |", "|---|---|---|")
-REGENERATE = "python -m tidal.core.config_doc --write README.md"
+REGENERATE = f"python -m tidal.core.config_doc --write {PAGE}"
+INTRO = f"""\
+# Configuration reference
+
+A run is a YAML file plus `key.path=value` overrides (`tidal train CONFIG actor.lr=3e-4`); `tidal validate CONFIG
+[key=value...]` checks one without running it. Unknown keys, impossible placements and sizes are errors that name
+the key, the value and the fix (exit code 2).
+
+The `cluster:` section takes RLinf's keys as RLinf spells them (`num_gpus_per_node` too), and `tidal convert rlinf
+FILE` turns a whole RLinf experiment YAML into a Tidal config, naming on stderr each key it could not carry.
+"(RLinf key)" below marks a key RLinf spells the same way, "(RLinf: x)" the RLinf key the converter carries into it.
+
+This page is generated from the field descriptions in `tidal/core/config.py`: `{REGENERATE}`
+rewrites it, and `tests/test_config_doc.py` fails when it differs from the code.
+"""
 
 
 @dataclass(frozen=True)
@@ -115,56 +132,34 @@ def config_table(rows: list[Row] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _span(text: str) -> tuple[int, int]:
-    """Offsets of the text strictly between the markers; ValueError naming what is missing."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < 0 or end < start:
-        raise ValueError(f"the document needs the markers {BEGIN} and {END}, in that order, around the table")
-    if text.find(BEGIN, start + 1) >= 0 or text.find(END, end + 1) >= 0:
-        raise ValueError(f"the markers {BEGIN} / {END} appear more than once")
-    return start + len(BEGIN), end
-
-
-def extract_table(text: str) -> str:
-    """The table between the markers, stripped."""
-    lo, hi = _span(text)
-    return text[lo:hi].strip()
-
-
-def replace_table(text: str, table: str) -> str:
-    """`text` with the part between the markers replaced by `table` (everything else unchanged)."""
-    lo, hi = _span(text)
-    return f"{text[:lo]}\n{table}\n{text[hi:]}"
+def config_page(rows: list[Row] | None = None) -> str:
+    """The whole page: the introduction, then the table; ends with a newline."""
+    return f"{INTRO}\n{config_table(rows)}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tidal.core.config_doc", description=__doc__.splitlines()[0])
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="PATH", help="rewrite the table between the markers in PATH")
-    group.add_argument("--check", metavar="PATH", help="exit 1 if PATH's table differs from the code")
+    group.add_argument("--write", metavar="PATH", help=f"rewrite the page at PATH (the project's: {PAGE})")
+    group.add_argument("--check", metavar="PATH", help="exit 1 if the page at PATH differs from the code")
     args = ap.parse_args(argv)
-    table = config_table()
-    path = args.write or args.check
-    if path is None:
-        print(table)
+    page = config_page()
+    if args.write is None and args.check is None:
+        print(page, end="")
         return 0
-    p = Path(path)
-    text = p.read_text(encoding="utf-8")
-    try:
-        current = extract_table(text)
-    except ValueError as err:
-        print(f"{path}: {err}", file=sys.stderr)
-        return 2
-    if args.check:
-        if current != table:
-            print(f"{path}'s config table differs from the code; run {REGENERATE}", file=sys.stderr)
+    p = Path(args.write or args.check)
+    current = p.read_text(encoding="utf-8") if p.is_file() else None
+    if args.check is not None:
+        if current != page:
+            state = "is missing" if current is None else "differs from the code"
+            print(f"{p} {state}; run {REGENERATE}", file=sys.stderr)
             return 1
         return 0
-    if current != table:
-        p.write_text(replace_table(text, table), encoding="utf-8")
-        print(f"{path}: config table rewritten ({table.count(chr(10)) - 1} rows)")
+    if current != page:
+        p.write_text(page, encoding="utf-8")
+        print(f"{p}: written ({len(config_rows())} keys)")
     else:
-        print(f"{path}: config table up to date")
+        print(f"{p}: up to date")
     return 0
 
 
