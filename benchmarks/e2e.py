@@ -4,13 +4,16 @@ example.
 
     python benchmarks/e2e.py --quick --json benchmarks/results/e2e/<date>_<commit7>_<machine>.json
     python benchmarks/e2e.py --quick --model tiny --json /tmp/e2e.json            # a Hugging Face checkpoint, CPU
+    python benchmarks/e2e.py --smoke --json /tmp/e2e.json                         # the test suite's smoke run
     python benchmarks/e2e.py --device cuda --model qwen2.5-1.5b --max-new-tokens 4096 --prompts 64 \
         --max-running 256 --json PATH                                               # 8 GPUs
     python benchmarks/e2e.py --device cuda --devices 1 --policies collocated --model qwen2.5-1.5b --quick \
         --no-sim --json PATH                                                        # a dry run on one GPU
 
+Every run trains on the parity reward (tests/parity_reward.py: about half of every group rewarded), since a random
+model earns no task reward and its steps would train nothing.
 `--model` other than `own`: a random Qwen2 checkpoint of that shape written by transformers, loaded through
-`model.path`, GSM8K-format data files, the parity reward (so every step trains), response lengths geometric with
+`model.path`, GSM8K-format data files, response lengths geometric with
 mean ~300 capped at `--max-new-tokens` (`benchmarks/hf_inputs.py`). The CPU cost-model calibration and its
 predictions run with `own` on CPU only (the preset they refit is that workload's).
 
@@ -65,6 +68,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the sh
 import hf_inputs
 
 QUICK = dict(steps=3, prompts=32, group_size=8, max_new_tokens=48, hidden=128, layers=4, intermediate=384)
+#: `--smoke`: --quick's code path at toy sizes (2 steps: step 0 is left out of the figures, step 1 is measured)
+SMOKE = dict(steps=2, prompts=8, group_size=4, max_new_tokens=16, hidden=64, layers=2, intermediate=128)
+#: `--smoke`'s other defaults: two policies, uncapped devices (a capped device imports torch at 1/8 of a core),
+#: no calibration
+SMOKE_ARGS = dict(policies="static,tidal", share=1.0, device_cores="all", calibrate=False)
 #: the labels that run the static policy: disaggregated, and every component on all 8 devices
 STATIC = ("static", "collocated")
 MICRO_BATCH = 8   # sequences per actor micro-batch: an iter of 64 sequences is 8 of them
@@ -121,6 +129,8 @@ def build(label: str, a: argparse.Namespace, out: Path):
         "algorithm": {"group_size": a.group_size, "n_minibatches": 4},
         "data": {"rollout_batch_size": a.prompts, "eval_size": 8, "seed": a.seed},
         "warm_start": {"iters": 0},
+        # a random model earns no task reward: every group would have zero advantage and no step would train
+        "reward": {"function": hf_inputs.PARITY_REWARD},
     }
     if inputs is None:
         raw["model"] = {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": 4, "num_kv_heads": 2,
@@ -131,7 +141,6 @@ def build(label: str, a: argparse.Namespace, out: Path):
         raw["model"] = {"path": str(ckpt)}
         raw["data"].update(train_files=[str(train)], val_files=[str(val)], prompt_key="question",
                            max_prompt_length=32)
-        raw["reward"] = {"function": hf_inputs.PARITY_REWARD}   # a random model earns no task reward
     for key, v in sections.items():
         sec, _, k = key.partition(".")
         raw.setdefault(sec, {})[k] = v
@@ -508,6 +517,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="3 steps per policy (< 10 min on 2 cores)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a smoke run of --quick's code path, its figures meaningless: 2 steps of 8 prompts x 4, "
+                         "a 2-layer 64-wide model, --policies static,tidal, --share 1 --device-cores all, "
+                         "--no-calibrate (flags given explicitly win); about a minute on 2 cores")
     ap.add_argument("--policies", default="static,collocated,rlinf,tidal",
                     help="comma-separated: static, collocated (static, every component on 0-7), rlinf, tidal; a "
                          "variant overrides scheduler.* keys: tidal+grow_on_return=true")
@@ -545,15 +558,18 @@ def main(argv=None) -> int:
     for k in QUICK:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     a = ap.parse_args(argv)
+    if a.smoke:   # its defaults under the flags given explicitly
+        ap.set_defaults(**SMOKE_ARGS)
+        a = ap.parse_args(argv)
     if not 1 <= a.devices <= 8 or (a.devices < 8 and a.policies != "collocated"):
         ap.error(f"--devices {a.devices}: 8 runs every policy; 1..7 run --policies collocated only (RLinf's "
                  "placement needs devices 0-7)")
+    hf_inputs.importable_from_root()   # the parity reward's module, on the workers' path too
     if a.model != "own":
-        hf_inputs.importable_from_root()   # the parity reward's module, on the workers' path too
         a.inputs = hf_inputs.make_inputs(Path(a.work) / a.model, hf_inputs.MODELS[a.model])
     if a.model != "own" or a.device == "cuda":
         a.calibrate = False   # the CPU cost model (scheduler/costs_cpu.py) is fitted to the own model's workload
-    base = QUICK if a.quick else FULL
+    base = SMOKE if a.smoke else QUICK if a.quick else FULL
     for k, v in base.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -585,9 +601,9 @@ def main(argv=None) -> int:
                       "device": a.device,
                       "model": {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate}
                       if a.model == "own" else {"name": a.model, **hf_inputs.MODELS[a.model],
-                                                "weights": "random (transformers init), bf16 checkpoint",
-                                                "reward": hf_inputs.PARITY_REWARD},
-                      "warm_start_iters": 0, "seed": a.seed}}
+                                                "weights": "random (transformers init), bf16 checkpoint"},
+                      "reward": hf_inputs.PARITY_REWARD,
+                      "warm_start_iters": 0, "seed": a.seed, "smoke": a.smoke}}
     runs, res["core_speed"] = interleave(a.policies.split(","), a, out, pinned)
     for r in runs.values():
         ev = r["_events"]
@@ -625,7 +641,8 @@ def main(argv=None) -> int:
     if fitted is not None:
         res["fitted_prediction"] = predicted(fitted, list(runs), a, out, {k: v["step_s"] for k, v in runs.items()})
     if not a.no_sim:
-        res["simulator"] = sim_figures(10 if not a.quick else 4, 3 if not a.quick else 1,
+        short = a.quick or a.smoke
+        res["simulator"] = sim_figures(4 if short else 10, 1 if short else 3,
                                        build("tidal", a, out) if a.model == "own" and a.device == "cpu" else None)
     res["machine"]["load_avg_end"] = os.getloadavg()
     res["wall_s"] = time.monotonic() - t0

@@ -2,6 +2,7 @@
 
     python benchmarks/faults.py --json benchmarks/results/faults/<date>_<commit7>_<machine>.json
     python benchmarks/faults.py --quick --json /tmp/faults.json        # CPU virtual devices, a few minutes
+    python benchmarks/faults.py --smoke --json /tmp/faults.json        # the test suite's smoke run (K = 4)
 
 One run (actor on device 0, rollout instances 1-2, inference 3-4, `run.checkpoint_every` = 10), in four parts, all
 real `TrainingRun`s (Ray workers, the native engine, the actor), in this process:
@@ -22,7 +23,11 @@ real `TrainingRun`s (Ray workers, the native engine, the actor), in this process
     resume      stop-and-resume: a new run resumed from the checkpoint of step 10 (workers started, checkpoint
                 loaded, held-out evaluation, as `tidal train --resume` does) redoes steps 10 .. K
 
-K = 15 by default: a fault falls on average half a checkpoint interval after the last checkpoint.
+K = 15 by default: a fault falls on average half a checkpoint interval after the last checkpoint. `--smoke` runs the
+same parts at toy sizes (`checkpoint_every` 2, K = 4, 16 prompts; the rollout and actor cases, one of each kind of
+recovery) from the random init with the parity reward instead of the warm start (`tests/parity_reward.py`: about half
+of every group rewarded, so every step trains and equal final weights say something): it checks the code path, its
+figures measure nothing.
 
 Figures per case (`cases.rollout`, `cases.inference`), recovery beside stop-and-resume:
 
@@ -66,7 +71,11 @@ from tidal.pipeline.cluster import CallKind
 from tidal.pipeline.run import TrainingRun
 from tidal.workers.errors import WorkerDied, WorkerTimeout
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the shared inputs
+from hf_inputs import PARITY_REWARD, importable_from_root
+
 CHECKPOINT_EVERY = 10
+KILL_STEP = 15
 QUICK = {
     "run": {"seed": 5, "checkpoint_every": CHECKPOINT_EVERY, "eval_every": 1000},
     "cluster": {"num_devices_per_node": 5, "component_placement": {"actor": "0", "rollout": "1-2",
@@ -84,6 +93,14 @@ FULL = {**QUICK, "model": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, 
                            "intermediate_size": 512, "max_seq_len": 64},
         "rollout": {"max_new_tokens": 24, "max_running_requests": 16},
         "data": {"rollout_batch_size": 32, "eval_size": 16}}
+#: `--smoke`: the quick run's code path at toy sizes, killed in step SMOKE_KILL_STEP
+SMOKE = {**QUICK, "run": {**QUICK["run"], "checkpoint_every": 2},
+         "data": {"rollout_batch_size": 16, "eval_size": 4},
+         "warm_start": {"iters": 0}, "reward": {"function": PARITY_REWARD}}
+SMOKE_KILL_STEP = 4
+#: the faulted parts; rollout and inference recover in place alike, actor restarts from the host copy
+CASES = ("rollout", "inference", "actor")
+SMOKE_CASES = ("rollout", "actor")
 
 
 def machine() -> str:
@@ -225,7 +242,8 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
 
 
 def resumed(cfg, out: Path, ckpt: Path, kill_step: int) -> dict:
-    """Stop-and-resume: a new run from the checkpoint of step 10, through step `kill_step`."""
+    """Stop-and-resume: a new run from the checkpoint `ckpt` (of step 10 at the default sizes), through step
+    `kill_step`."""
     run = TrainingRun(cfg, out / "resumed")
     try:
         t0 = time.monotonic()
@@ -242,32 +260,50 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="write results here")
     ap.add_argument("--quick", action="store_true", help="tiny model, CPU virtual devices (a few minutes)")
-    ap.add_argument("--kill-step", type=int, default=15, help="the step a worker is killed in (> 11)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"a smoke run of --quick's code path, its figures meaningless: checkpoint_every 2, "
+                         f"--kill-step {SMOKE_KILL_STEP}, 16 prompts, --cases {','.join(SMOKE_CASES)}, the random "
+                         f"init and the parity reward")
+    ap.add_argument("--cases", default=None,
+                    help=f"comma-separated, of {', '.join(CASES)} (default: all; --smoke: {','.join(SMOKE_CASES)})")
+    ap.add_argument("--kill-step", type=int, default=None,
+                    help=f"the step a worker is killed in (> checkpoint_every + 1; default {KILL_STEP}, --smoke "
+                         f"{SMOKE_KILL_STEP})")
     ap.add_argument("--work", default="runs/faults", help="run folders, checkpoints, the warm start's cache")
     a = ap.parse_args(argv)
-    if a.kill_step <= CHECKPOINT_EVERY + 1:
-        raise SystemExit(f"--kill-step {a.kill_step}: give a step after the checkpoint of step {CHECKPOINT_EVERY}")
+    picked = a.cases.split(",") if a.cases else list(SMOKE_CASES if a.smoke else CASES)
+    if not picked or any(c not in CASES for c in picked):
+        raise SystemExit(f"--cases {a.cases!r}: give a comma-separated list of {', '.join(CASES)}")
+    base = SMOKE if a.smoke else QUICK if a.quick else FULL
+    every = base["run"]["checkpoint_every"]
+    a.kill_step = a.kill_step or (SMOKE_KILL_STEP if a.smoke else KILL_STEP)
+    if a.kill_step <= every + 1:
+        raise SystemExit(f"--kill-step {a.kill_step}: give a step after {every + 1} (the checkpoint of step "
+                         f"{every} and one step after it)")
     work = Path(a.work) / datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
     K = a.kill_step
     overrides = [f"run.output_dir={Path(a.work).resolve()}", f"run.num_steps={K + 2}"]
-    if a.quick:
+    if a.quick or a.smoke:
         overrides.append("cluster.device=cpu")
-    cfg = build_config(QUICK if a.quick else FULL, overrides)
+    if a.smoke:
+        importable_from_root()   # the parity reward's module, on the workers' path too
+    cfg = build_config(base, overrides)
     res: dict = {"name": "faults", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                  "commit": commit(), "machine": machine(), "command": " ".join(sys.argv),
-                 "config": {"placement": "actor 0, rollout 1-2, inference 3-4", "checkpoint_every": CHECKPOINT_EVERY,
-                            "kill_step": K, "model": cfg.model.model_dump(), "prompts": cfg.data.rollout_batch_size,
-                            "group_size": cfg.algorithm.group_size, "max_new_tokens": cfg.rollout.max_new_tokens}}
+                 "config": {"placement": "actor 0, rollout 1-2, inference 3-4", "checkpoint_every": every,
+                            "kill_step": K, "cases": picked, "smoke": a.smoke, "model": cfg.model.model_dump(),
+                            "prompts": cfg.data.rollout_batch_size, "group_size": cfg.algorithm.group_size,
+                            "max_new_tokens": cfg.rollout.max_new_tokens}}
 
     def save() -> None:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
 
-    ck10, ckk = work / "checkpoints-10", work / f"checkpoints-{K - 1}"
+    ck_every, ckk = work / f"checkpoints-{every}", work / f"checkpoints-{K - 1}"
     run = TrainingRun(cfg, work / "clean")
     try:
         run.open()
-        clean = run_steps(run, K + 2, {CHECKPOINT_EVERY: ck10, K - 1: ckk})
+        clean = run_steps(run, K + 2, {every: ck_every, K - 1: ckk})
         clean_sha = run.finish().final_weights_sha
     finally:
         run.close()
@@ -277,13 +313,13 @@ def main(argv=None) -> int:
                     "steps": [{k: s[k] for k in ("step", "seconds", "tokens")} for s in clean]}
     save()
     imports = import_seconds()
-    back = resumed(cfg, work, ck10, K)
+    back = resumed(cfg, work, ck_every, K)
     res["resume"] = {"import_s": imports, "open_s": back["open_s"],
                      "steps": [{k: s[k] for k in ("step", "seconds", "tokens")} for s in back["steps"]]}
     save()
     cases = {}
-    redundant = build_config(QUICK if a.quick else FULL, [*overrides, "actor.redundancy=host"])
-    for which in ("rollout", "inference", "actor"):
+    redundant = build_config(base, [*overrides, "actor.redundancy=host"])
+    for which in picked:
         rec = faulted(redundant if which == "actor" else cfg, work, ckk, K, which)
         off = rec["kill_offset_s"]
         rec_lost = rec["kill_to_step_end_s"] - (by_step[K]["seconds"] - off)

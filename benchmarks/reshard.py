@@ -1,6 +1,7 @@
 """Reshard benchmark: our executor vs a raw batched send/recv of the same bytes and vs torch.distributed.checkpoint.
 
     python benchmarks/reshard.py --quick --json out.json          # CPU, gloo, < 2 min
+    python benchmarks/reshard.py --smoke --json out.json          # the test suite's smoke run: one case, toy model
     python benchmarks/reshard.py --backend nccl --json out.json   # one process per GPU
     python benchmarks/reshard.py --backend nccl --shape 1b --worlds 2 --json out.json   # ~1.1B Llama-shaped
 
@@ -28,6 +29,7 @@ the largest over ranks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -51,6 +53,9 @@ from tidal.engine.reshard.plan import flat_boxes, shard_box
 
 QUICK = ModelArgs(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
                   intermediate_size=768, max_seq_len=64)
+#: `--smoke`: the same cases' code path on a toy model (4 heads and 4 KV heads: TP up to 4)
+SMOKE = ModelArgs(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=128,
+                  max_seq_len=64)
 FULL = ModelArgs(vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=8,
                  intermediate_size=1536, max_seq_len=64)
 SHAPES = {
@@ -300,11 +305,14 @@ def _case_body(rank, world, args_dict, cases, backend, reps, shm, opts):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller model, world 4 only (CPU: < 2 min)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a smoke run of --quick's code path, its figures meaningless: a toy model, world 4's first "
+                        "case (--cases picks others), 1 rep")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default: small)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--worlds", default=None, help="comma-separated world sizes (of 2, 4, 8); default: gloo 4,8 "
                                                   "(--quick: 4), nccl every size the GPUs allow")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=None, help="timed reshards per case (default 3, --smoke 1)")
     p.add_argument("--dcp", choices=("auto", "on", "off"), default="auto",
                    help="DCP baseline: auto = only for states up to 32 GB")
     p.add_argument("--raw-chunk-mb", type=int, default=1024, help="largest raw send/recv message (MiB)")
@@ -316,9 +324,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  "(default: all); big shapes take minutes per case")
     ns = p.parse_args(argv)
     from tidal.cli.reshard_check import run_world
-    if ns.quick and ns.shape:
-        p.error("--quick picks the tiny model; drop --shape or --quick")
-    args = QUICK if ns.quick else SHAPES[ns.shape or "small"]
+    if (ns.quick or ns.smoke) and ns.shape:
+        p.error("--quick and --smoke pick their own model; drop --shape or them")
+    if ns.reps is None:
+        ns.reps = 1 if ns.smoke else 3
+    if ns.smoke and not ns.cases:
+        ns.cases = "0"
+    args = SMOKE if ns.smoke else QUICK if ns.quick else SHAPES[ns.shape or "small"]
+    model = dataclasses.asdict(args)   # plain values, nested ones too (rope_scaling): the JSON's and the ranks'
     if ns.worlds:
         try:
             worlds = [int(w) for w in ns.worlds.split(",")]
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"--worlds {bad}: cases exist for world sizes {sorted(CASES)}")
     else:
-        worlds = [4] if ns.quick else [4, 8]
+        worlds = [4] if ns.quick or ns.smoke else [4, 8]
         if ns.backend == "nccl":
             worlds = [w for w in sorted(CASES) if w <= torch.cuda.device_count()]
     if ns.backend == "nccl" and any(w > torch.cuda.device_count() for w in worlds):
@@ -341,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, backend {ns.backend}"
                        + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
                           if ns.backend == "nccl" else ""),
-            "shape": "quick" if ns.quick else (ns.shape or "small"), "num_params": args.num_params(),
-            "model": args.__dict__, "reps": ns.reps, "link_gbps_limit": ns.link_gbps}
+            "shape": "smoke" if ns.smoke else "quick" if ns.quick else (ns.shape or "small"),
+            "num_params": args.num_params(), "model": model, "reps": ns.reps, "link_gbps_limit": ns.link_gbps}
     for w in worlds:
         pick = CASES[w]
         if ns.cases:
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, IndexError):
                 p.error(f"--cases {ns.cases!r}: give indices below {len(CASES[w])}, e.g. 0,2")
         for case in pick:   # one world per case, the JSON rewritten after each: a cut-off run keeps what it did
-            cases += run_world(w, ns.backend, _case_body, args.__dict__, [case], ns.backend, ns.reps, shm, opts,
+            cases += run_world(w, ns.backend, _case_body, model, [case], ns.backend, ns.reps, shm, opts,
                                timeout=1800.0)[0]
             print(f"  world {w} {case[0]} -> {case[1]}: {cases[-1].get('seconds', cases[-1].get('skipped'))}",
                   flush=True)

@@ -167,14 +167,14 @@ def test_a_rollout_worker_killed_while_generating_costs_its_work_not_the_run(out
             return f
         pipe.cluster.submit_slice = spy
 
-    killed, scored, pipe = _run(out, "rollout-killed", arm)
+    faulted, scored, pipe = _run(out, "rollout-killed", arm)
     assert killed
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
     assert (ev["device"], ev["role"], ev["step"]) == (2, "rollout", 1) and ev["reason"], ev
     assert ev["groups_regenerated"] and ev["time"] - killed[0] < 20.0, (ev, killed)
     assert pipe.ledger.owner(2) is Owner.FAILED and pipe.cluster.rollout == [1]
     assert scored == clean[1] == [list(range(8))] * 2   # every group once
-    assert_same_training(clean[0], killed)
+    assert_same_training(clean[0], faulted)
 
 
 @pytest.mark.slow
@@ -194,14 +194,14 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
             return f
         pipe.cluster.submit = spy
 
-    killed, scored, pipe = _run(out, "inference-killed", arm)
+    faulted, scored, pipe = _run(out, "inference-killed", arm)
     assert killed
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
     assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", 0), ev
     assert ev["groups_rescored"] == sorted(killed[0]), ev
     assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
     assert scored == clean[1]
-    assert_same_training(clean[0], killed)
+    assert_same_training(clean[0], faulted)
 
 
 @pytest.mark.slow
@@ -216,7 +216,7 @@ def test_a_replaced_rollout_device_rejoins_and_is_given_work_in_a_later_step(out
 
         def spy(device, groups, budget_s):
             f = submit_slice(device, groups, budget_s)
-            if device == 2 and pipe.step_state.step == 0 and groups and pipe.step_state.generated and not killed:
+            if device == 2 and pipe.step_state.step == 0 and groups and not killed:
                 killed.append(pipe.clock())
                 _kill(pipe, 2)
             return f

@@ -30,7 +30,8 @@ def test_a_run_that_learns_nothing_says_so(tmp_path):
     from tidal.core.config import build_config
     from tidal.pipeline.run import run_training
     from tidal.tracking import NullSink
-    cfg = build_config(ONE_DEVICE, [f"run.output_dir={tmp_path}", "run.name=flat", "rollout.temperature=0"])
+    task_reward = {k: v for k, v in ONE_DEVICE.items() if k != "reward"}   # the task's exact verifier
+    cfg = build_config(task_reward, [f"run.output_dir={tmp_path}", "run.name=flat", "rollout.temperature=0"])
     sink = NullSink()
     sink.start_run("flat", {})
     seen = []
