@@ -43,6 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tidal.core.provenance import commit
 from tidal.engine.actor import ActorShard
 from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout
@@ -351,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             "mem_fraction": ns.mem_fraction}
     cases = []
     head = {"name": "reshard", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": commit(),
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu, backend {ns.backend}"
                        + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
                           if ns.backend == "nccl" else ""),
