@@ -179,9 +179,10 @@ def test_a_rollout_worker_killed_while_generating_costs_its_work_not_the_run(out
 
 @pytest.mark.slow
 def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out, clean):
-    """Step 0: the worker of inference device 4 is killed as it is handed its first groups to score; they are
-    scored again on device 3 and the run ends like the run without the fault."""
-    killed: list[list[int]] = []
+    """The worker of inference device 4 is killed as it is handed its first groups to score (in the first step
+    that gives it any: device 3 may score a step's every group as they arrive); they are scored again on device 3
+    within that step and the run ends like the run without the fault."""
+    killed: list[tuple[int, list[int]]] = []
 
     def arm(pipe):
         submit = pipe.cluster.submit
@@ -189,7 +190,7 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
         def spy(kind, device, fn, payload=None, **kw):
             f = submit(kind, device, fn, payload, **kw)
             if kind is CallKind.INFERENCE and device == 4 and not killed:
-                killed.append([g.group_id for g in payload])
+                killed.append((pipe.step_state.step, [g.group_id for g in payload]))
                 _kill(pipe, 4)
             return f
         pipe.cluster.submit = spy
@@ -197,8 +198,9 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
     faulted, scored, pipe = _run(out, "inference-killed", arm)
     assert killed
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
-    assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", 0), ev
-    assert ev["groups_rescored"] == sorted(killed[0]), ev
+    step, groups = killed[0]
+    assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", step), ev
+    assert ev["groups_rescored"] == sorted(groups), ev
     assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
     assert scored == clean[1]
     assert_same_training(clean[0], faulted)
