@@ -75,7 +75,7 @@ def checkpoint_sha(model_dir: Path) -> str:
     a `tidal train` run on it."""
     from tidal.engine.hf_checkpoint import load_hf_weights, read_hf_config
 
-    hf = read_hf_config(model_dir, 2)
+    hf = read_hf_config(model_dir, 2)   # max_seq_len shapes no weight: any value the reader accepts
     return weights_sha(load_hf_weights(hf))
 
 
