@@ -17,6 +17,10 @@
    static and vs each rlinf variant, idle fraction, simulator wall and CPU seconds.
 3. Robustness: the 8-GPU example on workload seeds 1-3 (5 steps each): static, rlinf with both flags, tidal.
 4. Simulator speed: 1,024 devices x `--big-steps` steps per policy (goal < 10 s on one core).
+5. `table`: every baseline at its best against tidal's planned placement (`scheduler.plan_cli.report`) on the
+   workloads users run (`scheduler.catalog`: gsm8k, math, longtail), model shapes 1.5B, 7B, 32B and clusters of
+   8, 64 and 512 devices, costs measured on one H200 scaled to each shape; speedups of tidal over each baseline.
+   `--table-only` runs just this part; `--quick`: the table's 8-device rows of 1.5B and 7B.
 
 The JSON carries `name`, `date`, `machine` (host, CPU, cores, load average at start and end: on a shared machine
 wall-clock tails are noisy; CPU times are the robust figure).
@@ -34,7 +38,11 @@ import random
 import time
 from pathlib import Path
 
+from scheduler.catalog import CLUSTERS, MODELS, WORKLOADS, fits
+from scheduler.catalog import spec as catalog_spec
 from scheduler.costs import gpu_h200_1p5b
+from scheduler.model_costs import shape
+from scheduler.plan_cli import report
 from scheduler.policies import get_policy
 from scheduler.signals import ActorSignal, DeviceSignal, InferenceSignal, RolloutInstanceSignal, Signals
 from scheduler.simulator import _Sim, simulate
@@ -169,6 +177,31 @@ def sim_speed(steps: int) -> dict:
     return out
 
 
+def table(steps: int, models: tuple[str, ...] = MODELS, clusters: tuple[int, ...] = CLUSTERS) -> dict:
+    """Every (workload, model, cluster) of the catalog: each baseline at its best, tidal's plan, speedups."""
+    rows, skipped = [], []
+    for w in WORKLOADS:
+        for m in models:
+            for n in clusters:
+                why = fits(shape(m), n)
+                if why:
+                    skipped.append({"workload": w, "model": m, "devices": n, "why": why})
+                    continue
+                c0 = time.process_time()
+                rep = report(catalog_spec(w, m, n), steps)
+                rep.update(workload=w, model=m, sim_cpu_s=time.process_time() - c0)
+                rows.append(rep)
+                a = rep["arms"]
+                print(f"{w:9s} {m:5s} {n:4d}: " + "  ".join(f"{k} {v['step_s']:.1f}" for k, v in a.items())
+                      + f"  tidal = {rep['plan']['chosen']}, {rep['tidal_vs_best_baseline']:.3f}x best", flush=True)
+    worst = min(rows, key=lambda r: r["tidal_vs_best_baseline"])
+    return {"steps": steps, "rows": rows, "skipped": skipped,
+            "min_tidal_vs_best_baseline": worst["tidal_vs_best_baseline"],
+            "tidal_vs": {k: {"min": min(r["arms"][k]["tidal_speedup"] for r in rows),
+                             "max": max(r["arms"][k]["tidal_speedup"] for r in rows)}
+                         for k in ("collocated", "hybrid", "static", "rlinf")}}
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -190,13 +223,24 @@ def main() -> None:
     ap.add_argument("--wide-steps", type=int, default=3,
                     help="steps at 1,024 devices with the 8-GPU example's load per device (64 prompts each)")
     ap.add_argument("--reps", type=int, default=2000, help="decisions timed per (policy, size, kind)")
+    ap.add_argument("--table-steps", type=int, default=3, help="simulated steps per arm of the baselines table")
+    ap.add_argument("--table-only", action="store_true", help="only the baselines table (part 5)")
+    ap.add_argument("--quick", action="store_true", help="only the table's 8-device rows of 1.5B and 7B")
     a = ap.parse_args()
     m = machine()
+    if a.quick or a.table_only:
+        res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "machine": m, "command": "python benchmarks/scheduling.py " + ("--quick" if a.quick else "--table-only"),
+               "table": table(a.table_steps, *((("1.5b", "7b"), (8,)) if a.quick else ()))}
+        m["load_avg_end"] = os.getloadavg()
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
            "sim_8_seeds": seeds_8(5), "sim_1024": sim_figures(1024, a.steps),
            "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
-           "sim_speed_1024": sim_speed(a.big_steps)}
+           "sim_speed_1024": sim_speed(a.big_steps), "table": table(a.table_steps)}
     m["load_avg_end"] = os.getloadavg()
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(res, indent=1))

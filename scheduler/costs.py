@@ -149,9 +149,18 @@ class CostModel:
     kv_bytes_per_token: float = 0.0  #: KV cache bytes of one token (all layers, K and V)
     kv_bw: float = 1.0         #: bytes/s of a KV-cache copy between instances
     kv_fixed_s: float = 0.0    #: pause + page-table handoff per KV migration action
+    offload_bw: float = 55e9   #: bytes/s of the actor's state from a device to pinned host memory (hand-over)
+    onload_bw: float = 55e9    #: bytes/s of the actor's state back onto a device
 
     def sync_time(self) -> float:
         return self.sync_fixed_s + self.reshard.param_bytes / self.sync_bw
+
+    def offload_s(self, state_bytes: float) -> float:
+        """Move `state_bytes` of the actor's state (one device's) off the device, as a shared placement does."""
+        return state_bytes / self.offload_bw
+
+    def onload_s(self, state_bytes: float) -> float:
+        return state_bytes / self.onload_bw
 
     def migration_time(self, tokens: float) -> float:
         """Abort + resubmit + re-prefill of `tokens` (prompt + generated) on the target."""
@@ -228,6 +237,7 @@ def gpu_h200() -> CostModel:
         reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=355e9, inter_node_bw=50e9,
                             devices_per_node=8, fixed_s=0.028),
         lend_s=1.48, return_s=1.43, sync_fixed_s=0.56 - 2 * p / 450e9,
+        offload_bw=14 * p / 0.48, onload_bw=14 * p / 0.43,
     )
 
 

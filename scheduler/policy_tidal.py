@@ -599,7 +599,7 @@ def _best_shrink(state: SchedState, sig: Signals, x: _PlanInputs, returning: boo
     # static's on the CPU e2e workload (1.21-1.53 s vs 0.93-1.17 s): it is the first wave there, and the moves
     # stall its instances
     for size in sorted({0, layout.size // 2 // tp * tp}):
-        if size >= layout.size:
+        if size >= layout.size or 0 < size < p.min_actor_devices:
             continue
         new = (layout.size - size) // p.rollout_tp
         # the new instances are filled by one migration wave (every instance in it pauses); lent ones hand

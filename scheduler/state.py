@@ -49,6 +49,8 @@ class PolicyParams:
     grow_on_return: bool = True          #: tidal: may release instances when lent devices return (step start)
     lend_actor: bool = True              #: tidal: the waiting actor's devices may host rollout instances
     return_on_generated: bool = True     #: tidal: lent devices return when the mini-batch is generated
+    min_actor_devices: int = 0           #: fewest devices that hold the actor's state (0: its TP); lending them
+                                         #: all (state to host) stays allowed, keeping fewer than this does not
 
     @classmethod
     def from_config(cls, cfg: TidalConfig) -> PolicyParams:
@@ -93,7 +95,7 @@ class PolicyParams:
     def tidal_sizes(self) -> tuple[int, ...]:
         """Actor device counts Tidal accepts: any dp that fits and gets at least one sequence."""
         top = min(self.num_devices // self.actor_tp, self.sequences_per_iter)
-        return tuple(dp * self.actor_tp for dp in range(1, top + 1))
+        return tuple(dp * self.actor_tp for dp in range(1, top + 1) if dp * self.actor_tp >= self.min_actor_devices)
 
 
 @dataclass(frozen=True)

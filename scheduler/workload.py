@@ -14,7 +14,9 @@ cluster grows. `SimSpec.from_config` reads a Tidal config; `devices=N` rescales 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -44,12 +46,64 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class EmpiricalLengths:
+    """Response lengths of a real run, resampled: whole groups drawn with replacement (a group keeps its
+    difficulty), each sample of a group drawn from that group's lengths; flat lists are drawn i.i.d."""
+
+    groups: tuple[tuple[int, ...], ...]
+    source: str = "file"
+
+    @property
+    def median(self) -> float:
+        return float(np.median(np.concatenate([np.asarray(g, dtype=np.float64) for g in self.groups])))
+
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int) -> np.ndarray:
+        if len(self.groups) == 1:   # a flat list: i.i.d. draws
+            pool = np.asarray(self.groups[0], dtype=np.int64)
+            x = pool[rng.integers(0, pool.size, (groups, group_size))]
+        else:
+            pick = rng.integers(0, len(self.groups), groups)
+            x = np.empty((groups, group_size), dtype=np.int64)
+            for row, g in enumerate(pick.tolist()):
+                pool = np.asarray(self.groups[g], dtype=np.int64)
+                x[row] = pool[rng.integers(0, pool.size, group_size)]
+        return np.clip(x, 1, max_new)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> EmpiricalLengths:
+        """A JSON file: a list of response lengths, or a list of groups (lists of lengths), or an object with
+        one of those under `lengths` or `groups`."""
+        field_ = "--lengths"
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise TidalError(field_, str(path), f"cannot be read ({e.strerror})",
+                             "give a JSON file of lengths") from None
+        except json.JSONDecodeError as e:
+            raise TidalError(field_, str(path), f"is not JSON ({e.msg}, line {e.lineno})",
+                             "write a JSON list of response lengths, or a list of groups of them") from None
+        if isinstance(data, dict):
+            data = data.get("groups", data.get("lengths"))
+        if not isinstance(data, list) or not data:
+            raise TidalError(field_, str(path), "holds no lengths",
+                             'write [312, 4096, ...] or [[312, 290], [4096, 8000], ...] or {"groups": [...]}')
+        rows = data if all(isinstance(g, list) for g in data) else [data]
+        groups = []
+        for k, g in enumerate(rows):
+            if not g or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in g):
+                raise TidalError(field_, str(path), f"entry {k} is not a non-empty list of positive integer lengths",
+                                 "every length is a positive number of tokens")
+            groups.append(tuple(g))
+        return cls(tuple(groups), str(path))
+
+
+@dataclass(frozen=True)
 class SimSpec:
     """Everything a simulation needs besides the policy, the step count and the seed."""
 
     params: PolicyParams
     costs: CostModel
-    lengths: LengthDist = field(default_factory=LengthDist)
+    lengths: LengthDist | EmpiricalLengths = field(default_factory=LengthDist)
     max_new_tokens: int = 8192
     prompt_tokens: int = 256
     name: str = "custom"

@@ -65,6 +65,8 @@ _optional("train", "tidal.cli.train:main", "run an RL training job from a config
 _optional("warm-start", "tidal.pipeline.task_checkpoint:main",
           "a built-in task as a Hugging Face checkpoint + GSM8K-format prompt files (the main job's model)")
 _optional("simulate", "scheduler.sim_cli:main", "simulate a run's scheduling at any scale")
+_optional("plan", "scheduler.plan_cli:main",
+          "predicted step time of every placement and policy for a config or workload, and the one to run")
 _optional("sweep", "tidal.sweep:main", "Optuna sweep of scheduler policy settings")
 _optional("compare", "tidal.cli.compare:main",
           "side-by-side table of MLflow runs, or of policies / sweeps (--group-by)")

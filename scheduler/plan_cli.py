@@ -1,0 +1,133 @@
+"""`tidal plan`: predicted step time and device use of every placement and policy, and the one to run.
+
+    tidal plan CONFIG [--devices N] [--lengths FILE] [--steps S] [--json PATH]
+    tidal plan --workload longtail --model 7b --devices 64 [--lengths FILE] ...
+
+With CONFIG, the model shape is the config's (a Hugging Face checkpoint's `config.json`, or Tidal's own model's
+fields), the batch, TPs and slots are the config's, and the costs are the measured GPU figures scaled to the
+shape (`model_costs.costs_for`), or the CPU preset for `cluster.device: cpu`. Without it, a built-in workload
+(`catalog.WORKLOADS`) on a built-in shape. `--lengths` replaces the length distribution with measured response
+lengths (a JSON list, or a list of groups).
+
+Every baseline is scored at its best on seed 0's draws (`baselines.baselines`); the recommendation is
+`planner.plan`'s, made on other draws of the same workload, and its row is scored on seed 0 too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from scheduler.baselines import baselines, default_split, with_split
+from scheduler.catalog import CLUSTERS, MODELS, WORKLOADS
+from scheduler.catalog import spec as catalog_spec
+from scheduler.model_costs import ModelShape, costs_for
+from scheduler.phased import minibatch_ready, step_lengths
+from scheduler.planner import plan, run_candidate
+from scheduler.workload import EmpiricalLengths, SimSpec
+from tidal.core.config import TidalConfig, load_config
+from tidal.core.errors import TidalError
+
+
+def shape_of(cfg: TidalConfig) -> ModelShape:
+    """The model shape of a config: the checkpoint's `config.json` when `model.path` is set, else Tidal's own."""
+    m = cfg.model
+    if m.path:
+        path = Path(m.path) / "config.json"
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TidalError("model.path", m.path, f"has no readable config.json ({e})",
+                             "point model.path at a Hugging Face checkpoint directory") from None
+        h, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+        heads = int(hf["num_attention_heads"])
+        kv = int(hf.get("num_key_value_heads", heads))
+        inter, vocab = int(hf["intermediate_size"]), int(hf["vocab_size"])
+        tied = bool(hf.get("tie_word_embeddings", False))
+    else:
+        h, layers, heads, kv, inter = m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size
+        vocab, tied = m.vocab_size or 32_000, m.tie_embeddings
+    hd = h // heads
+    params = layers * (2 * h * h + 2 * h * kv * hd + 3 * h * inter) + vocab * h * (1 if tied else 2)
+    return ModelShape(f"{params / 1e9:.2g}B", float(params), layers, kv, hd, cfg.actor.tensor_parallel_size,
+                      cfg.rollout.tensor_parallel_size, cfg.inference.tensor_parallel_size,
+                      cfg.rollout.max_running_requests)
+
+
+def spec_of(args: argparse.Namespace) -> SimSpec:
+    lengths = EmpiricalLengths.from_file(args.lengths) if args.lengths else None
+    if args.config:
+        cfg = load_config(args.config)
+        s = SimSpec.from_config(cfg, args.devices)
+        p = s.params
+        if len({*p.actor_devices, *p.rollout_devices, *p.inference_devices}) < (
+                len(p.actor_devices) + len(p.rollout_devices) + len(p.inference_devices)):
+            s = with_split(s, default_split(s))   # a shared placement: the disaggregated arms start from RLinf's
+        if lengths:
+            s = replace(s, lengths=lengths)
+        if cfg.cluster.device != "cpu":
+            m = shape_of(cfg)
+            s = replace(s, costs=costs_for(m, s.prompt_tokens + s.lengths.median / 2),
+                        params=replace(s.params, min_actor_devices=m.min_actor_devices))
+        return s
+    if not (args.workload and args.model and args.devices):
+        raise TidalError("CONFIG", None, "no config and no built-in workload given",
+                         f"give a config file, or --workload ({', '.join(WORKLOADS)}), --model "
+                         f"({', '.join(MODELS)}) and --devices (e.g. {', '.join(map(str, CLUSTERS))})")
+    return catalog_spec(args.workload, args.model, args.devices, lengths)
+
+
+def report(s: SimSpec, steps: int) -> dict:
+    """Every baseline at its best and tidal's plan, on seed 0's draws of `s`."""
+    arms, _ = baselines(s, steps, 0)
+    pl = plan(s, steps)
+    tidal = run_candidate(s, pl.chosen, steps, 0)
+    rows: dict[str, dict] = {k: {"placement": a.placement, "policy": a.policy, "step_s": a.mean_step_s,
+                                 "idle_fraction": a.result.idle_fraction} for k, a in arms.items()}
+    rows["tidal"] = {"placement": pl.chosen.placement, "policy": pl.chosen.policy, "step_s": tidal.mean_step_s,
+                     "idle_fraction": tidal.idle_fraction}
+    best = min(arms, key=lambda k: arms[k].mean_step_s)
+    for r in rows.values():
+        r["tidal_speedup"] = r["step_s"] / tidal.mean_step_s
+    return {"spec": s.name, "devices": s.num_devices, "costs": s.costs.name, "steps": steps,
+            "prompts": s.params.rollout_batch_size, "group_size": s.params.group_size,
+            "max_new_tokens": s.max_new_tokens, "arms": rows, "best_baseline": best,
+            "tidal_vs_best_baseline": arms[best].mean_step_s / tidal.mean_step_s, "plan": pl.to_json(),
+            "minibatch_ready_fraction": minibatch_ready(s, step_lengths(s, 0, 0), s.num_devices)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tidal plan", description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default=None, help="Tidal config YAML (or use --workload and --model)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None, help="a built-in workload")
+    ap.add_argument("--model", choices=MODELS, default=None, help="a built-in model shape")
+    ap.add_argument("--devices", type=int, default=None, help="cluster size (default: the config's)")
+    ap.add_argument("--lengths", default=None, metavar="FILE", help="measured response lengths (JSON)")
+    ap.add_argument("--steps", type=int, default=2, help="simulated steps per arm")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        raise TidalError("--steps", args.steps, "must be at least 1", "e.g. --steps 2")
+    rep = report(spec_of(args), args.steps)
+    t = Table(title=f"{rep['spec']}: {rep['devices']} devices, {rep['prompts']} prompts x {rep['group_size']}, "
+                    f"costs {rep['costs']}")
+    for col in ("arm", "placement", "policy", "step s", "tidal speedup", "idle"):
+        t.add_column(col, justify="right")
+    for name, r in rep["arms"].items():
+        t.add_row(name, r["placement"], r["policy"], f"{r['step_s']:.1f}", f"{r['tidal_speedup']:.2f}x",
+                  f"{r['idle_fraction']:.0%}" if math.isfinite(r["idle_fraction"]) else "-")
+    con = Console(width=max(100, Console().width))
+    con.print(t)
+    con.print(f"recommended: {rep['plan']['reason']}")
+    ready = ", ".join(f"{x:.0%}" for x in rep["minibatch_ready_fraction"])
+    con.print(f"mini-batches generated (collocated rollout, id order) at {ready} of the rollout")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1))
+    return 0
