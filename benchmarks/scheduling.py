@@ -49,6 +49,7 @@ from scheduler.simulator import _Sim, simulate
 from scheduler.state import SchedState
 from scheduler.workload import SimSpec, rlinf_example
 from tidal.core.devices import Owner
+from tidal.core.provenance import commit
 
 FLAGS = {"rlinf": (False, False), "rlinf_pre": (True, False), "rlinf_wait": (False, True),
          "rlinf_flags": (True, True)}
@@ -230,14 +231,14 @@ def main() -> None:
     m = machine()
     if a.quick or a.table_only:
         res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "machine": m, "command": "python benchmarks/scheduling.py " + ("--quick" if a.quick else "--table-only"),
+               "commit": commit(), "machine": m, "command": "python benchmarks/scheduling.py " + ("--quick" if a.quick else "--table-only"),
                "table": table(a.table_steps, *((("1.5b", "7b"), (8,)) if a.quick else ()))}
         m["load_avg_end"] = os.getloadavg()
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=1))
         return
     res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
+           "commit": commit(), "machine": m, "latency": latency(a.reps), "sim_8": sim_figures(8, a.steps),
            "sim_8_seeds": seeds_8(5), "sim_1024": sim_figures(1024, a.steps),
            "sim_1024_64ppd": sim_figures(1024, a.wide_steps, ppd=64),
            "sim_speed_1024": sim_speed(a.big_steps), "table": table(a.table_steps)}

@@ -219,7 +219,8 @@ def gpu_h200() -> CostModel:
     - actor 31.0 us/token (32,288 tokens/s, MFU 42.2%: 8 x 2,048-token sequences per micro-batch, 2 micro-batches
       an iter, the optimizer step included);
     - scoring 10.6 us/token (the scoring phase of one collocated GRPO step of 64 x 8 responses); that step's weight
-      sync 0.56 s and hand-over (0.48 s offload, 0.43 s onload of the actor's state), plus the derived preset's 1 s
+      sync 0.56 s and hand-over (0.48 s offload, 0.43 s onload of the actor's state: 14 B a parameter at 44.6 and
+      50.7 GB/s, `offload_bw` / `onload_bw`, what a shared placement pays per device), plus the derived preset's 1 s
       instance start or stop;
     - reshard: 28 ms + the busiest device's bytes at 355 GB/s (12 cases of 1B- and 7B-shaped states on 2 x H200;
       the form is within 60%: a whole state onto one new device runs at the link's 343 GB/s, a split at ~0.6 of
@@ -237,7 +238,7 @@ def gpu_h200() -> CostModel:
         reshard=ReshardCost(param_bytes=2 * p, optim_bytes=12 * p, bw=355e9, inter_node_bw=50e9,
                             devices_per_node=8, fixed_s=0.028),
         lend_s=1.48, return_s=1.43, sync_fixed_s=0.56 - 2 * p / 450e9,
-        offload_bw=14 * p / 0.48, onload_bw=14 * p / 0.43,
+        offload_bw=14 * p / 0.483, onload_bw=14 * p / 0.425,
     )
 
 

@@ -39,6 +39,7 @@ SOURCES: dict[str, tuple[str, ...]] = {   # result files (under RESULTS) of each
     "reshard": ("reshard/2026-11-29_56e02d6_2xh200_1b.json", "reshard/2026-11-29_56e02d6_2xh200_7b.json"),
 }
 MEAN_CONTEXT = 1024  #: the context at which the preset folds the decode's context term into per_seq_s
+BASE_PARAMS = 1.54e9   #: the measured shape's parameters: its state (bf16 weights, fp32 master + Adam) is 14 B each
 INSTANCE_START_S = 1.0  #: an engine instance's start or stop, `gpu_h200_1p5b`'s (one GPU measures none)
 
 
@@ -123,6 +124,8 @@ def preset_figures(f: H200Fit) -> dict[str, tuple[float, float]]:
         "weight sync s": (f.weight_sync_s, c.sync_time()),
         "lend_s": (f.offload_s + INSTANCE_START_S, c.lend_s),
         "return_s": (f.onload_s + INSTANCE_START_S, c.return_s),
+        "offload_bw": (14 * BASE_PARAMS / f.offload_s, c.offload_bw),
+        "onload_bw": (14 * BASE_PARAMS / f.onload_s, c.onload_bw),
         "reshard.fixed_s": (f.reshard_fixed_s, c.reshard.fixed_s),
         "reshard.bw": (f.reshard_bw, c.reshard.bw),
     }

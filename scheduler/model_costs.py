@@ -14,7 +14,7 @@ would cost at its size:
 
 TP groups pay no extra overhead in this model; the simulator already charges TP efficiency (`tp_eff`) on the
 actor and on scoring. `ModelShape.min_actor_devices` is the memory floor of the actor's state (16 B per parameter
-with ZeRO-1 over data parallel ranks, 60% of an 80 GB device for it).
+with ZeRO-1 over data parallel ranks, 75% of an 80 GB device for it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ DECODE_OVERHEAD_S = 2.09e-3 - DECODE_WEIGHT_READ_S   #: launch, sampling, schedu
 DECODE_PER_SEQ_S = 6.11e-6          #: per sequence per step at context 0
 DECODE_PER_SEQ_TOKEN_S = 7.29e-9    #: per sequence per step per token of context (KV read)
 DEVICE_BYTES = 80e9
-STATE_FRACTION = 0.6                #: of a device's memory the actor's state may take (activations: the rest)
+STATE_FRACTION = 0.75               #: of a device's memory the actor's state may take (activations: the rest)
 
 
 @dataclass(frozen=True)

@@ -140,12 +140,25 @@ def check_faults(r: dict) -> None:
     assert r["cases"]["rollout"]["recovery"]["groups_redone"]
 
 
+def check_scheduling(r: dict) -> None:
+    assert r["name"] == "scheduler"
+    t = r["table"]
+    assert {(row["workload"], row["model"], row["devices"]) for row in t["rows"]} == {
+        (w, m, 8) for w in ("gsm8k", "math", "longtail") for m in ("1.5b", "7b")}
+    for row in t["rows"]:
+        assert set(row["arms"]) == {"collocated", "hybrid", "static", "rlinf", "tidal"}
+        assert all(_finite_positive(a["step_s"]) for a in row["arms"].values())
+        assert row["tidal_vs_best_baseline"] >= 1.0 - 1e-9   # tidal never loses to a baseline at its best
+    assert t["min_tidal_vs_best_baseline"] == min(row["tidal_vs_best_baseline"] for row in t["rows"])
+
+
 # (benchmark, flags besides --json, check, seconds before it is killed)
 BENCHMARKS = [
     pytest.param("train_throughput", ["--quick"], check_train_throughput, 180, id="train_throughput"),
     pytest.param("rollout", ["--quick"], check_rollout, 180, id="rollout"),
     pytest.param("hf_parity", ["--quick"], check_hf_parity, 180, id="hf_parity"),
     pytest.param("reshard", ["--smoke"], check_reshard, 240, id="reshard"),
+    pytest.param("scheduling", ["--quick"], check_scheduling, 180, id="scheduling"),
     pytest.param("collocated", ["--quick", "--variants", "all", "--steps", "2"], check_collocated, 420,
                  id="collocated", marks=pytest.mark.slow),
     pytest.param("e2e", ["--smoke"], check_e2e, 540, id="e2e", marks=pytest.mark.slow),
