@@ -231,7 +231,8 @@ def main() -> None:
     m = machine()
     if a.quick or a.table_only:
         res = {"name": "scheduler", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "commit": commit(), "machine": m, "command": "python benchmarks/scheduling.py " + ("--quick" if a.quick else "--table-only"),
+               "commit": commit(), "machine": m,
+               "command": "python benchmarks/scheduling.py " + ("--quick" if a.quick else "--table-only"),
                "table": table(a.table_steps, *((("1.5b", "7b"), (8,)) if a.quick else ()))}
         m["load_avg_end"] = os.getloadavg()
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
