@@ -194,10 +194,12 @@ def table(steps: int, models: tuple[str, ...] = MODELS, clusters: tuple[int, ...
                 rows.append(rep)
                 a = rep["arms"]
                 print(f"{w:9s} {m:5s} {n:4d}: " + "  ".join(f"{k} {v['step_s']:.1f}" for k, v in a.items())
-                      + f"  tidal = {rep['plan']['chosen']}, {rep['tidal_vs_best_baseline']:.3f}x best", flush=True)
+                      + f"  tidal = {rep['plan']['chosen']}, {rep['tidal_vs_best_baseline']:.3f}x best; bound "
+                      f"{rep['bound_s']:.1f} (collocated / bound {rep['collocated_over_bound']:.3f})", flush=True)
     worst = min(rows, key=lambda r: r["tidal_vs_best_baseline"])
     return {"steps": steps, "rows": rows, "skipped": skipped,
             "min_tidal_vs_best_baseline": worst["tidal_vs_best_baseline"],
+            "max_collocated_over_bound": max(r["collocated_over_bound"] for r in rows),
             "tidal_vs": {k: {"min": min(r["arms"][k]["tidal_speedup"] for r in rows),
                              "max": max(r["arms"][k]["tidal_speedup"] for r in rows)}
                          for k in ("collocated", "hybrid", "static", "rlinf")}}

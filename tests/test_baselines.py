@@ -126,6 +126,9 @@ def test_tidal_is_at_least_as_fast_as_every_baseline(model):
         assert rep["arms"][name]["tidal_speedup"] >= 1.0 - 1e-9, name
     assert rep["arms"]["tidal"]["placement"] == rep["plan"]["chosen"]
     assert len(rep["minibatch_ready_fraction"]) == 4
+    # the bound holds under every schedule the simulator runs on the same draws, dynamic ones included
+    assert all(a["step_s"] >= rep["bound_s"] for a in rep["arms"].values())
+    assert rep["collocated_over_bound"] >= 1.0
 
 
 def test_the_plan_takes_a_dynamic_split_when_the_hand_over_is_dear(longtail8):
