@@ -51,7 +51,7 @@ def step_lengths(spec: SimSpec, seed: int, step: int) -> np.ndarray:
     """The response lengths of `step`: the stream `simulator._Sim.run_step` draws from."""
     p = spec.params
     rng = np.random.default_rng([seed, step])
-    return spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, spec.max_new_tokens)
+    return spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, spec.max_new_tokens, step=step)
 
 
 def _rollout(spec: SimSpec, lengths: np.ndarray, devices: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
     tidal plan CONFIG [--devices N] [--lengths FILE] [--steps S] [--json PATH]
     tidal plan --workload longtail --model 7b --devices 64 [--lengths FILE] ...
+    tidal plan --from-run RUN_DIR [--costs PRESET] [--json PATH]
 
 With CONFIG, the model shape is the config's (a Hugging Face checkpoint's `config.json`, or Tidal's own model's
 fields), the batch, TPs and slots are the config's, and the costs are the measured GPU figures scaled to the
@@ -11,6 +12,10 @@ lengths (a JSON list, or a list of groups).
 
 Every baseline is scored at its best on seed 0's draws (`baselines.baselines`); the recommendation is
 `planner.plan`'s, made on other draws of the same workload, and its row is scored on seed 0 too.
+
+`--from-run` predicts every step of a finished run from its own response lengths, phase by phase, and prints the
+prediction beside what the run measured (`from_run.py`); `--costs` names the cost preset (default: the fitted GPU
+preset `gpu_h200` for a GPU run, `cpu` for CPU devices), scaled to the run's model shape.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from scheduler import from_run
 from scheduler.baselines import baselines, default_split, with_split
 from scheduler.bounds import step_bound
 from scheduler.catalog import CLUSTERS, MODELS, WORKLOADS
 from scheduler.catalog import spec as catalog_spec
+from scheduler.costs import PRESETS, preset
 from scheduler.model_costs import ModelShape, costs_for
 from scheduler.phased import minibatch_ready, step_lengths
 from scheduler.planner import plan, run_candidate
@@ -105,6 +112,28 @@ def report(s: SimSpec, steps: int) -> dict:
             "bound_s": bound, "collocated_over_bound": arms["collocated"].mean_step_s / bound}
 
 
+def from_run_main(args: argparse.Namespace) -> int:
+    rec = from_run.load(args.from_run)
+    name = args.costs or ("cpu" if rec.device_kind == "cpu" else "gpu_h200")
+    rep = from_run.predict(rec, preset(name), learn=args.learned)
+    phases = list(rep["steps"][0]["predicted"]) if rep["steps"] else []
+    t = Table(title=f"{rep['run']}: {rep['placement']} placement, costs {rep['costs']}: predicted / measured s")
+    t.add_column("step", justify="right")
+    for ph in phases:
+        t.add_column(ph, justify="right")
+    for row in rep["steps"]:
+        t.add_row(str(row["step"]), *(f"{row['predicted'][ph]:.2f} / {row['measured'][ph]:.2f} "
+                                      f"({row['ratio'][ph]:.2f}x)" if row["ratio"][ph] is not None else "-"
+                                      for ph in phases))
+    con = Console(width=max(100, Console().width))
+    con.print(t)
+    con.print(f"largest relative error: {rep['worst_relative_error']:.1%}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="tidal plan", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=None, help="Tidal config YAML (or use --workload and --model)")
@@ -113,8 +142,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--devices", type=int, default=None, help="cluster size (default: the config's)")
     ap.add_argument("--lengths", default=None, metavar="FILE", help="measured response lengths (JSON)")
     ap.add_argument("--steps", type=int, default=2, help="simulated steps per arm")
+    ap.add_argument("--from-run", default=None, metavar="DIR", help="a finished run's folder: predicted vs measured")
+    ap.add_argument("--costs", default=None, choices=sorted(PRESETS), help="cost preset for --from-run")
+    ap.add_argument("--learned", action="store_true",
+                    help="--from-run: predict each step with what the run learned by the end of the one before")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     args = ap.parse_args(argv)
+    if args.from_run:
+        return from_run_main(args)
     if args.steps < 1:
         raise TidalError("--steps", args.steps, "must be at least 1", "e.g. --steps 2")
     rep = report(spec_of(args), args.steps)

@@ -183,7 +183,7 @@ class _Sim:
         self._reset_step(step)
         rng = np.random.default_rng([self.seed, step])
         p = self.p
-        lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens)
+        lengths = self.spec.lengths.sample(rng, p.rollout_batch_size, p.group_size, self.spec.max_new_tokens, step=step)
         self.group_tokens = (lengths.sum(axis=1) + p.group_size * self.spec.prompt_tokens).tolist()
         self.call("start")
         self._deal(lengths)
@@ -301,6 +301,7 @@ class _Sim:
         # when the id-order prefix reached k groups (what the actor waits for), as the real producer learns it
         self.ready_curve = ready_curve(self.gen_at, t_start)
         dt = end - t_start
+        self.last_rollout_end_s = float(self.gen_at.max() - t_start)   # `tidal plan --from-run` compares it
         useful = sum(self.busy[k] - self.busy_at_start[k] for k in self.busy)
         return StepStats(step, dt, 1.0 - useful / (p.num_devices * dt), self.n_generated, self.n_scored,
                          self.trained, self.counts["migrations"], self.counts["groups_migrated"],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -35,7 +35,9 @@ class LengthDist:
     group_sigma: float = 0.6     #: per-prompt log-spread shared by the group (difficulty)
     alpha: float = 1.6           #: Pareto tail index (pareto)
 
-    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int,
+               step: int = 0) -> np.ndarray:
+        """`groups` x `group_size` lengths from `rng` (one stream per step: `step` itself is not read)."""
         zg = rng.standard_normal((groups, 1)) * self.group_sigma
         if self.kind == "lognormal":
             x = self.median * np.exp(zg + rng.standard_normal((groups, group_size)) * self.sigma)
@@ -43,6 +45,33 @@ class LengthDist:
             xm = self.median / 2 ** (1 / self.alpha)
             x = xm * np.exp(zg) * (1 + rng.pareto(self.alpha, (groups, group_size)))
         return np.clip(np.rint(x), 1, max_new).astype(np.int64)
+
+
+class Lengths(Protocol):
+    """Where a simulated step's response lengths come from: a distribution, a file's lengths resampled, or a run's
+    own lengths replayed step by step."""
+
+    @property
+    def median(self) -> float: ...
+
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int,
+               step: int = 0) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class RecordedLengths:
+    """The response lengths a run generated, one step's at a time (`step`), for the simulator to replay."""
+
+    steps: tuple[np.ndarray, ...]
+    median: float
+
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int,
+               step: int = 0) -> np.ndarray:
+        x = self.steps[step % len(self.steps)]
+        if x.shape != (groups, group_size):
+            raise TidalError("steps.json", list(x.shape), f"does not match the config's {groups} x {group_size} groups",
+                             "predict a run with the config it ran with")
+        return np.clip(x, 1, max_new)
 
 
 @dataclass(frozen=True)
@@ -57,7 +86,8 @@ class EmpiricalLengths:
     def median(self) -> float:
         return float(np.median(np.concatenate([np.asarray(g, dtype=np.float64) for g in self.groups])))
 
-    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, groups: int, group_size: int, max_new: int,
+               step: int = 0) -> np.ndarray:
         if len(self.groups) == 1:   # a flat list: i.i.d. draws
             pool = np.asarray(self.groups[0], dtype=np.int64)
             x = pool[rng.integers(0, pool.size, (groups, group_size))]
@@ -103,7 +133,7 @@ class SimSpec:
 
     params: PolicyParams
     costs: CostModel
-    lengths: LengthDist | EmpiricalLengths = field(default_factory=LengthDist)
+    lengths: Lengths = field(default_factory=LengthDist)
     max_new_tokens: int = 8192
     prompt_tokens: int = 256
     name: str = "custom"

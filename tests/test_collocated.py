@@ -8,6 +8,8 @@ import pytest
 import torch
 from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained
 
+from scheduler import from_run
+from scheduler.costs import preset
 from tidal.core.config import build_config
 from tidal.core.devices import Owner
 from tidal.engine.actor import ActorShard
@@ -80,13 +82,13 @@ def _spans(run, role, what=None):
 def reference(tmp_path_factory):
     """The disaggregated static run every shared run must equal."""
     run, _, ref = _train(tmp_path_factory.mktemp("ref"), "disaggregated")
-    return run.rewards, ref
+    return run.rewards, ref, run.out_dir
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["collocated", "actor+inference|rollout", "actor+rollout|inference", "one device"])
 def test_a_shared_run_equals_the_disaggregated_static_run(tmp_path, name, reference):
-    ref_rewards, ref = reference
+    ref_rewards, ref, _ = reference
     run, _, shared = _train(tmp_path, name)
     assert run.rewards == ref_rewards
     assert_same_training(ref, shared)
@@ -121,6 +123,23 @@ def test_a_shared_run_equals_the_disaggregated_static_run(tmp_path, name, refere
     engines_on_actor = sorted(set(run.pipe.initial_layout.devices) & set(run.pipe.cluster.rollout
                                                                           + run.pipe.cluster.inference))
     assert all(e["local"] == engines_on_actor for e in syncs), syncs   # a local copy, no trip through the driver
+    if name == "collocated":   # the run's folder is enough to predict each step, phase by phase
+        _predicted_from_its_folder(run.out_dir, "shared", ("rollout", "scoring", "training", "handover", "sync"))
+
+
+def _predicted_from_its_folder(folder, placement, phases):
+    rec = from_run.load(folder)
+    assert [s["step"] for s in rec.steps] == [0, 1]
+    assert all(len(s["response_lengths"]) == rec.cfg.data.rollout_batch_size for s in rec.steps)
+    rep = from_run.predict(rec, preset("cpu"), learn=True)
+    assert rep["placement"] == placement and [r["step"] for r in rep["steps"]] == [1]
+    (row,) = rep["steps"]
+    assert set(row["predicted"]) == {*phases, "step"}
+    assert all(row["measured"][p] > 0 and row["predicted"][p] > 0 for p in row["predicted"]), row
+
+
+def test_a_disaggregated_run_is_predicted_from_its_folder(reference):
+    _predicted_from_its_folder(reference[2], "disaggregated", ("rollout",))
 
 
 def _step_start(events, step):
@@ -136,7 +155,7 @@ def _step_end(events, step):
 def test_a_collocated_run_resumes_exactly(tmp_path, reference):
     """Checkpoint after step 1 of a collocated run with every offload on (the state is saved from host memory),
     resume in a new run: it ends where the uninterrupted runs end."""
-    ref_rewards, ref = reference
+    ref_rewards, ref, _ = reference
     _, ckpt, _ = _train(tmp_path, "collocated", steps=1)
     run, _, resumed = _train(tmp_path / "resumed", "collocated", resume_from=ckpt)
     assert run.rewards == ref_rewards[1:]

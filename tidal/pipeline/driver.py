@@ -65,6 +65,19 @@ STEP_SUMS = frozenset({"grpo/tokens"})
 CHECK_EVERY_S = 0.5
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """What a step generated and when its phases ended (seconds from the step's start): what `tidal plan
+    --from-run` predicts the step from and holds its prediction against."""
+
+    step: int
+    seconds: float
+    rollout_end_s: float                  #: the last group came back generated
+    scoring_end_s: float                  #: the last group came back scored
+    response_lengths: list[list[int]]     #: per group, in id order: each sample's response tokens
+    prompt_lengths: list[int]             #: per group, in id order
+
+
 @dataclass
 class StepResult:
     step: int
@@ -72,6 +85,7 @@ class StepResult:
     metrics: dict[str, float]
     phase_seconds: dict[str, float]
     events: list[dict]
+    trace: StepTrace | None = None
 
 
 def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], reserve: bool) -> list[int]:
@@ -348,7 +362,12 @@ class Pipeline:
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
-        return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events)
+        ids = sorted(st.scored)
+        trace = StepTrace(step, seconds, max(st.gen_time.values(), default=t_start) - t_start,
+                          max(st.score_time.values(), default=t_start) - t_start,
+                          [[len(r) for r in st.scored[g].response_ids] for g in ids],
+                          [len(st.scored[g].prompt_ids) for g in ids])
+        return StepResult(step, seconds, metrics, self._phase_seconds(t_start), events, trace)
 
     def _stream_once(self, st: StepState) -> None:
         """One pass of the step's loop: feed, train when ready, handle what came back."""

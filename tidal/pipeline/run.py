@@ -39,7 +39,7 @@ from tidal.engine.prompt_source import TaskSource
 from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
 from tidal.pipeline.checkpointing import resume, save, saved_step
-from tidal.pipeline.driver import Pipeline
+from tidal.pipeline.driver import Pipeline, StepTrace
 from tidal.pipeline.preflight import Preflight, host_copy_root, preflight
 from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
@@ -180,6 +180,7 @@ class TrainingRun:
         self.evals: list[tuple[int, float]] = []
         self.rewards: list[float] = []
         self.step_s: list[float] = []
+        self.traces: list[StepTrace] = []   # steps.json: what `tidal plan --from-run` predicts each step from
         self.phase: dict[str, float] = {}
         self.n_reshard = self.n_migr = 0
         self.next_step = 0
@@ -285,6 +286,8 @@ class TrainingRun:
         m = {**res.metrics, **self._extra}
         self.rewards.append(m.get("grpo/reward_mean", 0.0))
         self.step_s.append(res.seconds)
+        if res.trace is not None:
+            self.traces.append(res.trace)
         for k, v in res.phase_seconds.items():
             self.phase[k] = self.phase.get(k, 0.0) + v
             m[f"phase/{k}_device_s"] = v   # busy seconds summed over the component's devices
@@ -367,6 +370,9 @@ class TrainingRun:
                            origin=self.origin())
         (out / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
         (out / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
+        (out / "steps.json").write_text(json.dumps([asdict(t) for t in self.traces]))
+        (out / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+        (out / "model.json").write_text(json.dumps(asdict(self.inputs.args)))
         summary = RunSummary(cfg.run.name, self.next_step, time.monotonic() - self.t_run, self.evals[0][1],
                              self.evals[-1][1], self.rewards, self.evals, self.phase, idle, self.step_s,
                              self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
