@@ -8,7 +8,7 @@ With CONFIG, the model shape is the config's (a Hugging Face checkpoint's `confi
 fields), the batch, TPs and slots are the config's, and the costs are the measured GPU figures scaled to the
 shape (`model_costs.costs_for`), or the CPU preset for `cluster.device: cpu`. Without it, a built-in workload
 (`catalog.WORKLOADS`) on a built-in shape. `--lengths` replaces the length distribution with measured response
-lengths (a JSON list, or a list of groups).
+lengths (a JSON list, a list of groups, or a finished run's folder: every group it generated).
 
 Every baseline is scored at its best on seed 0's draws (`baselines.baselines`); the recommendation is
 `planner.plan`'s, made on other draws of the same workload, and its row is scored on seed 0 too.
@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default=None, help="a built-in workload")
     ap.add_argument("--model", choices=MODELS, default=None, help="a built-in model shape")
     ap.add_argument("--devices", type=int, default=None, help="cluster size (default: the config's)")
-    ap.add_argument("--lengths", default=None, metavar="FILE", help="measured response lengths (JSON)")
+    ap.add_argument("--lengths", default=None, metavar="FILE",
+                    help="measured response lengths: a JSON file, or a finished run's folder (its steps.json)")
     ap.add_argument("--steps", type=int, default=2, help="simulated steps per arm")
     ap.add_argument("--from-run", default=None, metavar="DIR", help="a finished run's folder: predicted vs measured")
     ap.add_argument("--costs", default=None, choices=sorted(PRESETS), help="cost preset for --from-run")

@@ -102,8 +102,18 @@ class EmpiricalLengths:
     @classmethod
     def from_file(cls, path: str | Path) -> EmpiricalLengths:
         """A JSON file: a list of response lengths, or a list of groups (lists of lengths), or an object with
-        one of those under `lengths` or `groups`."""
+        one of those under `lengths` or `groups`; or a finished run's folder, whose `steps.json` holds every
+        group's lengths of every step."""
         field_ = "--lengths"
+        if Path(path).is_dir():
+            path = Path(path) / "steps.json"
+            try:
+                steps = json.loads(path.read_text())
+                data = [g for st in steps for g in st["response_lengths"]]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise TidalError(field_, str(path.parent), f"is not a finished run's folder ({e})",
+                                 "give a run folder with steps.json, or a JSON file of lengths") from None
+            return cls._of(data, str(path.parent), field_)
         try:
             data = json.loads(Path(path).read_text())
         except OSError as e:
@@ -114,17 +124,21 @@ class EmpiricalLengths:
                              "write a JSON list of response lengths, or a list of groups of them") from None
         if isinstance(data, dict):
             data = data.get("groups", data.get("lengths"))
+        return cls._of(data, str(path), field_)
+
+    @classmethod
+    def _of(cls, data: object, path: str, field_: str) -> EmpiricalLengths:
         if not isinstance(data, list) or not data:
             raise TidalError(field_, str(path), "holds no lengths",
                              'write [312, 4096, ...] or [[312, 290], [4096, 8000], ...] or {"groups": [...]}')
         rows = data if all(isinstance(g, list) for g in data) else [data]
         groups = []
         for k, g in enumerate(rows):
-            if not g or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in g):
-                raise TidalError(field_, str(path), f"entry {k} is not a non-empty list of positive integer lengths",
-                                 "every length is a positive number of tokens")
+            if not g or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in g):
+                raise TidalError(field_, str(path), f"entry {k} is not a non-empty list of integer lengths >= 0",
+                                 "every length is a number of tokens")
             groups.append(tuple(g))
-        return cls(tuple(groups), str(path))
+        return cls(tuple(groups), path)
 
 
 @dataclass(frozen=True)

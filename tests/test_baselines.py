@@ -160,8 +160,8 @@ def test_lengths_from_a_file(tmp_path):
     g = EmpiricalLengths.from_file(grouped).sample(rng, 200, 3, 16384)
     short = g.max(axis=1) <= 12
     assert short.any() and (~short).any() and (g[short] <= 12).all() and (g[~short] >= 4000).all()
-    for text, why in (("{", "is not JSON"), ("[]", "holds no lengths"), ("[1, -2]", "positive integer"),
-                      ('[[1], "x"]', "positive integer")):
+    for text, why in (("{", "is not JSON"), ("[]", "holds no lengths"), ("[1, -2]", "integer lengths"),
+                      ('[[1], "x"]', "integer lengths")):
         bad = tmp_path / "bad.json"
         bad.write_text(text)
         with pytest.raises(TidalError, match=why) as e:
@@ -169,6 +169,13 @@ def test_lengths_from_a_file(tmp_path):
         assert "--lengths" in str(e.value)
     with pytest.raises(TidalError, match="cannot be read"):
         EmpiricalLengths.from_file(tmp_path / "missing.json")
+    run = tmp_path / "run"   # a finished run's folder: every group of every step
+    run.mkdir()
+    with pytest.raises(TidalError, match="not a finished run's folder"):
+        EmpiricalLengths.from_file(run)
+    (run / "steps.json").write_text(json.dumps([{"response_lengths": [[3, 5], [7, 0]]},
+                                                {"response_lengths": [[9, 9]]}]))
+    assert EmpiricalLengths.from_file(run).groups == ((3, 5), (7, 0), (9, 9))
 
 
 def test_tidal_plan_on_a_workload_and_on_a_config(tmp_path, capsys):
