@@ -61,6 +61,8 @@ import sys
 import time
 from pathlib import Path
 
+from scheduler import from_run
+from scheduler.costs import preset
 from tidal.core.placement import parse_device_ids
 from tidal.core.provenance import commit
 
@@ -206,6 +208,10 @@ class PolicyRun:
             calib["actor_iters"] = actor_iters(run, cfg)
             print(f"  [static] actor iter (dp, driver s, worker s): {calib['actor_iters']}", flush=True)
         measured = steps[1:] or steps
+        # the cost model the policy predicts with, held against this run step by step (`tidal plan --from-run
+        # DIR --learned`: each step from its own lengths and what the run learned by the step before)
+        rec = from_run.load(summary.output_dir)
+        pred = from_run.predict(rec, preset("cpu" if rec.device_kind == "cpu" else "gpu_h200"), learn=True)
         mean = sum(s["seconds"] for s in measured) / len(measured)
         idle = sum(s["idle_fraction"] * s["seconds"] for s in measured) / sum(s["seconds"] for s in measured)
         return {"policy": self.policy, "step_s": mean, "idle_fraction": idle, "open_s": self.open_s,
@@ -214,7 +220,7 @@ class PolicyRun:
                 "failed_actions": sum(s["failed_actions"] for s in measured),
                 "action_s": sum(s["action_s"] for s in measured) / len(measured), "steps": steps,
                 "final_weights_sha": summary.final_weights_sha, "output_dir": summary.output_dir,
-                "calibration": calib, "_events": events, "_timeline": timeline}
+                "calibration": calib, "from_run": pred, "_events": events, "_timeline": timeline}
 
     def close(self) -> None:
         self.run.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -109,13 +109,13 @@ class EmpiricalLengths:
             path = Path(path) / "steps.json"
             try:
                 steps = json.loads(path.read_text())
-                data = [g for st in steps for g in st["response_lengths"]]
+                groups = [g for st in steps for g in st["response_lengths"]]
             except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
                 raise TidalError(field_, str(path.parent), f"is not a finished run's folder ({e})",
                                  "give a run folder with steps.json, or a JSON file of lengths") from None
-            return cls._of(data, str(path.parent), field_)
+            return cls._of(groups, str(path.parent), field_)
         try:
-            data = json.loads(Path(path).read_text())
+            data: Any = json.loads(Path(path).read_text())
         except OSError as e:
             raise TidalError(field_, str(path), f"cannot be read ({e.strerror})",
                              "give a JSON file of lengths") from None

@@ -115,6 +115,8 @@ def check_e2e(r: dict) -> None:
         assert len(run["steps"]) == 2 and all(_finite_positive(s["seconds"]) for s in run["steps"])
         assert run["failed_actions"] == 0
         assert run["final_weights_sha"]
+        (row,) = run["from_run"]["steps"]   # step 1 predicted from its own lengths (step 0 is the warm-up)
+        assert row["step"] == 1 and all(_finite_positive(x) for x in row["predicted"].values())
     assert _finite_positive(r["static_step_s"]) and _finite_positive(r["tidal_step_s"])
     assert r["speedup_vs_static"] == pytest.approx(r["static_step_s"] / r["tidal_step_s"])
     assert _finite_positive(r["paired_speedup_vs_static"]["median"])
