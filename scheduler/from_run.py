@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.costs import CostModel
+from scheduler.estimate import LengthModel
 from scheduler.model_costs import ModelShape, costs_for
 from scheduler.phased import collocated_step
 from scheduler.simulator import _Sim
@@ -128,21 +129,25 @@ def predict(rec: RunRecord, costs: CostModel, skip_first: bool = True, learn: bo
     base = s.costs
     rows = []
     shared = _shared(rec.cfg)
-    sim = None if shared else _Sim(s, rec.cfg.scheduler.policy if rec.cfg.cluster.auto_scheduler else "static", 0,
-                                   keep_events=False)
-    p = s.params
+    policy = rec.cfg.scheduler.policy if rec.cfg.cluster.auto_scheduler else "static"
+    shape = s.params
+    prev: np.ndarray | None = None
     for k, st in enumerate(rec.steps):
         if learn and k:
             s = replace(s, costs=learned(rec, base, rec.steps[k - 1]["step"]))
-        lengths = s.lengths.sample(np.random.default_rng(0), p.rollout_batch_size, p.group_size, s.max_new_tokens, k)
+        lengths = s.lengths.sample(np.random.default_rng(0), shape.rollout_batch_size, shape.group_size,
+                                   s.max_new_tokens, k)
         if shared:
             ph = collocated_step(s, lengths)
             pred = {"rollout": ph.rollout, "scoring": ph.scoring, "training": ph.training,
                     "handover": ph.handover, "sync": ph.sync, "step": ph.total}
-        else:
-            assert sim is not None
+        else:   # this step's costs; the length model the run's policy had learned from the step before
+            sim = _Sim(s, policy, 0, keep_events=False)
+            if prev is not None:
+                sim.length_model = LengthModel.fit(prev.reshape(-1), s.max_new_tokens)
             stats = sim.run_step(k)
             pred = {"step": stats.time_s, "rollout": sim.last_rollout_end_s}
+        prev = lengths
         if skip_first and k == 0 and len(rec.steps) > 1:
             continue
         meas = _measured(rec, st)
