@@ -303,11 +303,14 @@ def _child_main(conn: Connection, spec: str, parent_path: list[str]) -> None:
     while True:
         try:
             args = conn.recv()
-        except EOFError:  # the parent closed its end or died
+        except (EOFError, OSError):  # the parent closed its end, or died (killed: the connection is reset)
             return
         if args is None:
             return
-        conn.send(_call(fn, args))
+        try:
+            conn.send(_call(fn, args))
+        except OSError:  # the parent died while the call ran
+            return
 
 
 @dataclass
