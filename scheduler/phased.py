@@ -98,7 +98,8 @@ def state_bytes_per_device(spec: SimSpec, devices: int) -> float:
 def collocated_step(spec: SimSpec, lengths: np.ndarray) -> PhaseSeconds:
     p, c = spec.params, spec.costs
     n = p.num_devices
-    rollout = float(_rollout(spec, lengths, n).max())
+    gen = _rollout(spec, lengths, n)
+    rollout = float(gen.max())
     tokens = _group_tokens(spec, lengths)
     servers = n // p.inference_tp
     # all groups are there at once: a list schedule over the servers, lowest ids first
@@ -113,14 +114,14 @@ def collocated_step(spec: SimSpec, lengths: np.ndarray) -> PhaseSeconds:
     handover = c.onload_s(state) + c.offload_s(state)
     sync = c.sync_time()
     total = rollout + scoring + training + handover + sync
-    useful = _rollout_busy(spec, lengths, n) + scoring * n + training * n
+    useful = _rollout_busy(spec, gen, n) + scoring * n + training * n
     return PhaseSeconds(rollout, scoring, training, handover, sync, total, 1.0 - useful / (n * total))
 
 
-def _rollout_busy(spec: SimSpec, lengths: np.ndarray, devices: int) -> float:
-    """Device-seconds the rollout instances hold unfinished sequences (each instance until its last group)."""
+def _rollout_busy(spec: SimSpec, done: np.ndarray, devices: int) -> float:
+    """Device-seconds the rollout instances hold unfinished sequences (each instance until its last group), from
+    `done`, when each group was generated (`_rollout`)."""
     p = spec.params
-    done = _rollout(spec, lengths, devices)
     n_inst = devices // p.rollout_tp
     return float(sum(done[k::n_inst].max() for k in range(n_inst) if done[k::n_inst].size)) * p.rollout_tp
 
@@ -177,7 +178,7 @@ def hybrid_step(spec: SimSpec, lengths: np.ndarray, rollout_devices: int) -> Pha
     sync = c.sync_time()
     total = t + sync
     rollout = float(gen.max())
-    useful = _rollout_busy(spec, lengths, rollout_devices) + (scoring + training) * shared
+    useful = _rollout_busy(spec, gen, rollout_devices) + (scoring + training) * shared
     return PhaseSeconds(rollout, scoring, training, handover, sync, total,
                         1.0 - useful / (p.num_devices * total))
 

@@ -53,19 +53,16 @@ def shape_of(cfg: TidalConfig) -> ModelShape:
         except (OSError, json.JSONDecodeError) as e:
             raise TidalError("model.path", m.path, f"has no readable config.json ({e})",
                              "point model.path at a Hugging Face checkpoint directory") from None
-        h, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
         heads = int(hf["num_attention_heads"])
-        kv = int(hf.get("num_key_value_heads", heads))
-        inter, vocab = int(hf["intermediate_size"]), int(hf["vocab_size"])
-        tied = bool(hf.get("tie_word_embeddings", False))
+        dims = {"hidden_size": hf["hidden_size"], "num_layers": hf["num_hidden_layers"], "num_heads": heads,
+                "num_kv_heads": hf.get("num_key_value_heads", heads), "intermediate_size": hf["intermediate_size"],
+                "vocab_size": hf["vocab_size"], "tie_embeddings": hf.get("tie_word_embeddings", False),
+                "head_dim": hf.get("head_dim", 0)}
     else:
-        h, layers, heads, kv, inter = m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size
-        vocab, tied = m.vocab_size or 32_000, m.tie_embeddings
-    hd = h // heads
-    params = layers * (2 * h * h + 2 * h * kv * hd + 3 * h * inter) + vocab * h * (1 if tied else 2)
-    return ModelShape(f"{params / 1e9:.2g}B", float(params), layers, kv, hd, cfg.actor.tensor_parallel_size,
-                      cfg.rollout.tensor_parallel_size, cfg.inference.tensor_parallel_size,
-                      cfg.rollout.max_running_requests)
+        dims = {"hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+                "num_kv_heads": m.num_kv_heads, "intermediate_size": m.intermediate_size,
+                "vocab_size": m.vocab_size or 32_000, "tie_embeddings": m.tie_embeddings}
+    return from_run.shape_of(dims, cfg)
 
 
 def spec_of(args: argparse.Namespace) -> SimSpec:
