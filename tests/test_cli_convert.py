@@ -59,10 +59,10 @@ def test_convert_to_file_then_validate(tmp_path, capsys, model_dir, rlinf_env):
         assert " ".join(d.reason.split()) in " ".join(line.split())
     # RLinf's collocated placement and rollout TP 2 are carried as they are; the pipeline runs neither yet, and
     # convert says so with the message `tidal validate` (and `tidal train`) give
-    assert f"wrote {out}" in stderr and "does not validate yet: rollout.tensor_parallel_size" in stderr
+    assert f"wrote {out}" in stderr and "does not validate here: rollout.tensor_parallel_size" in stderr
     assert cli.main(["validate", str(out)]) == 2
     refusal = capsys.readouterr().err.strip().removeprefix("error: ")
-    assert f"does not validate yet: {refusal}" in stderr
+    assert f"does not validate here: {refusal}" in stderr
 
 
 def test_convert_to_stdout(capsys):

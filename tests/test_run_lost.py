@@ -28,7 +28,7 @@ def _urls(tmp_path):
     return (f"sqlite:///{tmp_path}/tidal.db", f"sqlite:///{tmp_path}/mlruns.db", str(tmp_path / "artifacts"))
 
 
-def test_a_killed_driver_is_marked_lost_by_the_next_run(tmp_path, monkeypatch):
+def test_a_killed_driver_is_marked_lost_by_the_next_run_in_the_database_and_mlflow(tmp_path, monkeypatch):
     from tidal.core.config import build_config
     from tidal.pipeline import tracked_run
     db_url, ml_uri, artifacts = _urls(tmp_path)
@@ -59,6 +59,8 @@ def test_a_killed_driver_is_marked_lost_by_the_next_run(tmp_path, monkeypatch):
             runs = {r.name: r for r in list_runs(s)}
             assert runs["doomed"].status == "lost" and runs["doomed"].ended_at == runs["doomed"].heartbeat_at
             assert runs["next"].status == "running"
+            doomed_mlflow = runs["doomed"].mlflow_run_id
+        assert nxt.sink.client.get_run(doomed_mlflow).info.status == "KILLED"   # the same story in MLflow
     finally:
         nxt.close("FINISHED")
     with session_scope(engine) as s:

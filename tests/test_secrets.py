@@ -30,6 +30,11 @@ MLFLOW = f"http://alice:{SECRET}@127.0.0.1:5000"
     ("postgresql://tidal@127.0.0.1/tidal", "postgresql://tidal@127.0.0.1/tidal"),    # no password: unchanged
     ("sqlite:///runs/tidal.db", "sqlite:///runs/tidal.db"),
     ("lr=1e-4 at 10:30", "lr=1e-4 at 10:30"),
+    # a path library's spelling of a URL (`https://` collapsed to `https:/`), inside a list's repr
+    (f"got ['https:/bob:{SECRET}@example.com/train.jsonl']", "got ['https:/bob:***@example.com/train.jsonl']"),
+    (f"s3:bob:{SECRET}@bucket/key", "s3:bob:***@bucket/key"),
+    (f"https://bob:p@{SECRET}@h/x", "https://bob:***@h/x"),             # an `@` inside the password
+    ("git@github.com:org/repo mailto:bob@x.org", "git@github.com:org/repo mailto:bob@x.org"),
 ])
 def test_redact(text, want):
     assert redact(text) == want

@@ -342,6 +342,19 @@ class MlflowSink(_EventsMixin):
     def run_url(self, run_id: str) -> str | None:
         return run_url(self.uri, self.experiment_id, run_id)
 
+    def end_lost_run(self, run_id: str) -> bool:
+        """End another driver's run that died without a word (`KILLED`, as MLflow names a run whose process was
+        killed) if this store holds it and it is still RUNNING; False when it does not or it had ended."""
+        from mlflow.exceptions import MlflowException
+        try:
+            with self._lock:
+                if self._client.get_run(run_id).info.status != "RUNNING":
+                    return False
+                self._client.set_terminated(run_id, "KILLED")
+        except MlflowException:   # held by another tracking store than this run's
+            return False
+        return True
+
     def start_run(self, name: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
                   parent_run_id: str | None = None) -> str:
         from mlflow.entities import Param

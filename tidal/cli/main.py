@@ -186,12 +186,12 @@ def convert_main(argv: list[str]) -> int:
         width = min(max(len(d.key) for d in conv.dropped), 48)
         for d in conv.dropped:
             print(f"  {d.key:<{width}}  {d.reason}", file=log)
-    from tidal.pipeline.preflight import check_runnable
-    try:   # the config-level checks of `tidal validate` (its files are read where the run will happen)
-        check_runnable(build_config(conv.config))
-        verdict = "it validates"
+    from tidal.pipeline.preflight import preflight
+    try:   # every check of `tidal validate`, with the model and data files as this machine has them
+        preflight(build_config(conv.config), tracked=False)
+        verdict = "it validates here (`tidal validate` without --no-track also checks the database URL)"
     except TidalError as bad:
-        verdict = f"warning: it does not validate yet: {bad}"
+        verdict = f"warning: it does not validate here: {bad}"
     where = f"wrote {args.output}" if args.output else "converted"
     print(f"{where}: {len(conv.carried)} keys carried, {len(conv.dropped)} not carried; {verdict}", file=log)
     return 0

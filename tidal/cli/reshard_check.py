@@ -30,7 +30,7 @@ from tidal.engine.actor import ActorShard, SharedQueue, nll_loss
 from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs, check_tp
 from tidal.engine.optim import OptimConfig, rng_seed
-from tidal.engine.testing import RankFailed, free_port, run_ranks
+from tidal.engine.testing import RankFailed, free_port, init_loopback_world, run_ranks
 
 # 8 heads and 8 kv heads: any TP in 1, 2, 4, 8; vocab 37 and SwiGLU width 52 split unevenly.
 CHECK_MODEL: dict[str, Any] = dict(vocab_size=37, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=8,
@@ -42,7 +42,7 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_loopback_world(backend, rank, world, port)
         try:
             queue.put((rank, True, fn(rank, world, *args)))
         finally:

@@ -38,6 +38,19 @@ def _source(cfg) -> str:
     return f"{model}, {data}"
 
 
+def check_json_path(path: str | None) -> None:
+    """`--json PATH` can be written when the run ends: refused before it starts, not after it trained."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError("--json", path, "is a folder", f"name a file, e.g. {p / 'summary.json'}")
+    parent = next((q for q in p.parents if q.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--json", path, f"cannot be written: {parent} is not a writable folder",
+                          "name a file in a folder this user can write")
+
+
 def _write_json(path: str | None, obj: object) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -56,6 +69,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (its newest complete "
                     "generation; the layout may differ)")
     args = ap.parse_args(argv)
+    check_json_path(args.json)
     cfg = load_run_config(args.config, args.overrides)
     if args.flow:
         if args.resume:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,6 +27,9 @@ from tidal.core.bounded_yaml import MAX_VALUE_BYTES, load_yaml, read_text
 from tidal.core.errors import ConfigError
 from tidal.core.placement import COMPONENTS, Placement, parse_device_ids, parse_placement
 from tidal.core.secrets import redacted
+
+#: a value that names a URL (`scheme:/...`, two letters or more: `C:/` is a Windows drive)
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]+:/")
 
 
 class Section(BaseModel):
@@ -608,6 +612,12 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("rollout.max_new_tokens", cfg.response_length,
                           f"leaves no room for the prompt within model.max_seq_len={cfg.max_seq_len}",
                           "lower max_new_tokens or raise model.max_seq_len")
+    for name, paths in (("model.path", [cfg.model.path] if cfg.model.path else []),
+                        ("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        url = next((p for p in paths if _URL.match(p)), None)
+        if url is not None:
+            raise ConfigError(name, url, "is a URL: Tidal reads local files and directories, it fetches nothing",
+                              "download it first (e.g. `huggingface-cli download`, `curl -o`) and give the local path")
     if d.train_files and "task" in d.model_fields_set:
         raise ConfigError("data.task", d.task, "is the built-in task, but data.train_files gives the prompts",
                           "drop data.task, or data.train_files to train on the built-in task")

@@ -72,11 +72,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_loopback_world(backend: str, rank: int, world: int, port: int) -> None:
+    """Join a process group whose every socket is on 127.0.0.1. `init_method="tcp://127.0.0.1:PORT"` is not
+    enough: torch's TCPStore listens on every interface whatever the host says, so rank 0 binds the listening
+    socket itself and hands its fd to the store; gloo's pair sockets follow GLOO_SOCKET_IFNAME."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                              master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_loopback_world("gloo", rank, world, port)
         try:
             queue.put((rank, True, _pack(fn(rank, world, *args))))
         finally:

@@ -137,12 +137,16 @@ class RunTracking:
         policy = policy_name(cfg)
         engine = open_database(cfg.tracking.db_url)
         with session_scope(engine) as s:
-            for run in repo.mark_lost(s, stale_after_s=LOST_AFTER_S):   # drivers that died without a word
+            lost = repo.mark_lost(s, stale_after_s=LOST_AFTER_S)   # drivers that died without a word
+            for run in lost:
                 log.warning("run %d (%s) marked lost: no heartbeat since %s", run.id, run.name, run.ended_at)
+            lost_mlflow = [run.mlflow_run_id for run in lost if run.mlflow_run_id]
             db_id = repo.add_run(s, name=cfg.run.name, config=public_dump(cfg), output_dir=str(out_dir),
                                  prefect_flow_run_id=prefect_flow_run_id).id
         owns = sink is None
         sink = sink or MlflowSink.from_config(cfg.tracking)
+        for lost_id in lost_mlflow if isinstance(sink, MlflowSink) else []:   # the same story in MLflow
+            sink.end_lost_run(lost_id)
         mlflow_id = sink.start_run(mlflow_run_name(cfg, out_dir, policy), flatten(cfg),
                                    {"tidal.policy": policy, "tidal.db_run_id": str(db_id),
                                     "tidal.run_dir": str(out_dir),

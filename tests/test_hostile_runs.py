@@ -1,0 +1,51 @@
+"""What users bring around a run, hostile or careless: URLs with credentials where Tidal wants local paths, a
+`--json` that names a folder. Each case exits 2 before anything starts, naming the field, with no credential
+printed (tests/hostile.py runs them)."""
+
+from hostile import Case, assert_refused, run_cases
+
+SECRET = "hunter2-Pa55"
+
+
+def test_urls_and_outputs_are_refused_before_the_run_with_credentials_masked(tmp_path):
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("run:\n  num_steps: 1\n")
+    out = tmp_path / "out"
+    url = f"https://bob:{SECRET}@example.com"
+    data = [f"data.train_files=[{url}/train.jsonl]", f"data.val_files=[{url}/val.jsonl]"]
+    cases = [
+        Case("data file URL with a password", ["validate", str(ok), *data, "--no-track"], ["data.train_files"]),
+        Case("model URL with a password", ["validate", str(ok), f"model.path=hf://bob:{SECRET}@hub/m", "--no-track"],
+             ["model.path"]),
+        Case("data file URL, train", ["train", str(ok), *data, f"run.output_dir={out}", "--no-track"],
+             ["data.train_files"], leftovers=[str(out)]),
+        Case("--json a folder", ["train", str(ok), f"run.output_dir={out}", "--json", str(tmp_path), "--no-track"],
+             ["--json"], leftovers=[str(out)]),
+        Case("--json under a file", ["train", str(ok), f"run.output_dir={out}", "--json", f"{ok}/x.json",
+                                     "--no-track"], ["--json"], leftovers=[str(out)]),
+    ]
+    results = run_cases(cases, tmp_path)
+    assert_refused(cases, results)
+    leaked = [name for name, r in results.items() if SECRET in r["err"] + r["out"]]
+    assert not leaked, leaked
+    assert "bob:***@example.com" in results["data file URL with a password"]["err"]
+
+
+def _listening(rank: int, world: int) -> list[tuple[int, str, int]]:
+    import os
+
+    import torch.distributed as dist
+
+    from tidal.cli.services import listening_sockets
+    dist.barrier()   # every rank's sockets are open
+    socks = listening_sockets([os.getpid()])
+    dist.barrier()
+    return socks
+
+
+def test_the_self_tests_process_groups_listen_on_loopback_only():
+    """`tidal reshard-check` and the distributed tests open process groups: every listening socket they own
+    (the rendezvous store's, gloo's) is on 127.0.0.1."""
+    from tidal.engine.testing import run_ranks
+    socks = [s for rank in run_ranks(2, _listening) for s in rank]
+    assert socks and all(addr in ("127.0.0.1", "::1") for _, addr, _ in socks), socks
