@@ -2,6 +2,9 @@
 `--json` that names a folder. Each case exits 2 before anything starts, naming the field, with no credential
 printed (tests/hostile.py runs them)."""
 
+import hashlib
+from pathlib import Path
+
 from hostile import Case, assert_refused, run_cases
 
 SECRET = "hunter2-Pa55"
@@ -29,6 +32,30 @@ def test_urls_and_outputs_are_refused_before_the_run_with_credentials_masked(tmp
     leaked = [name for name, r in results.items() if SECRET in r["err"] + r["out"]]
     assert not leaked, leaked
     assert "bob:***@example.com" in results["data file URL with a password"]["err"]
+
+
+def _garbled_generation(root: Path, text: str) -> Path:
+    """A generation whose COMPLETE marker holds its manifest's true sha256, the manifest garbled."""
+    gen = root / "gen-2"
+    gen.mkdir(parents=True)
+    (gen / "manifest.json").write_text(text)
+    (gen / "COMPLETE").write_text(hashlib.sha256(text.encode()).hexdigest())
+    return gen
+
+
+def test_a_garbled_checkpoint_is_refused_naming_its_file(tmp_path):
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("run:\n  num_steps: 4\n")
+    cases = []
+    fmt = '"format": "tidal-actor-checkpoint/1"'
+    manifests = {"not JSON": "{garbled", "a list": "[1, 2]", "fields missing": f"{{{fmt}}}",
+                 "fields of the wrong type": f'{{{fmt}, "meta": 5, "layout": []}}'}
+    for name, text in manifests.items():
+        root = tmp_path / name.replace(" ", "-")
+        _garbled_generation(root, text)
+        cases.append(Case(f"manifest {name}", ["validate", str(ok), "--resume", str(root), "--no-track"],
+                          ["manifest.json"]))
+    assert_refused(cases, run_cases(cases, tmp_path))
 
 
 def _listening(rank: int, world: int) -> list[tuple[int, str, int]]:

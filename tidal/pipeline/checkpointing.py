@@ -32,6 +32,7 @@ from tidal.engine.checkpoint import (
     begin,
     check_model,
     commit,
+    generations,
     latest,
     read_manifest,
     verify,
@@ -79,6 +80,9 @@ def find_generation(dir: str | Path) -> Path:
         return dir
     gen = latest(dir)
     if gen is None:
+        complete = [path for _, path, ok in generations(dir) if ok]
+        if complete:   # the newest one's own error names the file that fails (a garbled manifest, a shard)
+            verify(complete[0])
         raise CheckpointError("resume_from", str(dir), "holds no complete, verified checkpoint generation "
                               "(gen-<step>/ with a COMPLETE marker)",
                               "give a checkpoint directory written by `checkpoint`, or one of its gen-* folders")
