@@ -124,6 +124,7 @@ def validate_main(argv: list[str]) -> int:
             console.print(f"  {line}")
     # every check `tidal train` makes before a worker starts: the model, tokenizer, prompts and verifier as it
     # reads them, the device kind, the cores, the database URL, a resume checkpoint
+    from tidal.pipeline.memory_plan import plan_for
     from tidal.pipeline.preflight import preflight
     inputs, kind = preflight(cfg, tracked=not args.no_track, resume_from=args.resume)
     if cfg.model.path:
@@ -135,6 +136,7 @@ def validate_main(argv: list[str]) -> int:
         console.print(f"model: Tidal's own, {inputs.args.num_params():,} parameters; task {cfg.data.task}; "
                       f"reward {inputs.reward}")
     console.print(f"devices: {kind} ({'GPUs' if kind == 'cuda' else 'CPU virtual devices'})")
+    console.print(plan_for(cfg, inputs.args, kind).summary())
     console.print(f"[green]ok[/]: {cfg.data.rollout_batch_size} prompts x {cfg.algorithm.group_size} samples per "
                   f"step, {cfg.algorithm.n_minibatches} iters of {cfg.sequences_per_iter} sequences")
     return 0

@@ -7,7 +7,8 @@ Checks, each a TidalError naming the field and the fix: what the pipeline can ru
 the native rollout engine, no KL-to-reference term),
 the actor backend (`actor.backend: megatron` needs megatron-core importable here, and the model and actor TP in
 what megatron-core can express), the model, tokenizer, prompts and verifier (`read_inputs`), the device kind
-(`cuda` needs a GPU per device), the cores of `cluster.cpu_device_cores`, the database URL when the run is
+(`cuda` needs a GPU per device), the cores of `cluster.cpu_device_cores`, the memory every device will hold
+(`tidal.pipeline.memory_plan`: each GPU's, or the host's for CPU devices), the database URL when the run is
 tracked, and a resume checkpoint (marker, checksums, model, and that it leaves steps to train). Reads; writes
 nothing.
 """
@@ -30,6 +31,7 @@ from tidal.engine.backends.protocol import BACKEND_NEEDS, backend_available
 from tidal.engine.model import ModelArgs
 from tidal.pipeline.checkpointing import check_resumable
 from tidal.pipeline.inputs import RunInputs, read_inputs
+from tidal.pipeline.memory_plan import check_memory
 
 
 def check_runnable(cfg: TidalConfig) -> None:
@@ -128,6 +130,7 @@ def preflight(cfg: TidalConfig, *, tracked: bool, resume_from: str | Path | None
     check_backend(cfg, inputs.args)
     kind = device_kind(cfg)
     check_cores(cfg, kind)
+    check_memory(cfg, inputs.args, kind)
     if cfg.actor.redundancy == "host":
         check_host_copy(cfg, inputs.args.num_params())
     if tracked:
