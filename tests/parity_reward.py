@@ -7,3 +7,8 @@ path: Ray starts them in the driver's working directory)."""
 
 def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     return float(len(solution_str) % 2 == 0)
+
+
+def fails(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """verl's signature, and every call raises: a user's reward with a bug, met only when a sample is scored."""
+    raise ZeroDivisionError(f"the user's reward divided by zero on {len(solution_str)} characters")

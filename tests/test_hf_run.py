@@ -140,19 +140,20 @@ def test_export_loads_in_transformers_and_resume_reads_the_same_prompts(tmp_path
 
 @pytest.mark.slow
 def test_a_reward_function_that_raises_stops_the_run_naming_the_sample(tmp_path, hf_run_inputs):
-    """`json:loads` has no verl signature: called with four arguments it raises TypeError in the reward child
-    process of the worker that scores (here the first held-out evaluation, as the run opens); the run stops with
-    the user's error itself (a `RewardError`: exit 2), naming the sample id, the function, the error and the
-    device that raised it."""
+    """A reward with verl's signature that raises on every call (`tests.parity_reward:fails`): it raises in the
+    reward child process of the worker that scores (here the first held-out evaluation, as the run opens); the run
+    stops with the user's error itself (a `RewardError`: exit 2), naming the sample id, the function, the error and
+    the device that raised it."""
     from tidal.engine.rewards import RewardError
-    cfg = _cfg(tmp_path, hf_run_inputs("qwen2") + ["reward.function=json:loads", "run.name=raises"])
+    spec = "tests.parity_reward:fails"
+    cfg = _cfg(tmp_path, hf_run_inputs("qwen2") + [f"reward.function={spec}", "run.name=raises"])
     run = TrainingRun(cfg, tmp_path / "raises")
     try:
         with pytest.raises(RewardError) as info:
             run.open()
             run.step()
         text = str(info.value)
-        assert info.value.field == "reward.function" and "json:loads" in text and "TypeError" in text, text
+        assert info.value.field == "reward.function" and spec in text and "ZeroDivisionError" in text, text
         assert "sample 'val:0'" in text, text   # the sample id: file stem and row
         assert "raised on device" in text, text
     finally:

@@ -25,7 +25,7 @@ COMMON = ["data.eval_size=8", "run.eval_every=1000", "run.checkpoint_every=1", f
           # the actor on two devices (each is killed once), rollout and inference on one each
           "cluster.num_devices_per_node=4", "cluster.component_placement={actor: 0-1, rollout: 2, inference: 3}"]
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
-       # the reward function's module, tests/parity_reward.py, is imported by the driver and its workers
+       # the reward function's module, tests/parity_reward.py, is imported by the workers (and by validate's check)
        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 
 

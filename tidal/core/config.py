@@ -377,7 +377,8 @@ class DataConfig(Section):
     max_prompt_length: int = Field(
         512, ge=1, le=1 << 20,
         description="Longest prompt of the data files (train and val) in tokens, after the chat template; longer ones "
-                    "are filtered (counted in the summary) or an error (data.truncation). RLinf key.")
+                    "are filtered (counted in the summary) or an error (data.truncation); so is a jsonl row too large "
+                    "to hold such a prompt, unread (tidal/engine/datasets.py: max_row_bytes). RLinf key.")
     max_response_length: int | None = Field(
         None, ge=1, le=1 << 20,
         description="Response length cap in tokens (verl's name for rollout.max_new_tokens; set one).")
@@ -385,6 +386,12 @@ class DataConfig(Section):
         "filter",
         description="Prompts over max_prompt_length: `filter` drops and counts them, `error` stops the run (RLinf: "
                     "data.filter_prompt_by_length: true is filter).")
+    unpayable_answers: Literal["error", "warn"] = Field(
+        "error",
+        description="Kept prompts whose ground truth the builtin verifier can never pay (gsm8k: no number; math, "
+                    "exact: empty), checked before the run: `error` names the first one's file and row, `warn` logs "
+                    "them and trains on them (counted as `unpayable` in the prompt summary). A custom "
+                    "reward.function is not checked.")
     shuffle: bool = Field(
         True,
         description="Shuffle the prompt files' rows each epoch (seeded by data.seed); false: file order (RLinf key).")

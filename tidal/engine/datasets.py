@@ -3,8 +3,8 @@
 Files (`read_records`; one `DataSpec` lists them, rows keep file order then row order):
 
     suffix     read with                                      one row
-    .jsonl     one JSON object a line, blank lines skipped    {"question": "Natalia sold 48 clips ...",
-                                                               "answer": "... #### 72"}
+    .jsonl     one JSON object a line, blank lines skipped,   {"question": "Natalia sold 48 clips ...",
+               a UTF-8 byte-order mark at the start allowed    "answer": "... #### 72"}
     .parquet   pyarrow.parquet.read_table(path).to_pylist()   {"data_source": "openai/gsm8k",
                                                                "prompt": [{"role": "user", "content": "..."}],
                                                                "reward_model": {"style": "rule",
@@ -31,6 +31,19 @@ config field, the file, the row and the fix.
 Length (`filter_by_length`): each prompt is rendered once by the caller's function (tokenizer + chat
 template); prompts over `max_prompt_length` tokens are dropped and counted ("filter") or fail the run
 ("error"); the token ids come back with the kept records so nothing renders twice.
+
+Size bounds, so one huge row costs neither memory nor time: taking no token to spell more than
+`MAX_TOKEN_CHARS` characters (a generous bound), a prompt longer than `max_prompt_length * MAX_TOKEN_CHARS`
+characters is over the limit without rendering it, and a jsonl line longer than `max_row_bytes(max_prompt_length)`
+bytes (that bound, times JSON's worst escape of 12 bytes a character, plus `ROW_SLACK_BYTES` for the row's other
+columns) holds such a prompt too. `read_bounded` reads jsonl line by line in binary, never more than the bound plus
+one byte of a line at once; a longer line is skipped unparsed and comes back as an `OversizedRow`, which
+`filter_by_length` counts and refuses like any over-long prompt (`data.truncation`). Parquet is read whole (a
+column store); its over-long prompts are caught before rendering.
+
+JSON that Python's reader cannot hold (an integer of more than 4300 digits, nesting deeper than the
+interpreter's recursion limit) is a `DataError` naming the file and row: such a row is a broken file, not a
+long prompt, so it is refused whatever `data.truncation` says.
 
 Order (`PromptStream`): epoch e visits every item once, in `order(e)`, a permutation that is a pure
 function of (seed, e): a Fisher-Yates shuffle driven by a splitmix64 stream seeded from (seed, e). Not
@@ -61,10 +74,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from tidal.core.errors import TidalError
 
@@ -75,6 +89,26 @@ PROMPT_KEY_FIELD = "data.prompt_key"
 ANSWER_KEY_FIELD = "data.answer_key"
 POSITION_FIELD = "checkpoint data position"
 _LISTED_KEYS = 30  # key paths listed in a "key missing" message; rows wider than this are cut with "..."
+
+#: Characters one token spells, at most, generously: BPE vocabularies' longest tokens are runs of spaces or
+#: punctuation a few dozen characters long.
+MAX_TOKEN_CHARS = 256
+#: Bytes one character takes in a JSON line, at most: a character outside the BMP escaped as two \uXXXX.
+JSON_BYTES_PER_CHAR = 12
+#: Bytes a row may spend outside its prompt (answer, data_source, extra_info, keys, chat-message wrapping).
+ROW_SLACK_BYTES = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+_SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping an oversized line
+
+
+def max_prompt_chars(max_prompt_length: int) -> int:
+    """Characters a prompt of `max_prompt_length` tokens can have, at most (its text, before the chat template)."""
+    return max_prompt_length * MAX_TOKEN_CHARS
+
+
+def max_row_bytes(max_prompt_length: int) -> int:
+    """Bytes a jsonl line can have when its prompt fits `max_prompt_length` tokens: longer lines are not parsed."""
+    return max_prompt_chars(max_prompt_length) * JSON_BYTES_PER_CHAR + ROW_SLACK_BYTES
 
 
 class DataError(TidalError):
@@ -89,6 +123,16 @@ class PromptRecord:
     answer: str  # ground truth as text
     data_source: str  # the row's "data_source", else the file stem
     extra_info: dict = field(default_factory=dict)  # JSON values only (checked when read)
+
+
+@dataclass(frozen=True)
+class OversizedRow:
+    """A jsonl row over `max_row_bytes`: skipped unparsed; its prompt is over the limit whatever it holds."""
+
+    uid: str
+    where: str  # "file row 3 (line 5)"
+    num_bytes: int
+    max_bytes: int  # the bound it broke
 
 
 @dataclass(frozen=True)
@@ -140,22 +184,56 @@ class _Where:
 
 
 def read_records(spec: DataSpec) -> list[PromptRecord]:
-    """All rows of `spec.files`, in file order then row order, as validated `PromptRecord`s."""
-    paths = [Path(f) for f in spec.files]
-    stems = [p.stem for p in paths]
-    # uids must be unique across files: a shared stem switches every file to its index, so a uid never
-    # depends on which other files happen to share names.
-    tags = stems if len(set(stems)) == len(stems) else [f"f{i}" for i in range(len(paths))]
-    records: list[PromptRecord] = []
-    for path, stem, tag in zip(paths, stems, tags):
-        rows = _read_rows(path, spec.field)
-        for row, (where, value) in enumerate(rows):
-            assert where.row == row
-            records.append(_to_record(value, where, stem, tag, spec))
+    """All rows of `spec.files`, in file order then row order, as validated `PromptRecord`s (no size bound)."""
+    records, oversized = read_bounded(spec, None)
+    assert not oversized, oversized  # no bound, no oversized rows
     return records
 
 
-def _read_rows(path: Path, field_name: str) -> list[tuple[_Where, object]]:
+def read_bounded(spec: DataSpec, max_bytes: int | None) -> tuple[list[PromptRecord], list[OversizedRow]]:
+    """The rows of `spec.files` as `read_records` gives them, except jsonl rows over `max_bytes` (None: no bound),
+    which come back unparsed as `OversizedRow`s. Memory: at most `max_bytes` + 1 bytes of a line are held at once."""
+    paths = [Path(f) for f in spec.files]
+    stems = [p.stem for p in paths]
+    records: list[PromptRecord] = []
+    oversized: list[OversizedRow] = []
+    for path, stem, tag in zip(paths, stems, _file_tags(spec)):
+        rows = _read_rows(path, spec.field, max_bytes)
+        for row, (where, value) in enumerate(rows):
+            assert where.row == row
+            if isinstance(value, _Oversized):
+                assert max_bytes is not None
+                oversized.append(OversizedRow(f"{tag}:{row}", str(where), value.num_bytes, max_bytes))
+            else:
+                records.append(_checked_record(value, where, stem, tag, spec))
+    return records, oversized
+
+
+def _file_tags(spec: DataSpec) -> list[str]:
+    """The uid prefix of each file: its stem, or f"f{index}" for every file when two share a stem, so a uid never
+    depends on which other files happen to share names."""
+    stems = [Path(f).stem for f in spec.files]
+    return stems if len(set(stems)) == len(stems) else [f"f{i}" for i in range(len(stems))]
+
+
+def file_of(spec: DataSpec, uid: str) -> str:
+    """The file of `spec` the record `uid` was read from."""
+    return spec.files[_file_tags(spec).index(uid.rpartition(":")[0])]
+
+
+def row_of(spec: DataSpec, uid: str) -> str:
+    """Where the record `uid` of `spec` was read: "path row 3", for messages about a record after reading."""
+    return f"{file_of(spec, uid)} row {uid.rpartition(':')[2]}"
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """A jsonl line over the size bound, in place of its value: never decoded or parsed."""
+
+    num_bytes: int
+
+
+def _read_rows(path: Path, field_name: str, max_bytes: int | None) -> list[tuple[_Where, object]]:
     if not path.exists():
         raise DataError(field_name, str(path), "file not found",
                         "check the path (relative paths are read from the working directory)")
@@ -166,30 +244,70 @@ def _read_rows(path: Path, field_name: str) -> list[tuple[_Where, object]]:
     if suffix not in SUPPORTED_SUFFIXES:
         raise DataError(field_name, str(path), f"unsupported file type {path.suffix or '(no suffix)'!r}",
                         f"convert it to one of the supported types: {', '.join(SUPPORTED_SUFFIXES)}")
-    rows = _read_jsonl(path, field_name) if suffix == ".jsonl" else _read_parquet(path, field_name)
+    rows = _read_jsonl(path, field_name, max_bytes) if suffix == ".jsonl" else _read_parquet(path, field_name)
     if not rows:
         raise DataError(field_name, str(path), "has no rows", "remove the file from the list or fill it")
     return rows
 
 
-def _read_jsonl(path: Path, field_name: str) -> list[tuple[_Where, object]]:
+def _read_jsonl(path: Path, field_name: str, max_bytes: int | None = None) -> list[tuple[_Where, object]]:
+    """One value per non-blank line; a line over `max_bytes` is an `_Oversized`, read past in chunks, never parsed."""
     rows: list[tuple[_Where, object]] = []
-    try:
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
+    read_at_most = -1 if max_bytes is None else max_bytes + 1  # one byte more tells an oversized line
+    line_no = 0
+    with path.open("rb") as f:
+        while raw := f.readline(read_at_most):
+            line_no += 1
+            if line_no == 1 and raw.startswith(_BOM):  # utf-8-sig: the mark some editors write first
+                raw = raw[len(_BOM):]
+            if max_bytes is not None and len(raw) > max_bytes and not raw.endswith(b"\n"):
+                num_bytes, blank = _skip_line(f, len(raw), raw.isspace())
+                if not blank:
+                    rows.append((_Where(str(path), len(rows), line_no), _Oversized(num_bytes)))
+                continue
+            text = _decode(raw, path, field_name, line_no)
+            if text.strip():
                 where = _Where(str(path), len(rows), line_no)
-                try:
-                    rows.append((where, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise DataError(field_name, str(path),
-                                    f"invalid JSON on line {line_no}: {e.msg} at column {e.colno}",
-                                    f"fix line {line_no}: each line must be one JSON object") from None
-    except UnicodeDecodeError as e:
-        raise DataError(field_name, str(path), f"is not UTF-8 text ({e.reason} at byte {e.start})",
-                        "save the file as UTF-8") from None
+                rows.append((where, _parse_json(text, where, field_name)))
     return rows
+
+
+def _skip_line(f: BinaryIO, num_bytes: int, blank: bool) -> tuple[int, bool]:
+    """Reads past the rest of an oversized line: its length in bytes (newline excluded), and whether it was all
+    whitespace (a blank line, which is no row)."""
+    while True:
+        chunk = f.readline(_SKIP_CHUNK)
+        ended = not chunk or chunk.endswith(b"\n")
+        body = chunk[:-1] if chunk.endswith(b"\n") else chunk
+        num_bytes += len(body)
+        blank = blank and (not body or body.isspace())
+        if ended:
+            return num_bytes, blank
+
+
+def _decode(raw: bytes, path: Path, field_name: str, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(field_name, str(path), f"is not UTF-8 text ({e.reason} at byte {e.start} of line {line_no})",
+                        "save the file as UTF-8") from None
+
+
+def _parse_json(text: str, where: _Where, field_name: str) -> object:
+    """The line's JSON value; every way Python's reader refuses a line is a DataError naming the row."""
+    line_no = where.line
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(field_name, where.file, f"invalid JSON on line {line_no}: {e.msg} at column {e.colno}",
+                        f"fix line {line_no}: each line must be one JSON object") from None
+    except RecursionError:
+        raise DataError(field_name, where.file, f"{where} nests lists or objects deeper than Python's JSON reader "
+                        f"follows (about {sys.getrecursionlimit()} levels)",
+                        "flatten the row, or remove it") from None
+    except ValueError as e:  # an integer literal over sys.get_int_max_str_digits() digits
+        raise DataError(field_name, where.file, f"{where} holds a number Python's JSON reader refuses "
+                        f"({str(e).split(':')[0]})", 'write such a number as a string ("answer": "123...")') from None
 
 
 def _read_parquet(path: Path, field_name: str) -> list[tuple[_Where, object]]:
@@ -204,6 +322,16 @@ def _read_parquet(path: Path, field_name: str) -> list[tuple[_Where, object]]:
         raise DataError(field_name, str(path), f"is not a readable parquet file ({type(e).__name__}: {e})",
                         "check that the file is complete and really parquet") from None
     return [(_Where(str(path), i), row) for i, row in enumerate(table.to_pylist())]
+
+
+def _checked_record(value: object, where: _Where, stem: str, tag: str, spec: DataSpec) -> PromptRecord:
+    """`_to_record`, with nesting too deep to walk (a parquet struct, or JSON just under the reader's limit whose
+    copy or key listing goes deeper) a DataError naming the row."""
+    try:
+        return _to_record(value, where, stem, tag, spec)
+    except RecursionError:
+        raise DataError(spec.field, where.file, f"{where} nests lists or objects too deep to read",
+                        "flatten the row, or remove it") from None
 
 
 def _to_record(value: object, where: _Where, stem: str, tag: str, spec: DataSpec) -> PromptRecord:
@@ -323,17 +451,33 @@ class FilterReport:
 
 def filter_by_length(records: list[PromptRecord], prompt_token_ids: Callable[[Prompt], list[int]],
                      max_prompt_length: int, truncation: Literal["filter", "error"] = "filter",
-                     field: str = "data.max_prompt_length",
+                     field: str = "data.max_prompt_length", oversized: Sequence[OversizedRow] = (),
                      ) -> tuple[list[tuple[PromptRecord, tuple[int, ...]]], FilterReport]:
-    """Render every prompt once; keep those of at most `max_prompt_length` tokens, with their token ids."""
+    """Render every prompt once; keep those of at most `max_prompt_length` tokens, with their token ids.
+
+    Over the limit without rendering, and counted in `too_long` like a rendered one: each of `oversized` (rows
+    `read_bounded` skipped), and a prompt of more than `max_prompt_chars(max_prompt_length)` characters."""
     if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or max_prompt_length < 1:
         raise DataError(field, max_prompt_length, "must be a positive number of tokens", f"set {field}: 1024")
     if truncation not in ("filter", "error"):
         raise DataError("data.truncation", truncation, "must be 'filter' or 'error'",
                         "set data.truncation: filter (drop long prompts) or error (fail on the first)")
+    fix_long = f"raise {field}, or set data.truncation: filter to drop such prompts"
+    if oversized and truncation == "error":
+        row = oversized[0]
+        raise DataError(field, max_prompt_length, f"{row.where} is {row.num_bytes:,} bytes, over the {row.max_bytes:,} "
+                        f"a row whose prompt fits {max_prompt_length} tokens can take (not read)", fix_long)
+    max_chars = max_prompt_chars(max_prompt_length)
     kept: list[tuple[PromptRecord, tuple[int, ...]]] = []
-    too_long, shortest_dropped = 0, None
+    too_long, shortest_dropped = len(oversized), None
     for record in records:
+        chars = _prompt_chars(record.prompt)
+        if chars > max_chars:  # more characters than max_prompt_length tokens can spell: not worth rendering
+            if truncation == "error":
+                raise DataError(field, max_prompt_length, f"prompt {record.uid} is {chars:,} characters, more than "
+                                f"{max_prompt_length} tokens spell", fix_long)
+            too_long += 1
+            continue
         ids = tuple(prompt_token_ids(record.prompt))
         if len(ids) <= max_prompt_length:
             kept.append((record, ids))
@@ -345,11 +489,18 @@ def filter_by_length(records: list[PromptRecord], prompt_token_ids: Callable[[Pr
         too_long += 1
         shortest_dropped = len(ids) if shortest_dropped is None else min(shortest_dropped, len(ids))
     if not kept:
-        problem = (f"all {too_long} prompts are over {max_prompt_length} tokens (shortest: {shortest_dropped}): "
-                   "nothing to train on" if too_long else "there are no prompts: nothing to train on")
-        raise DataError(field, max_prompt_length, problem,
-                        f"raise {field} to at least {shortest_dropped}" if too_long else "list files with rows")
+        shortest = f" (shortest: {shortest_dropped})" if shortest_dropped is not None else ""
+        problem = (f"all {too_long} prompts are over {max_prompt_length} tokens{shortest}: nothing to train on"
+                   if too_long else "there are no prompts: nothing to train on")
+        fix = (f"raise {field} to at least {shortest_dropped}" if shortest_dropped is not None
+               else f"raise {field}" if too_long else "list files with rows")
+        raise DataError(field, max_prompt_length, problem, fix)
     return kept, FilterReport(kept=len(kept), too_long=too_long, longest_kept=max(len(ids) for _, ids in kept))
+
+
+def _prompt_chars(prompt: Prompt) -> int:
+    """Characters of a prompt's text (a chat's contents summed): a lower bound of what the template renders."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(content) for _, content in prompt)
 
 
 # ---- order and position ----------------------------------------------------------------------------

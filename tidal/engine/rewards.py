@@ -36,20 +36,34 @@ own timeouts use `signal.alarm`, which works only in a main thread; ours run in 
 are disabled (`parsing_timeout=None`, `timeout_seconds=None`) and `RewardScorer` bounds the time instead.
 
 Custom functions: `reward.function: "package.module:function"` (dotted attribute allowed), imported with
-importlib; file paths are not accepted. `resolve_reward` turns every bad spec into a TidalError.
+importlib; file paths are not accepted. `resolve_reward` turns every bad spec into a TidalError, including a
+function that cannot be called as `fn(data_source, solution_str, ground_truth, extra_info)` (checked with
+`inspect.signature(fn).bind`, four positional arguments, as the scorer calls it).
+
+Before a run (`check_reward`, from the driver's preflight): a builtin is resolved in place; a custom module is
+imported in a short-lived child process, never in the driver, so a module that hangs, exits or crashes while it
+imports is an error naming it ("importing M did not finish in N s", "the process exited with code 3 while
+importing M") and the driver lives on. The import gets `reward.timeout_s`; the child's own interpreter start-up
+gets `STARTUP_TIMEOUT_S`, apart.
+
+Ground truths (`ground_truth_check`): for a builtin, why it can never pay a ground truth (gsm8k: there is no
+number to read; math, exact: it is empty), read the way the verifier reads it; None for a custom function (opaque).
 
 Timeout mechanism (`RewardScorer`):
   - "exact", "gsm8k", "gsm8k_strict" run inline: regex + Decimal code, linear in the response length.
   - "math" and custom functions run in one child process (multiprocessing "spawn": a fresh interpreter that
     inherits no sockets, CUDA state or threads), started at the first call and kept for later calls. The
-    child gets the spec string and the parent's `sys.path`, imports the function itself (nothing
-    unpicklable crosses) and signals ready; start-up (imports, math_verify warm-up) is bounded by
-    `STARTUP_TIMEOUT_S`, not by the per-call timeout. Each call then sends the four arguments over a Pipe
+    child gets the spec string and the parent's `sys.path` (behind its environment's PYTHONPATH), imports the
+    function itself (nothing unpicklable crosses) and signals ready; start-up (imports, math_verify warm-up)
+    is bounded by `STARTUP_TIMEOUT_S` (or `timeout_s` when longer: an import `check_reward` accepted fits),
+    not by the per-call timeout. Each call then sends the four arguments over a Pipe
     and waits at most `timeout_s` for the answer.
   - On timeout the child is terminated (SIGTERM, then SIGKILL), `num_timeouts` grows, the call returns
     `RewardResult(0.0, timed_out=True)` and the next call starts a fresh child.
-  - A function that raises, or returns anything but a finite real number (bool counts; None, str, NaN,
-    inf do not), raises `RewardError` naming the sample id, the spec and the error. The child survives it.
+  - A function that raises, or returns anything but a finite real number of magnitude at most `MAX_ABS_REWARD`
+    (bool counts; None, str, NaN, inf, 1e308 do not), raises `RewardError` naming the sample id, the spec and
+    the error or value. The child survives it. The bound keeps a group's mean and spread (GRPO's advantages,
+    float64 sums over a group) finite: every reward a run scores, builtin or custom, passes here.
   - The child is a daemon process: it dies with the scorer's process, and so cannot itself start
     multiprocessing children (subprocess is fine). Calls on one scorer are serialised by a lock.
 """
@@ -58,9 +72,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import math
 import multiprocessing
 import numbers
+import os
 import re
 import sys
 import threading
@@ -75,6 +91,8 @@ from tidal.core.errors import TidalError
 
 FIELD = "reward.function"
 STARTUP_TIMEOUT_S = 60.0
+#: Largest reward magnitude accepted: far above any verifier's scale, far below float overflow in a group's sums.
+MAX_ABS_REWARD = 1e6
 # Seconds a terminated child gets to exit before SIGKILL.
 _KILL_GRACE_S = 1.0
 
@@ -233,6 +251,43 @@ _FIX = "fix the reward function, or choose a builtin: " + ", ".join(sorted(BUILT
 _CUSTOM_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
+# ------------------------------------------------------------------------------------- ground truths
+
+def _gsm8k_gold_problem(ground_truth: str) -> str | None:
+    try:
+        _gsm8k_gold(ground_truth)
+    except ValueError:
+        where = "after its last '####'" if "####" in ground_truth else "in it"
+        return f"{ground_truth[-80:]!r} has no number {where}: the gsm8k verifiers can never pay it"
+    return None
+
+
+def _math_gold_problem(ground_truth: str) -> str | None:
+    gold = last_boxed(ground_truth) if any(c in ground_truth for c in _BOX_COMMANDS) else None
+    if not _compact(ground_truth if gold is None else gold):
+        return f"{ground_truth[-80:]!r} is empty (or an empty box): the math verifier can never pay it"
+    return None
+
+
+def _exact_gold_problem(ground_truth: str) -> str | None:
+    if not ground_truth.strip():
+        return "is empty: the exact verifier would pay only an empty response"
+    return None
+
+
+_GOLD_PROBLEMS: dict[str, Callable[[str], str | None]] = {
+    "gsm8k": _gsm8k_gold_problem, "gsm8k_strict": _gsm8k_gold_problem, "math": _math_gold_problem,
+    "exact": _exact_gold_problem,
+}
+assert set(_GOLD_PROBLEMS) == set(BUILTIN), "every builtin says which ground truths it can pay"
+
+
+def ground_truth_check(spec: str) -> Callable[[str], str | None] | None:
+    """For a builtin verifier: a function saying why the verifier can never pay a ground truth (None: it can),
+    read exactly as the verifier reads it. None for a custom function, which is opaque."""
+    return _GOLD_PROBLEMS.get(spec)
+
+
 # -------------------------------------------------------------------------------------------- resolve
 
 def _spec_fix() -> str:
@@ -249,9 +304,7 @@ def resolve_reward(spec: str, field: str = FIELD) -> RewardFunction:
         close = difflib.get_close_matches(spec, list(BUILTIN), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise TidalError(field, spec, "unknown builtin reward function", hint + _spec_fix())
-    if not _CUSTOM_SPEC.fullmatch(spec):
-        raise TidalError(field, spec, "not of the form 'package.module:function' (file paths are not accepted)",
-                         _spec_fix())
+    _check_custom_spec(spec, field)
     module_name, _, attr_path = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -266,17 +319,123 @@ def resolve_reward(spec: str, field: str = FIELD) -> RewardFunction:
     if not callable(obj):
         raise TidalError(field, spec, f"{attr_path!r} is a {type(obj).__name__}, not callable",
                          "name a function (data_source, solution_str, ground_truth, extra_info) -> float")
+    _check_signature(obj, spec, attr_path, field)
     return obj
+
+
+def _check_custom_spec(spec: str, field: str) -> None:
+    if not _CUSTOM_SPEC.fullmatch(spec):
+        raise TidalError(field, spec, "not of the form 'package.module:function' (file paths are not accepted)",
+                         _spec_fix())
+
+
+def _check_signature(fn: Callable[..., object], spec: str, name: str, field: str) -> None:
+    """`fn` accepts the scorer's call, fn(data_source, solution_str, ground_truth, extra_info), all positional."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some C functions): the first call will tell
+        return
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError as err:
+        raise TidalError(field, spec, f"{name}{signature} cannot be called as {name}(data_source, solution_str, "
+                         f"ground_truth, extra_info): {err}",
+                         "give it verl's signature: def compute_score(data_source, solution_str, ground_truth, "
+                         "extra_info=None)") from None
+
+
+# ------------------------------------------------------------------------------------- check before a run
+
+def check_reward(spec: str, timeout_s: float, field: str = FIELD) -> None:
+    """`spec` names a reward function the scorer can run: a builtin, or a custom one whose module imports within
+    `timeout_s` in a child process (see the module doc) and whose function takes verl's four arguments. Every
+    failure is a TidalError naming `field`; the driver imports nothing of the custom module."""
+    if not isinstance(spec, str) or ":" not in spec:
+        resolve_reward(spec, field)
+        return
+    _check_custom_spec(spec, field)
+    module_name = spec.partition(":")[0]
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_probe_main, args=(child_conn, spec, field, list(sys.path)),
+                          name=f"reward-check:{spec}", daemon=True)
+    process.start()
+    child_conn.close()  # the child holds its own copy; closing ours lets recv() see EOF if it dies
+    try:
+        started = _probe_answer(process, parent_conn, STARTUP_TIMEOUT_S)
+        if started is None:
+            raise TidalError(field, spec, f"the reward process did not start within {STARTUP_TIMEOUT_S:g} s",
+                             "check the machine's load, then validate again")
+        if isinstance(started, _ProbeEnded):
+            raise TidalError(field, spec, f"the reward process {started} before importing {module_name}",
+                             "check the Python environment (python -c 'import tidal.engine.rewards')")
+        done = _probe_answer(process, parent_conn, timeout_s)
+        if done is None:
+            raise TidalError(field, spec, f"importing {module_name} did not finish in {timeout_s:g} s",
+                             "make the module's import quick (move slow work into the function, or do it once "
+                             "on its first call), or raise reward.timeout_s")
+        if isinstance(done, _ProbeEnded):
+            raise TidalError(field, spec, f"the process {done} while importing {module_name}",
+                             f"make {module_name} importable without exiting (python -c 'import {module_name}' "
+                             "shows what it does)")
+        if isinstance(done, TidalError):
+            raise done
+        assert done == _IMPORTED, done
+    finally:
+        _stop_child(process, parent_conn, graceful=False)
+
+
+_STARTED, _IMPORTED = "started", "imported"  # the probe's messages; a TidalError is its third
+
+
+@dataclass(frozen=True)
+class _ProbeEnded:
+    """The probe process ended without a message: its exit code (negative: the signal that killed it)."""
+
+    code: int
+
+    def __str__(self) -> str:
+        return f"was killed by signal {-self.code}" if self.code < 0 else f"exited with code {self.code}"
+
+
+def _probe_answer(process: multiprocessing.process.BaseProcess, conn: Connection,
+                  timeout_s: float) -> str | TidalError | _ProbeEnded | None:
+    """The probe's next message, how it ended instead, or None when `timeout_s` passed first."""
+    if not conn.poll(timeout_s):
+        return None
+    try:
+        return conn.recv()
+    except EOFError:
+        process.join(_KILL_GRACE_S)
+        return _ProbeEnded(process.exitcode if process.exitcode is not None else -9)
+
+
+def _probe_main(conn: Connection, spec: str, field: str, parent_path: list[str]) -> None:
+    """Child process of `check_reward`: say it started, import and check the function, say it imported (or send
+    the TidalError), then end."""
+    _extend_path(parent_path)
+    conn.send(_STARTED)
+    try:
+        resolve_reward(spec, field)
+    except TidalError as err:
+        conn.send(err)
+        return
+    except BaseException as err:  # what the module raised while it ran and resolve_reward lets pass: SystemExit
+        module_name = spec.partition(":")[0]
+        conn.send(TidalError(field, spec, f"importing {module_name} raised {type(err).__name__}: {err}",
+                             f"make {module_name} importable without exiting, or " + _spec_fix()))
+        return
+    conn.send(_IMPORTED)
 
 
 # ------------------------------------------------------------------------------------------ the scorer
 
 def _as_score(value: object) -> float | None:
-    """The float score, or None when `value` is not a finite real number (bool is one)."""
+    """The float score, or None when `value` is not a finite real number within MAX_ABS_REWARD (bool is one)."""
     if not isinstance(value, numbers.Real):
         return None
     score = float(value)
-    return score if math.isfinite(score) else None
+    return score if math.isfinite(score) and abs(score) <= MAX_ABS_REWARD else None
 
 
 def _call(fn: Callable[..., object], args: tuple) -> tuple[str, object]:
@@ -289,9 +448,19 @@ def _call(fn: Callable[..., object], args: tuple) -> tuple[str, object]:
     return ("ok", score) if score is not None else ("bad", repr(value)[:200])
 
 
+def _extend_path(parent_path: list[str]) -> None:
+    """Puts the reward module's search path in front of this child's sys.path: the PYTHONPATH of its environment,
+    as a freshly started interpreter (a worker) reads it, then the parent's sys.path. multiprocessing's spawn gives
+    the child the parent's sys.path alone, which lacks a PYTHONPATH entry set after the parent started."""
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in reversed(list(dict.fromkeys(pythonpath + parent_path))):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
 def _child_main(conn: Connection, spec: str, parent_path: list[str]) -> None:
     """Child process: import the function by its spec, say 'ready', then answer calls until EOF or None."""
-    sys.path[:0] = [p for p in parent_path if p not in sys.path]
+    _extend_path(parent_path)
     try:
         fn = resolve_reward(spec)
         if spec == "math":
@@ -346,6 +515,7 @@ class RewardScorer:
                              "set reward.timeout_s to e.g. 10")
         self.spec = spec
         self.timeout_s = float(timeout_s)
+        self._startup_s = max(STARTUP_TIMEOUT_S, self.timeout_s)  # an import check_reward accepted fits
         self._fn = resolve_reward(spec)  # validates the spec in this process, so a bad one fails at start
         self._inline = spec in INLINE
         self._child: _Child | None = None
@@ -371,7 +541,8 @@ class RewardScorer:
         if kind == "raised":
             raise self._error(sample_id, f"reward function raised {payload}")
         if kind == "bad":
-            raise self._error(sample_id, f"reward function returned {payload}, not a finite real number")
+            raise self._error(sample_id, f"reward function returned {payload}, not a finite real number of "
+                              f"magnitude at most {MAX_ABS_REWARD:g}")
         assert kind == "ok" and isinstance(payload, float), (kind, payload)
         return RewardResult(payload)
 
@@ -407,9 +578,9 @@ class RewardScorer:
         # Finalizer holds no reference to self: a scorer dropped without close() still stops its child.
         stop = weakref.finalize(self, _stop_child, process, parent_conn, True)
         self._child = _Child(process, parent_conn, stop)
-        if not parent_conn.poll(STARTUP_TIMEOUT_S):
+        if not parent_conn.poll(self._startup_s):
             self._kill_child()
-            raise self._error(sample_id, f"reward process did not start within {STARTUP_TIMEOUT_S:g} s")
+            raise self._error(sample_id, f"reward process did not start within {self._startup_s:g} s")
         try:
             kind, payload = parent_conn.recv()
         except EOFError:

@@ -8,9 +8,10 @@
       inputs.reward      reward.function as the workers run it (None: Tidal's own model on the built-in task's exact
                          verifier)
 
-Every mistake a user can make in these (a missing directory or file, an unsupported architecture, a key missing
-from the data, no chat template while apply_chat_template is on, a tokenizer larger than the embedding) is a
-`TidalError` here, named by its config field.
+Every mistake a user can make in these (a missing directory or file, an unsupported architecture, a damaged or
+incomplete weight file, a key missing from the data, a ground truth the verifier can never pay, no chat template
+while apply_chat_template is on, a tokenizer larger than the embedding, a reward module that fails, hangs or exits
+while it imports) is a `TidalError` here, named by its config field.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from typing import cast
 from tidal.core.config import TidalConfig
 from tidal.core.errors import ConfigError
 from tidal.engine.datasets import DataSpec
-from tidal.engine.hf_checkpoint import HFModel, HFWeights, read_hf_config
+from tidal.engine.hf_checkpoint import HFModel, HFWeights, read_hf_config, weight_inventory
 from tidal.engine.hf_tokenizer import HFTokenizer, Tokenizer, TokenizerSpec
 from tidal.engine.model import ModelArgs
 from tidal.engine.prompt_source import FileSource, PromptSource, TaskSource
-from tidal.engine.rewards import resolve_reward
+from tidal.engine.rewards import check_reward, ground_truth_check
 from tidal.engine.rl_tasks import get_task
 from tidal.engine.tokenizer import check_compatible, default_tokenizer
 
@@ -55,6 +56,7 @@ def _checkpoint_inputs(cfg: TidalConfig) -> RunInputs:
     d = cfg.data
     path = cast(str, cfg.model.path)   # set: read_inputs calls this only with model.path
     hf = read_hf_config(path, cfg.max_seq_len)
+    weight_inventory(hf)   # the weight files' headers as loading reads them (no tensor data): damage fails here
     tok = HFTokenizer(path, d.apply_chat_template, d.chat_template_kwargs)
     if tok.vocab_size > hf.args.vocab_size:
         raise ConfigError("model.path", cfg.model.path, f"its tokenizer has {tok.vocab_size} tokens, more than the "
@@ -62,11 +64,12 @@ def _checkpoint_inputs(cfg: TidalConfig) -> RunInputs:
     spec = TokenizerSpec("hf", path=str(cfg.model.path), apply_chat_template=tok.chat,
                          chat_template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True))
     if d.train_files:
+        reward = cfg.reward.function or "gsm8k"
         source: PromptSource = FileSource(
             DataSpec(tuple(d.train_files), d.prompt_key, d.answer_key, "data.train_files"),
             DataSpec(tuple(d.val_files), d.prompt_key, d.answer_key, "data.val_files"),
-            tok, d.max_prompt_length, d.truncation, d.seed, d.shuffle)
-        reward = cfg.reward.function or "gsm8k"
+            tok, d.max_prompt_length, d.truncation, d.seed, d.shuffle,
+            answer_check=ground_truth_check(reward), unpayable=d.unpayable_answers)
     else:   # a built-in task's text prompts through the checkpoint's tokenizer; its answers compared exactly
         source = TaskSource(get_task(d.task), tok, d.seed)
         reward = cfg.reward.function or "exact"
@@ -90,6 +93,6 @@ def _own_model_inputs(cfg: TidalConfig) -> RunInputs:
 
 def read_inputs(cfg: TidalConfig) -> RunInputs:
     inputs = _checkpoint_inputs(cfg) if cfg.model.path else _own_model_inputs(cfg)
-    if inputs.reward is not None:
-        resolve_reward(inputs.reward)   # a bad spec fails here, not on the first rollout
+    if inputs.reward is not None:   # a bad spec fails here, not on the first rollout; a custom module is imported
+        check_reward(inputs.reward, cfg.reward.timeout_s)   # in a child process, never in the driver
     return inputs
