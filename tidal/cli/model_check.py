@@ -20,10 +20,14 @@ Reads the directory the way a run does (`engine.hf_checkpoint.read_hf_config`, s
                  skips it, and it is skipped (said why) when transformers is not installed or the machine's
                  available memory is below that
 
-An unsupported or broken checkpoint (an unsupported family or RoPE type, MoE, a missing or extra tensor, no
-tokenizer files, a tokenizer larger than the embedding...) is a `TidalError` naming what is unsupported: the CLI
-prints it on one line and exits 2, and `--json` then holds `{"supported": false, "error": ...}`. Exit 1 when the
-checkpoint loads but parity fails (difference above `--tolerance`, or a different greedy token); 0 otherwise.
+An unsupported or broken checkpoint (an unsupported family or RoPE type, MoE, a missing, extra or misshapen tensor,
+a damaged safetensors header or a truncated weight file, a config.json field of the wrong type or an impossible
+size, a file that is a symlink loop, a device or outside the directory, no tokenizer vocabulary, a chat template
+that does not terminate, a tokenizer larger than the embedding...) is a `TidalError` naming what is unsupported,
+raised by the same checks, in the same order, as `tidal validate` makes (`hf_checkpoint.read_hf_config`, then
+`weight_inventory`, then `HFTokenizer`): the CLI prints it on one line and exits 2, and `--json` then holds
+`{"supported": false, "error": ...}`. Exit 1 when the checkpoint loads but parity fails (difference above
+`--tolerance`, or a different greedy token); 0 otherwise.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from rich.table import Table
 
 from tidal.cli.main import print_usage
 from tidal.core.errors import TidalError
-from tidal.engine.hf_tokenizer import TOKENIZER_FILES, HFTokenizer
+from tidal.engine.hf_tokenizer import HFTokenizer
 
 DEFAULT_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                   "How many clips did Natalia sell altogether in April and May? Let's think step by step and "
@@ -106,19 +110,9 @@ def _weight_inventory(hf) -> dict[str, Any]:
 
 
 def _tokenizer(path: Path, prompt: str, model_vocab: int) -> tuple[Any, dict[str, Any]]:
-
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise _bad("model.path", str(path), "holds no tokenizer files (tokenizer.json, tokenizer.model, vocab.json "
-                   "+ merges.txt or tokenizer_config.json): the tokenizer cannot be loaded",
-                   "save the tokenizer into the checkpoint directory (tokenizer.save_pretrained(dir))")
-    try:
-        tok = HFTokenizer(path)
-    except TidalError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a broken tokenizer file: name it, one line
-        raise _bad("model.path", str(path), f"its tokenizer failed to load ({type(err).__name__}: "
-                   f"{' '.join(str(err).split())[:200]})", "restore the tokenizer files saved with the model") \
-            from None
+    """The tokenizer as a run builds it (`HFTokenizer`: its files, its vocabulary and its chat template checked,
+    with the errors `tidal validate` gives) and what the report says of it."""
+    tok = HFTokenizer(path)
     if tok.vocab_size > model_vocab:
         raise _bad("model.path", str(path), f"its tokenizer has {tok.vocab_size} tokens, more than the model's "
                    f"{model_vocab} embedding rows", "use the tokenizer saved with the model")

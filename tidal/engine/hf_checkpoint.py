@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories in and out: `config.json` + `*.safetensors` <-> `ModelArgs` + fp32 weights.
 
     read_hf_config(dir, max_seq_len)  -> HFModel      architecture, ModelArgs, dtype on disk; strict
-    load_hf_weights(dir, hf_model)    -> {name: fp32}  global tensors named as `param_specs`; strict
+    weight_inventory(hf_model)        -> WeightInventory  every file's header against `param_specs`; no data read
+    load_hf_weights(hf_model)         -> {name: fp32}  global tensors named as `param_specs`; strict, all finite
     save_hf(dir, weights, hf_model, dtype, tokenizer) writes a directory `transformers` and vLLM load
 
 Families (the `architectures` entry of config.json) and what distinguishes them in `ModelArgs`:
@@ -16,7 +17,19 @@ RoPE settings are read the transformers 4 way (`rope_theta` + `rope_scaling`) or
 RoPE type, a binding sliding window, MoE layers, biases on o_proj or the MLP, a non-SiLU activation are each a
 `CheckpointError` naming the tensor or the key, before any worker starts. The only tensors skipped are
 non-parameters (`rotary_emb.inv_freq` buffers) and a stored `lm_head.weight` of a tied model that equals the
-embedding. Weights load as fp32 masters whatever the dtype on disk (bf16, fp16, fp32).
+embedding. Weights load as fp32 masters whatever the dtype on disk (bf16, fp16, fp32); a NaN or inf in them is
+an error naming the tensor and its file.
+
+Nothing in the directory is trusted before it is checked, so a damaged or hostile checkpoint is one error naming
+the file or the key (CLI exit 2), never a traceback, a hang or a silently different model:
+- every file read (config.json, the index, the weights, generation_config.json, the tokenizer's files through
+  `checkpoint_file`) is a regular file inside the directory once symlinks are resolved: no loop, no device such
+  as /dev/zero, no target elsewhere (the blob store of a Hugging Face cache snapshot excepted); JSON files are read
+  up to `MAX_JSON_BYTES`;
+- each config.json field Tidal reads has its JSON type (an integer is not a string, a float or a bool) and a range
+  (`INT_LIMITS`; at most `MAX_PARAMS` parameters in all);
+- each weight file's header is read by `safetensors_header.read_header` (bounded; dtypes, shapes and offsets
+  consistent, no truncation) and its tensors' names, shapes and dtypes match what config.json implies.
 
 `max_seq_len` is the run's (longest prompt + response), not `max_position_embeddings`: it sizes the RoPE
 tables and the KV block table, and must not exceed what the checkpoint was trained for.
@@ -25,17 +38,21 @@ tables and the KV block table, and must not exceed what the checkpoint was train
 from __future__ import annotations
 
 import json
-import math
+import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tidal.core.errors import LayoutError
 from tidal.engine.checkpoint import CheckpointError
 from tidal.engine.model import ModelArgs, RopeScaling, param_specs
+from tidal.engine.safetensors_header import read_header
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -68,30 +85,129 @@ def _bad(field: str, value: object, problem: str, fix: str) -> CheckpointError:
     return CheckpointError(field, value, problem, fix)
 
 
-def _read_json(path: Path, field: str) -> dict:
+# ---- the directory's files -------------------------------------------------------------------------------------
+
+def _allowed_dirs(root: Path) -> tuple[Path, ...]:
+    """Where the files of checkpoint directory `root` may live, symlinks resolved: `root` itself, and for a snapshot
+    of the Hugging Face hub cache (`models--org--name/snapshots/<revision>`, whose files link to `../../blobs/`)
+    that repository's blob store."""
+    real = Path(os.path.realpath(root))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real, real.parent.parent / "blobs"
+    return (real,)
+
+
+def checkpoint_file(root: Path, name: str) -> Path | None:
+    """`root / name` when it exists and loading can read it; None when absent. CheckpointError naming the file
+    when it exists but cannot be read as a file of the checkpoint: a symlink loop or a dangling symlink, something
+    other than a regular file (a directory; a device such as /dev/zero, which reads forever; a FIFO, which blocks),
+    or a file that resolves outside the directory (`_allowed_dirs`): a checkpoint is its directory, and one that
+    reaches out of it reads whatever the link points at on the machine that loads it."""
+    p = root / name
+    if not os.path.lexists(p):
+        return None
+    fix = f"replace {name} with the regular file saved with the checkpoint (copy it into {root})"
+    try:
+        st = os.stat(p)
+    except OSError as err:   # ELOOP, a dangling link, a permission error
+        raise _bad("model.path", str(p), f"{name} cannot be opened ({err.strerror})", fix) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise _bad("model.path", str(p), f"{name} is {kind}, not a regular file", fix)
+    real = Path(os.path.realpath(p))
+    if not any(real.is_relative_to(d) for d in _allowed_dirs(root)):
+        raise _bad("model.path", str(p), f"{name} resolves to {real}, outside the checkpoint directory", fix)
+    return p
+
+
+#: largest JSON file of a checkpoint read (config.json, the index, generation_config.json): real ones are kilobytes
+MAX_JSON_BYTES = 64 * 1024 ** 2
+
+
+def read_checkpoint_json(root: Path, name: str) -> dict:
+    """`root / name` as a JSON object, read only after `checkpoint_file` accepts it and only up to MAX_JSON_BYTES;
+    CheckpointError naming the file otherwise (absent included)."""
+    path = checkpoint_file(root, name)
+    if path is None:
+        raise _bad("model.path", str(root / name), "file not found",
+                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise _bad("model.path", str(path), f"{name} is {path.stat().st_size:,} bytes, more than the "
+                   f"{MAX_JSON_BYTES:,} a checkpoint's JSON file may have", "restore the file from the checkpoint")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _bad(field, str(path), "file not found",
-                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _bad(field, str(path), f"is not valid JSON ({err})", "restore the file from the checkpoint") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise _bad("model.path", str(path), f"{name} is not valid JSON ({type(err).__name__}: {err})"[:300],
+                   "restore the file from the checkpoint") from None
     if not isinstance(doc, dict):
-        raise _bad(field, str(path), "is not a JSON object", "restore the file from the checkpoint")
+        raise _bad("model.path", str(path), f"{name} is not a JSON object", "restore the file from the checkpoint")
     return doc
 
 
-def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
-    """(rope_theta, scaling) from transformers 5's `rope_parameters` or transformers 4's keys."""
+# ---- config.json -----------------------------------------------------------------------------------------------
+
+#: largest value accepted for each integer field of config.json that Tidal reads. Every dense decoder published
+#: lies far inside them; a damaged config.json must not size RoPE tables, parameter lists or tensors from a
+#: number such as 2**40.
+INT_LIMITS = {"vocab_size": 2 ** 24, "hidden_size": 2 ** 17, "intermediate_size": 2 ** 20,
+              "num_hidden_layers": 2 ** 12, "num_attention_heads": 2 ** 12, "num_key_value_heads": 2 ** 12,
+              "head_dim": 2 ** 12, "max_position_embeddings": 2 ** 31, "sliding_window": 2 ** 31,
+              "original_max_position_embeddings": 2 ** 31}
+#: largest model accepted, in parameters: a config.json describing more is damaged
+MAX_PARAMS = 2 * 10 ** 12
+_FIX_CONFIG = "fix config.json (restore the one saved with these weights)"
+
+
+def _int(doc: dict, key: str, where: str, default: int | None = None, section: str = "") -> int:
+    """An integer field in 1..INT_LIMITS[key] (a bool, a float or a string is refused: JSON says what it means).
+    `section`: the object holding `key` within config.json (e.g. "rope_parameters."), for the error's field."""
+    v = doc.get(key, default)
+    hi = INT_LIMITS[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+        raise _bad(f"{where}: {section}{key}", v, f"must be an integer from 1 to {hi:,}", _FIX_CONFIG)
+    return v
+
+
+def _number(doc: dict, key: str, where: str, default: float, section: str = "") -> float:
+    """A finite number > 0 (an int or a float, not a bool; below 1e300, so no int overflows a float)."""
+    v = doc.get(key, default)
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e300):
+        raise _bad(f"{where}: {section}{key}", v, "must be a finite number > 0", _FIX_CONFIG)
+    return float(v)
+
+
+def _flag(doc: dict, key: str, where: str, default: bool) -> bool:
+    """true / false; null or absent is `default`."""
+    v = doc.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"{where}: {key}", v, "must be true or false", _FIX_CONFIG)
+    return v
+
+
+def _rope_source(cfg: dict, where: str) -> tuple[dict, dict, str]:
+    """(the dict holding rope_theta, the scaling settings, their key): transformers 5's `rope_parameters` (per
+    layer type: its `full_attention` entry) or transformers 4's top-level `rope_theta` + `rope_scaling`."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:   # per-layer-type form: one type only here
         params = params["full_attention"]
-    scaling = dict(params) if isinstance(params, dict) else dict(cfg.get("rope_scaling") or {})
-    theta = (params if isinstance(params, dict) else cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
-        raise _bad(f"{where}: rope_theta", theta, "must be a finite number > 0", "fix config.json")
+    legacy = cfg.get("rope_scaling")
+    for key, v in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if v is not None and not isinstance(v, dict):
+            raise _bad(f"{where}: {key}", v, "must be a JSON object", _FIX_CONFIG)
+    if params is not None:
+        return {"rope_theta": cfg.get("rope_theta", 10000.0), **params}, dict(params), "rope_parameters"
+    return cfg, dict(legacy or {}), "rope_scaling"
+
+
+def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling), every field checked for type and range."""
+    theta_doc, scaling, key = _rope_source(cfg, where)
+    section = f"{key}."
+    theta = _number(theta_doc, "rope_theta", where, 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
+    if not isinstance(kind, str) or kind not in ("default", "linear", "llama3"):
         raise _bad(f"{where}: rope type", kind, "is not supported (Tidal implements default, linear, llama3)",
                    "use a checkpoint with one of those RoPE types")
     known = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -100,113 +216,140 @@ def _rope(cfg: dict, where: str) -> tuple[float, RopeScaling]:
     if extra:
         raise _bad(f"{where}: rope settings", extra, f"are not understood for rope type {kind!r}",
                    "use a checkpoint without them")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _bad(f"{where}: partial_rotary_factor", scaling["partial_rotary_factor"], "is not supported",
+    if _number(scaling, "partial_rotary_factor", where, 1.0, section) != 1.0:
+        raise _bad(f"{where}: {section}partial_rotary_factor", scaling["partial_rotary_factor"], "is not supported",
                    "use a checkpoint with full rotary embeddings")
     if kind == "default":
-        return float(theta), RopeScaling()
-    fields = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                       "original_max_position_embeddings") if k in scaling}
-    return float(theta), RopeScaling(rope_type=kind, **fields)
+        return theta, RopeScaling()
+    d = RopeScaling()   # the defaults of a key config.json leaves out
+    try:
+        return theta, RopeScaling(
+            rope_type=kind, factor=_number(scaling, "factor", where, d.factor, section),
+            low_freq_factor=_number(scaling, "low_freq_factor", where, d.low_freq_factor, section),
+            high_freq_factor=_number(scaling, "high_freq_factor", where, d.high_freq_factor, section),
+            original_max_position_embeddings=_int(scaling, "original_max_position_embeddings", where,
+                                                  d.original_max_position_embeddings, section))
+    except LayoutError as err:   # llama3's factor ordering: the same words, naming config.json
+        raise _bad(f"{where}: {err.field}", err.value, err.problem, _FIX_CONFIG) from None
 
 
-def _int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
-    v = cfg.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise _bad(f"{where}: {key}", v, "must be a positive integer", "fix config.json")
-    return v
-
-
-def read_hf_config(path: str | Path, max_seq_len: int) -> HFModel:
-    """The checkpoint's architecture as `ModelArgs` (with the run's `max_seq_len`); CheckpointError if Tidal
-    cannot reproduce it exactly."""
-    root = Path(path)
-    if not root.is_dir():
-        raise _bad("model.path", str(path), "is not a directory",
-                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors); the "
-                   "main job's is made by ./scripts/main (tidal warm-start experiments/warmstart_addition.yaml "
-                   "--out runs/warmstart/addition)")
-    cfg = _read_json(root / CONFIG_FILE, "model.path")
-    where = str(root / CONFIG_FILE)
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
-    if arch not in SUPPORTED:
-        raise _bad(f"{where}: architectures", archs, "is not a supported family",
-                   f"use one of {', '.join(SUPPORTED)} (dense decoders)")
+def _check_supported(cfg: dict, arch: str, where: str, max_seq_len: int) -> None:
+    """The config.json features Tidal does not implement, each refused naming its key."""
     for moe_key in ("num_experts", "num_local_experts", "moe_intermediate_size"):
         if cfg.get(moe_key):
             raise _bad(f"{where}: {moe_key}", cfg[moe_key], "MoE layers are not supported", "use a dense model")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _bad(f"{where}: hidden_act", cfg["hidden_act"], "is not supported (SwiGLU with SiLU only)",
                    "use a checkpoint with hidden_act silu")
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") and cfg.get("attention_bias"):
+    biased = _flag(cfg, "attention_bias", where, False)
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM") and biased:
         raise _bad(f"{where}: attention_bias", True, "biases on q/k/v/o projections are not supported for "
                    f"{arch}", "use a checkpoint without attention_bias")
-    if cfg.get("mlp_bias"):
+    if _flag(cfg, "mlp_bias", where, False):
         raise _bad(f"{where}: mlp_bias", True, "MLP biases are not supported", "use a checkpoint without them")
     layer_types = cfg.get("layer_types") or []
+    if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+        raise _bad(f"{where}: layer_types", layer_types, "must be a list of strings (each layer's attention type)",
+                   _FIX_CONFIG)
     if any(t != "full_attention" for t in layer_types):
         raise _bad(f"{where}: layer_types", sorted(set(layer_types)), "only full attention is supported",
                    "use a checkpoint whose layers all use full attention")
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM") and window is not None
+    window = None if cfg.get("sliding_window") is None else _int(cfg, "sliding_window", where)
+    uses_window = _flag(cfg, "use_sliding_window", where, arch == "MistralForCausalLM") and window is not None
     if uses_window and window is not None and window < max_seq_len:
         raise _bad(f"{where}: sliding_window", window, f"would bind within the run's {max_seq_len} tokens "
                    "(sliding-window attention is not implemented)",
                    f"keep prompts + responses within {window} tokens, or use a full-attention checkpoint")
+
+
+def _model_args(cfg: dict, arch: str, where: str, max_seq_len: int) -> ModelArgs:
+    """The architecture's sizes, each an integer in its INT_LIMITS range, heads dividing evenly, the whole model
+    under MAX_PARAMS parameters."""
     theta, scaling = _rope(cfg, where)
     heads = _int(cfg, "num_attention_heads", where)
     hidden = _int(cfg, "hidden_size", where)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    max_pos = _int(cfg, "max_position_embeddings", where, 2048)
-    if max_seq_len > max_pos:
-        raise _bad("model.max_seq_len", max_seq_len, f"exceeds the checkpoint's max_position_embeddings={max_pos}",
-                   f"keep data.max_prompt_length + the response length within {max_pos}")
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise _bad(f"{where}: rms_norm_eps", eps, "must be a finite number > 0", "fix config.json")
+    head_dim = hidden // heads if cfg.get("head_dim") is None else _int(cfg, "head_dim", where)
+    eps = _number(cfg, "rms_norm_eps", where, 1e-6)
     args = ModelArgs(vocab_size=_int(cfg, "vocab_size", where), hidden_size=hidden,
                      num_layers=_int(cfg, "num_hidden_layers", where), num_heads=heads,
                      num_kv_heads=_int(cfg, "num_key_value_heads", where, heads),
                      intermediate_size=_int(cfg, "intermediate_size", where), max_seq_len=max_seq_len,
-                     rope_theta=theta, norm_eps=float(eps), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     head_dim=int(head_dim), qkv_bias=arch == "Qwen2ForCausalLM",
+                     rope_theta=theta, norm_eps=eps, tie_embeddings=_flag(cfg, "tie_word_embeddings", where, False),
+                     head_dim=head_dim, qkv_bias=arch == "Qwen2ForCausalLM",
                      qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=scaling)
-    if heads % args.num_kv_heads or head_dim % 2:
+    if heads % args.num_kv_heads or head_dim % 2 or head_dim < 2:
         raise _bad(f"{where}: num_key_value_heads", args.num_kv_heads,
-                   f"must divide num_attention_heads={heads} with an even head_dim ({head_dim})", "fix config.json")
-    dtype = cfg.get("dtype", cfg.get("torch_dtype", "float32")) or "float32"
-    if dtype not in _DTYPES:
-        raise _bad(f"{where}: torch_dtype", dtype, "is not a supported dtype", "use float32, bfloat16 or float16")
+                   f"must divide num_attention_heads={heads} with an even head_dim ({head_dim})", _FIX_CONFIG)
+    n = args.num_params()
+    if n > MAX_PARAMS:
+        raise _bad(f"{where}: hidden_size", hidden, f"with vocab_size={args.vocab_size}, num_hidden_layers="
+                   f"{args.num_layers}, intermediate_size={args.intermediate_size} describes {n:,} parameters, "
+                   f"more than the {MAX_PARAMS:,} of any model Tidal loads", _FIX_CONFIG)
+    return args
+
+
+def read_hf_config(path: str | Path, max_seq_len: int) -> HFModel:
+    """The checkpoint's architecture as `ModelArgs` (with the run's `max_seq_len`); CheckpointError if Tidal
+    cannot reproduce it exactly, or if a field Tidal reads has the wrong type or an impossible size."""
+    root = Path(path)
+    if not root.is_dir():
+        raise _bad("model.path", str(path), "is not a directory",
+                   "point model.path at a Hugging Face checkpoint directory (config.json + *.safetensors); the "
+                   "main job's is made by ./scripts/main (tidal warm-start experiments/warmstart_addition.yaml "
+                   "--out runs/warmstart/addition)")
+    cfg = read_checkpoint_json(root, CONFIG_FILE)
+    where = str(root / CONFIG_FILE)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if not isinstance(arch, str) or arch not in SUPPORTED:
+        raise _bad(f"{where}: architectures", archs, "is not a supported family",
+                   f"use one of {', '.join(SUPPORTED)} (dense decoders)")
+    _check_supported(cfg, arch, where, max_seq_len)
+    args = _model_args(cfg, arch, where, max_seq_len)
+    max_pos = _int(cfg, "max_position_embeddings", where, 2048)
+    if max_seq_len > max_pos:
+        raise _bad("model.max_seq_len", max_seq_len, f"exceeds the checkpoint's max_position_embeddings={max_pos}",
+                   f"keep data.max_prompt_length + the response length within {max_pos}")
+    dtype_key = "dtype" if "dtype" in cfg else "torch_dtype"   # transformers 5 writes `dtype`, 4 `torch_dtype`
+    dtype = cfg.get(dtype_key) or "float32"
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise _bad(f"{where}: {dtype_key}", dtype, "is not a supported dtype", "use float32, bfloat16 or float16")
     return HFModel(str(root), arch, args, dtype, max_pos, cfg)
 
 
+# ---- the weights -----------------------------------------------------------------------------------------------
+
+def _listed_file(root: Path, name: object) -> Path:
+    """A file the index names: a plain name (no path out of the directory) that `checkpoint_file` accepts."""
+    if not isinstance(name, str) or Path(name).name != name:
+        raise _bad("model.path", name, f"{INDEX_FILE} names it as a weight file: not a file name inside the "
+                   "checkpoint directory", "restore the index file")
+    path = checkpoint_file(root, name)
+    if path is None:
+        raise _bad("model.path", str(root / name), "is listed in the index but missing",
+                   "restore the checkpoint's files")
+    return path
+
+
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the index's, else `model.safetensors`, else every *.safetensors."""
+    """The safetensors files of a checkpoint: the index's, else `model.safetensors`, else every *.safetensors;
+    each accepted by `checkpoint_file`."""
     root = Path(path)
-    if (root / INDEX_FILE).is_file():
-        index = _read_json(root / INDEX_FILE, "model.path")
-        wmap = index.get("weight_map")
+    if checkpoint_file(root, INDEX_FILE) is not None:
+        wmap = read_checkpoint_json(root, INDEX_FILE).get("weight_map")
         if not isinstance(wmap, dict) or not wmap:
             raise _bad("model.path", str(root / INDEX_FILE), "has no weight_map", "restore the index file")
-        names = sorted(set(wmap.values()))
-        for n in names:   # the index names files inside the checkpoint, never paths out of it
-            if Path(n).name != n:
-                raise _bad("model.path", n, f"{INDEX_FILE} names a file outside the checkpoint directory",
-                           "restore the index file")
-        files = [root / n for n in names]
-    elif (root / SINGLE_FILE).is_file():
-        files = [root / SINGLE_FILE]
+        files = sorted({_listed_file(root, n) for n in wmap.values()})
+    elif (single := checkpoint_file(root, SINGLE_FILE)) is not None:
+        files = [single]
     else:
-        files = sorted(root.glob("*.safetensors"))
+        # glob lists names that exist, so checkpoint_file returns each path or raises
+        files = [cast(Path, checkpoint_file(root, p.name)) for p in sorted(root.glob("*.safetensors"))]
     if not files:
         bins = sorted(p.name for p in root.glob("*.bin"))
         hint = (f"found {bins[:3]}: convert them to safetensors (transformers: model.save_pretrained(dir))"
                 if bins else "save the model with save_pretrained (safetensors)")
         raise _bad("model.path", str(root), "has no *.safetensors weights", hint)
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise _bad("model.path", missing[0], "is listed in the index but missing", "restore the checkpoint's files")
     return files
 
 
@@ -225,8 +368,9 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def weight_inventory(model: HFModel) -> WeightInventory:
-    """Every parameter of `model.args` exactly once with its shape, nothing left over (CheckpointError naming
-    the tensor otherwise); reads headers only."""
+    """Every parameter of `model.args` exactly once with its shape, nothing left over, every file's header intact
+    (`safetensors_header.read_header`: a truncated or damaged file is refused); CheckpointError naming the tensor
+    or the file otherwise. Reads headers only."""
 
     specs = {s.name: s for s in param_specs(model.args)}
     location: dict[str, tuple[Path, str]] = {}
@@ -235,29 +379,26 @@ def weight_inventory(model: HFModel) -> WeightInventory:
     files = weight_files(model.path)
     for f in files:
         nbytes += f.stat().st_size
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping: keys() but no __iter__
-                name = key[len("model."):] if key.startswith("model.") else key
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and model.args.tie_embeddings:
-                    tied_head = (f, key)
-                    continue
-                spec = specs.get(name)
-                if spec is None:
-                    raise _bad("model.path", key, f"tensor in {f.name} is not a parameter of this "
-                               f"{model.architecture} (Tidal cannot use it, so the model would differ)",
-                               "use a checkpoint of a supported family without extra modules")
-                if name in location:
-                    raise _bad("model.path", key, f"is stored twice (again in {f.name})", "restore the checkpoint")
-                sl = st.get_slice(key)
-                shape = tuple(sl.get_shape())
-                if shape != spec.shape:
-                    raise _bad("model.path", key, f"has shape {shape}, config.json implies {spec.shape}",
-                               "use the config.json saved with these weights")
-                dt = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())
-                dtypes[dt] = dtypes.get(dt, 0) + 1
-                location[name] = (f, key)
+        for key, entry in read_header(f).tensors.items():
+            name = key[len("model."):] if key.startswith("model.") else key
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and model.args.tie_embeddings:
+                tied_head = (f, key)
+                continue
+            spec = specs.get(name)
+            if spec is None:
+                raise _bad("model.path", key, f"tensor in {f.name} is not a parameter of this "
+                           f"{model.architecture} (Tidal cannot use it, so the model would differ)",
+                           "use a checkpoint of a supported family without extra modules")
+            if name in location:
+                raise _bad("model.path", key, f"is stored twice (again in {f.name})", "restore the checkpoint")
+            if entry.shape != spec.shape:
+                raise _bad("model.path", key, f"tensor in {f.name} has shape {entry.shape}, config.json implies "
+                           f"{spec.shape}", "use the config.json saved with these weights")
+            dt = _ST_DTYPES.get(entry.dtype, entry.dtype)
+            dtypes[dt] = dtypes.get(dt, 0) + 1
+            location[name] = (f, key)
     missing = [n for n in specs if n not in location]
     if missing:
         what = "bias" if missing[0].endswith(".bias") else "tensor"
@@ -270,8 +411,20 @@ def weight_inventory(model: HFModel) -> WeightInventory:
     return WeightInventory(tuple(files), location, tied_head, dtypes, nbytes)
 
 
+def _finite(t: torch.Tensor, f: Path, key: str) -> torch.Tensor:
+    """`t` when every value is finite; a NaN or inf in a checkpoint would surface only mid-run, as a diverged loss
+    blamed on the learning rate, so it is refused here naming the tensor and its file."""
+    if not bool(torch.isfinite(t).all()):
+        bad = t.numel() - int(torch.isfinite(t).sum())
+        raise _bad("model.path", str(f), f"{f.name}: tensor {key} holds {bad:,} non-finite values (NaN or inf) "
+                   f"of {t.numel():,}", "use an intact checkpoint (re-download it, or export it again from a model "
+                   "whose weights are finite)")
+    return t
+
+
 def load_hf_weights(model: HFModel) -> dict[str, torch.Tensor]:
-    """Global fp32 weights named as `param_specs(model.args)` (checked by `weight_inventory` first)."""
+    """Global fp32 weights named as `param_specs(model.args)` (checked by `weight_inventory` first), every value
+    finite."""
 
     inv = weight_inventory(model)
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -281,11 +434,11 @@ def load_hf_weights(model: HFModel) -> dict[str, torch.Tensor]:
     for f, entries in by_file.items():
         with safe_open(str(f), framework="pt") as st:
             for name, key in entries:
-                out[name] = st.get_tensor(key).to(torch.float32)
+                out[name] = _finite(st.get_tensor(key).to(torch.float32), f, key)
     if inv.tied_head is not None:
         f, key = inv.tied_head
         with safe_open(str(f), framework="pt") as st:
-            head = st.get_tensor(key).to(torch.float32)
+            head = _finite(st.get_tensor(key).to(torch.float32), f, key)
         if not torch.equal(head, out["embed_tokens.weight"]):
             raise _bad("model.path", "lm_head.weight", "differs from embed_tokens.weight while "
                        "tie_word_embeddings is true", "set tie_word_embeddings: false in config.json, or drop "
@@ -375,8 +528,8 @@ def save_hf(path: str | Path, weights: dict[str, torch.Tensor], model: HFModel, 
     cfg["torch_dtype" if "torch_dtype" in cfg or "dtype" not in cfg else "dtype"] = dtype
     (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = generation_config
-    if gen is None and (Path(model.path) / GENERATION_CONFIG).is_file():
-        gen = _read_json(Path(model.path) / GENERATION_CONFIG, "model.path")
+    if gen is None and checkpoint_file(Path(model.path), GENERATION_CONFIG) is not None:
+        gen = read_checkpoint_json(Path(model.path), GENERATION_CONFIG)
     if gen is not None:
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
