@@ -39,13 +39,17 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from tidal.cli.main import print_usage
 from tidal.core.errors import TidalError
+from tidal.engine.checkpoint import CheckpointError
+from tidal.engine.hf_checkpoint import load_hf_weights, read_hf_config, weight_inventory
 from tidal.engine.hf_tokenizer import HFTokenizer
+from tidal.engine.model import Transformer, check_tp
 
 DEFAULT_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                   "How many clips did Natalia sell altogether in April and May? Let's think step by step and "
@@ -58,7 +62,6 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 
 def _bad(field: str, value: object, problem: str, fix: str) -> TidalError:
-    from tidal.engine.checkpoint import CheckpointError
     return CheckpointError(field, value, problem, fix)
 
 
@@ -88,7 +91,6 @@ def _gib(n: int) -> str:
 
 def tp_sizes(args) -> list[int]:
     """Every TP size `check_tp` accepts: the common divisors of num_heads and num_kv_heads (<= num_kv_heads)."""
-    from tidal.engine.model import check_tp
 
     out = []
     for d in range(1, args.num_kv_heads + 1):
@@ -103,7 +105,6 @@ def tp_sizes(args) -> list[int]:
 def _weight_inventory(hf) -> dict[str, Any]:
     """The safetensors headers against `param_specs` (`hf_checkpoint.weight_inventory`: the rules of
     `load_hf_weights`, no tensor data read)."""
-    from tidal.engine.hf_checkpoint import weight_inventory
 
     inv = weight_inventory(hf)
     return {"files": len(inv.files), "tensors": len(inv.location), "bytes": inv.nbytes, "dtypes": sorted(inv.dtypes)}
@@ -143,10 +144,7 @@ def _tokenizer(path: Path, prompt: str, model_vocab: int) -> tuple[Any, dict[str
 
 
 def _logits_tidal(hf, ids):
-    import torch
 
-    from tidal.engine.hf_checkpoint import load_hf_weights
-    from tidal.engine.model import Transformer
 
     weights = load_hf_weights(hf)
     model = Transformer(hf.args).eval()
@@ -160,7 +158,6 @@ def _logits_tidal(hf, ids):
 
 
 def _logits_transformers(transformers, path: str, ids):
-    import torch
 
     hf_logging = transformers.utils.logging
     bar = hf_logging.is_progress_bar_enabled()
@@ -205,7 +202,6 @@ def check(path: str | Path, *, max_seq_len: int | None = None, prompt: str = DEF
           tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Check a Hugging Face checkpoint directory (see module doc). Returns the report; raises TidalError (most
     often `CheckpointError`) naming what is unsupported or broken."""
-    from tidal.engine.hf_checkpoint import read_hf_config
 
     root = Path(path)
     if max_seq_len is not None and max_seq_len < 2:

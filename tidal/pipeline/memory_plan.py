@@ -70,6 +70,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from tidal.core.config import TidalConfig
 from tidal.core.errors import ConfigError
 from tidal.core.placement import Placement
@@ -529,7 +531,6 @@ class Capacity:
 def capacity_of(kind: Kind, num_devices: int) -> Capacity:
     """CUDA: each GPU's total memory (the driver's machine's GPUs 0..n-1); CPU: the host's share for all."""
     if kind == "cuda":
-        import torch
         return Capacity([torch.cuda.get_device_properties(d).total_memory for d in range(num_devices)])
     host = int(CPU_HOST_SHARE * host_available_bytes())
     return Capacity([host] * num_devices, host)
