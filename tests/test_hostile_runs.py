@@ -76,3 +76,51 @@ def test_the_self_tests_process_groups_listen_on_loopback_only():
     from tidal.engine.testing import run_ranks
     socks = [s for rank in run_ranks(2, _listening) for s in rank]
     assert socks and all(addr in ("127.0.0.1", "::1") for _, addr, _ in socks), socks
+
+
+def test_train_refuses_what_validate_refuses_and_leaves_nothing(tmp_path):
+    """`tidal train`, tracked, on inputs that cannot train: refused before a run folder, a database row or an MLflow
+    run exists."""
+    from conftest import make_gsm8k_files, make_hf_checkpoint
+    ckpt = make_hf_checkpoint(tmp_path / "ckpt", "qwen2")
+    train, val = make_gsm8k_files(tmp_path / "data")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("run:\n  num_steps: 1\n")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "tokenizer.json":
+            (no_tokenizer / f.name).write_bytes(f.read_bytes())
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for f in ckpt.iterdir():
+        data = f.read_bytes()
+        (truncated / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    no_number = tmp_path / "no-number.jsonl"
+    no_number.write_text(train.read_text() + '{"question": "1+1=", "answer": "two"}\n')
+    hangs = tmp_path / "hangs"
+    hangs.mkdir()
+    (hangs / "hanging_reward.py").write_text("import time\ntime.sleep(600)\n\n"
+                                             "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                             "    return 0.0\n")
+    out, db, ml = tmp_path / "out", tmp_path / "db", tmp_path / "mlflow"
+    for d in (db, ml):
+        d.mkdir()
+    common = [f"run.output_dir={out}", f"tracking.db_url=sqlite:///{db}/tidal.db",
+              f"tracking.mlflow_uri=sqlite:///{ml}/mlflow.db", "data.prompt_key=question",
+              "data.max_prompt_length=20", f"data.val_files=[{val}]"]
+
+    def case(name, names, *over, env=None):
+        return Case(name, ["train", str(ok), *common, *over], names, leftovers=[str(out), str(db), str(ml)],
+                    env=env or {})
+    cases = [
+        case("no tokenizer.json", ["tokenizer.json"], f"model.path={no_tokenizer}", f"data.train_files=[{train}]"),
+        case("a truncated weight file", ["model.safetensors"], f"model.path={truncated}",
+             f"data.train_files=[{train}]"),
+        case("an answer the verifier cannot pay", ["no-number.jsonl"], f"model.path={ckpt}",
+             f"data.train_files=[{no_number}]"),
+        case("a reward module that hangs at import", ["reward.function"], f"model.path={ckpt}",
+             f"data.train_files=[{train}]", "reward.function=hanging_reward:score", "reward.timeout_s=2",
+             env={"PYTHONPATH": str(hangs)}),
+    ]
+    assert_refused(cases, run_cases(cases, tmp_path))
