@@ -54,6 +54,11 @@ from db.models import (
 from tidal.core.devices import Owner, Transition
 
 FINAL_STATUSES = tuple(s for s in RUN_STATUSES if s not in ("running", "lost"))   # what a driver ends a run as
+#: an MLflow run's final status -> the row's: the driver ends both with one word (`RunTracking.close`). KILLED is
+#: `aborted`: stopped from outside (Ctrl-C, SIGTERM, a Prefect cancel), not failed by its own code. A `lost` row's
+#: MLflow run ends KILLED too (`MlflowSink.end_lost_run`), but nothing ends a run `lost` through this map.
+STATUS_OF_MLFLOW = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "aborted"}
+assert set(STATUS_OF_MLFLOW.values()) == set(FINAL_STATUSES)   # our invariant: every final status has one word
 
 
 def _now() -> dt.datetime:
@@ -107,6 +112,14 @@ def attach_mlflow_run(session: Session, run_id: int, mlflow_run_id: str) -> Run:
     run.mlflow_run_id = check_str("run.mlflow_run_id", mlflow_run_id, max_len=64)
     session.flush()
     return run
+
+
+def status_of_mlflow(status: str) -> str:
+    """The row's status for an MLflow run that ended `status` (FINISHED, FAILED, KILLED: `STATUS_OF_MLFLOW`)."""
+    if status not in STATUS_OF_MLFLOW:
+        raise InvalidRecord("run.status", status, f"is not an MLflow run's final status {tuple(STATUS_OF_MLFLOW)}",
+                            "end the run FINISHED, FAILED or KILLED")
+    return STATUS_OF_MLFLOW[status]
 
 
 def finish_run(session: Session, run_id: int, *, status: str = "finished", ended_at: dt.datetime | None = None) -> Run:

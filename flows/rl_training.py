@@ -44,6 +44,7 @@ from tasks.training import (
     run_step,
     sync_weights,
 )
+from tidal.pipeline.tracked_run import closing_status
 
 
 @flow(name="rl-step", flow_run_name="step-{step}")
@@ -83,8 +84,8 @@ def rl_training(request: TrainingRequest = TrainingRequest()) -> dict:
         report_run(run, summary)
         status = "FINISHED"
         return {**summary, "db_run_id": run.db_run_id, "mlflow_run_id": run.mlflow_run_id}
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
+        status = closing_status(stop)
         raise
     finally:
         close_run(run.key, status)

@@ -70,7 +70,7 @@ import posixpath
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, is_dataclass
 from enum import Enum
@@ -198,8 +198,35 @@ def _text(v: object) -> str:
     return str(v)
 
 
-def event_row(ev: Event, started: float) -> list[Any]:
-    """`ev` as a row of EVENT_COLUMNS (`started`: unix seconds of its run's start, for a record without `time`)."""
+def wave_heads(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[bool]:
+    """For each (kind, record) in log order, whether its `seconds` start a duration of their own: False only for
+    the second and later moves of a migration wave.
+
+    A wave's N moves ran at once and each of its N records carries the wave's wall `seconds` and `wave` = N
+    (`tidal.pipeline.actuator`, recorded back to back, a failed move left out). A record continues the wave of
+    the one before it when both are migrations of the same step, wave size and seconds, and the wave holds fewer
+    than N records so far. Summing `seconds` over the heads counts each wave once: what the events table shows
+    and what `migration/total_s` sums (`tidal.pipeline.run_metrics.step_event_metrics`)."""
+    heads: list[bool] = []
+    open_key: tuple[Any, ...] | None = None
+    taken = 0
+    for kind, rec in rows:
+        size = rec.get("wave")
+        key = (rec.get("step"), size, rec.get("seconds"))
+        if kind == "migration" and isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            follows = key == open_key and taken < size
+            open_key, taken = key, taken + 1 if follows else 1
+            heads.append(not follows)
+        else:
+            open_key, taken = None, 0
+            heads.append(True)
+    return heads
+
+
+def event_row(ev: Event, started: float, head: bool = True) -> list[Any]:
+    """`ev` as a row of EVENT_COLUMNS (`started`: unix seconds of its run's start, for a record without `time`).
+    `head` False (a later move of a migration wave, `wave_heads`): `seconds` empty, the wave's first row holds
+    them; `detail` keeps `wave`, the number of moves that share them."""
     rec = ev.record
     t = _number(rec.get("time"))
     it = rec.get("iter")
@@ -208,15 +235,18 @@ def event_row(ev: Event, started: float) -> list[Any]:
     return [round(t if t is not None else ev.time - started, 4), ev.step,
             int(it) if isinstance(it, numbers.Integral) and not isinstance(it, bool) else None, ev.kind,
             _text(rec.get("component")), _text(rec.get("what")), _text(rec.get("devices")), _text(rec.get("from")),
-            _text(rec.get("to")), _number(rec.get("seconds")), _number(rec.get("bytes")),
+            _text(rec.get("to")), _number(rec.get("seconds")) if head else None, _number(rec.get("bytes")),
             ok if isinstance(ok, bool) else None, _text(rec.get("reason")),
             json.dumps(detail, sort_keys=True, allow_nan=False) if detail else ""]
 
 
 def events_table(events: list[Event], started: float) -> str:
-    """The events table as MLflow stores a table: pandas' split orient, `{"columns": [...], "data": [[...]]}`."""
-    return json.dumps({"columns": list(EVENT_COLUMNS), "data": [event_row(e, started) for e in events]},
-                      allow_nan=False)
+    """The events table as MLflow stores a table: pandas' split orient, `{"columns": [...], "data": [[...]]}`.
+    A migration wave's seconds stand once, on its first row (`wave_heads`), so the `seconds` column sums to
+    wall seconds."""
+    heads = wave_heads([(e.kind, e.record) for e in events])
+    return json.dumps({"columns": list(EVENT_COLUMNS),
+                       "data": [event_row(e, started, head) for e, head in zip(events, heads)]}, allow_nan=False)
 
 
 class _EventsMixin:

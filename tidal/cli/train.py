@@ -20,7 +20,7 @@ from rich.table import Table
 
 from tasks.requests import TrainingRequest
 from tidal.core.errors import ConfigError
-from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+from tidal.pipeline.tracked_run import RunTracking, closing_status, load_run_config, policy_name, run_dir
 from tidal.workers.errors import WorkerError
 
 
@@ -132,8 +132,8 @@ def main(argv: list[str]) -> int:
                 else "no checkpoint was saved yet (run.checkpoint_every sets how often)")
         print(f"error: {err}; {hint}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as stop:   # Ctrl-C, SIGTERM (`Terminated`): KILLED; any other error: FAILED
+        status = closing_status(stop)
         raise
     finally:
         tracking.close(status, [out_dir / n for n in ("timeline.png", "summary.json", "events.json")])
@@ -145,7 +145,8 @@ def main(argv: list[str]) -> int:
     t.add_row("reward curve", f"{_spark(summary.reward_per_step)}  "
                               f"({summary.reward_per_step[0]:.3f} -> {summary.reward_per_step[-1]:.3f})")
     t.add_row("time per phase (device-s)", ", ".join(f"{k} {v:.1f}" for k, v in summary.phase_seconds.items()))
-    t.add_row("device idle fraction", f"{summary.device_idle_fraction:.2f}")
+    t.add_row("device idle fraction: whole run, steps only",   # run/idle_fraction, run/step_idle_fraction
+              f"{summary.device_idle_fraction:.2f}, {summary.figures.get('run/step_idle_fraction', 0.0):.2f}")
     t.add_row("reshards, migrations", f"{summary.reshards}, {summary.migrations}")
     for w in summary.warnings:
         t.add_row(f"warning: {w['kind']}", w["message"])
@@ -160,5 +161,6 @@ def main(argv: list[str]) -> int:
             "phase_seconds": summary.phase_seconds, "device_idle_fraction": summary.device_idle_fraction,
             "policy": summary.policy, "step_seconds": summary.step_seconds, "reshards": summary.reshards,
             "migrations": summary.migrations, "final_weights_sha": summary.final_weights_sha,
-            "data": summary.data, "warnings": summary.warnings, "restarts": summary.restarts})
+            "data": summary.data, "warnings": summary.warnings, "restarts": summary.restarts,
+            "figures": summary.figures})
     return 0

@@ -5,7 +5,7 @@
       2. warm start (cached by its settings under <output_dir>/.warmstart/) or a given checkpoint
       3. one worker per device (Ray; CPU virtual devices unless enough GPUs), the pipeline on top
       4. for each step: run_step -> metrics, events -> MLflow sink + database rows; evaluate every N steps
-      5. timeline.png, summary.json in the run's folder
+      5. timeline.png, summary.json in the run's folder; the run's totals (`run/...`) to the sink
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm
 from tidal.pipeline.checkpointing import resume, save, saved_step
 from tidal.pipeline.driver import Pipeline, StepTrace
 from tidal.pipeline.preflight import Preflight, host_copy_root, preflight
-from tidal.pipeline.run_metrics import placement_changes, step_event_metrics, table_fields
+from tidal.pipeline.run_metrics import placement_changes, run_figures, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.pipeline.survivors import NoSurvivors, continue_on_survivors, refusal
+from tidal.pipeline.timeline import timeline_title
 from tidal.tracking import NullSink
 from tidal.workers.errors import WorkerDied, WorkerError, WorkerTimeout
 from tidal.workers.roles import RunSpec
@@ -71,6 +72,7 @@ class RunSummary:
     eval_per_step: list[tuple[int, float]]
     phase_seconds: dict[str, float]
     device_idle_fraction: float
+    """`run/idle_fraction`: the whole run's window (`tidal.pipeline.timeline`), not a step's."""
     step_seconds: list[float]
     policy: str
     device_kind: str
@@ -85,6 +87,8 @@ class RunSummary:
     """`tidal.pipeline.run_warnings`: what the run raised, each kind once ({kind, message})."""
     restarts: list[dict] = field(default_factory=list)
     """`TrainingRun.restart`: each restart from a checkpoint (the failure, the step resumed, seconds, steps redone)."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """`tidal.pipeline.run_metrics.run_figures`: the run's totals as the MLflow run holds them (`run/...`)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -286,6 +290,8 @@ class TrainingRun:
         m = {**res.metrics, **self._extra}
         self.rewards.append(m.get("grpo/reward_mean", 0.0))
         self.step_s.append(res.seconds)
+        t0 = self._pipe.step_state.t_start   # the window of step/time_s and step/idle_fraction
+        self._pipe.timeline.add_step_window(step, t0, t0 + res.seconds)
         if res.trace is not None:
             self.traces.append(res.trace)
         for k, v in res.phase_seconds.items():
@@ -358,27 +364,36 @@ class TrainingRun:
         return out
 
     def finish(self) -> RunSummary:
-        """Timeline picture, events, summary (the workers stay up until `close`)."""
+        """Timeline picture, events, summary, and the run's totals (`run_figures`) to the sink at its last step;
+        the workers stay up until `close`. The summary's `figures` are the floats the sink got, its
+        `device_idle_fraction` is `run/idle_fraction`, and timeline.png's title shows it under that name."""
         pipe, cfg, out = self._pipe, self.cfg, self.out_dir
         self._warn(self.run_warnings.at_finish(self.rewards))
         if self.recorder:
             self.recorder.transitions(pipe.ledger.history)
         pipe._close_ownership()
-        idle = pipe.timeline.idle_fraction()
+        figures = run_figures(steps=self.next_step, wall_s=time.monotonic() - self.t_run, step_seconds=self.step_s,
+                              reshards=self.n_reshard, migrations=self.n_migr,
+                              idle_fraction=pipe.timeline.idle_fraction(),
+                              step_idle_fraction=pipe.timeline.steps_idle_fraction(),
+                              heldout_accuracy_start=self.evals[0][1], heldout_accuracy_end=self.evals[-1][1],
+                              rewards=self.rewards)
+        self.sink.log_metrics(figures, max(self.next_step - 1, 0))
+        idle = figures["run/idle_fraction"]
         self.final_weights = pipe.global_weights()
-        pipe.timeline.draw(out / "timeline.png", f"{cfg.run.name}: {self.policy_name} policy, idle {idle:.2f}",
+        pipe.timeline.draw(out / "timeline.png", timeline_title(f"{cfg.run.name}: {self.policy_name} policy", idle),
                            origin=self.origin())
         (out / "timeline.json").write_text(json.dumps(pipe.timeline.to_json()))
         (out / "events.json").write_text(json.dumps(pipe.cluster.events, default=str, indent=1))
         (out / "steps.json").write_text(json.dumps([asdict(t) for t in self.traces]))
         (out / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
         (out / "model.json").write_text(json.dumps(asdict(self.inputs.args)))
-        summary = RunSummary(cfg.run.name, self.next_step, time.monotonic() - self.t_run, self.evals[0][1],
+        summary = RunSummary(cfg.run.name, self.next_step, figures["run/wall_s"], self.evals[0][1],
                              self.evals[-1][1], self.rewards, self.evals, self.phase, idle, self.step_s,
                              self.policy_name, self.kind, str(out), self.n_reshard, self.n_migr,
                              {k: v for k, v in self.ws_meta.items() if k != "history"},
                              weights_sha(self.final_weights), self.inputs.source.summary(),
-                             [asdict(w) for w in self.warnings], self.restarts)
+                             [asdict(w) for w in self.warnings], self.restarts, figures)
         (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1))
         return summary
 

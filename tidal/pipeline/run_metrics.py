@@ -6,10 +6,26 @@ Per step (`step_event_metrics`), for each event kind of the step, and for reshar
 in a step without one (zero), so their charts have a point at every step::
 
     <kind>/count            events of the kind in the step
-    <kind>/total_s          their `seconds`, summed (wall seconds; a migration wave's moves, which ran at
-                            once and each carry the wave's seconds, count a share each)
+    <kind>/total_s          their `seconds`, summed (wall seconds; a migration wave's moves ran at once and
+                            each carries the wave's seconds: the wave counts once, `tidal.tracking.wave_heads`)
     <kind>/total_bytes      their bytes moved (`bytes`, `bytes_moved` or `kv_bytes`), summed
     <kind>/total_tokens     their `tokens`, summed; likewise `requests`, `groups` (counts)
+
+Per run (`run_figures`), once when it finishes, at its last step, and in summary.json's `figures`::
+
+    run/steps                 the step the run reached (the summary's `steps`; a resumed run counts from 0)
+    run/wall_s                wall seconds from `open` to `finish` (restarts included)
+    run/mean_step_s           mean of `step/time_s`
+    run/idle_fraction         1 - busy / owned device-seconds over the whole run: from the first placement to
+                              `finish`, the opening evaluation, evaluations, syncs and checkpoints included; the
+                              summary's `device_idle_fraction` and the title of timeline.png
+    run/step_idle_fraction    the same over the steps' windows only (each `step/idle_fraction`'s window), so
+                              the steps' idle time and the time between them read apart
+    run/reshards, run/migrations                        events of the kind (a migration: one move)
+    run/heldout_accuracy_start, run/heldout_accuracy_end  held-out accuracy at `open` and after the last step
+    run/reward_mean_last      `grpo/reward_mean` of the last step
+
+The idle fractions cover the pipeline since it was last opened (a restart from a checkpoint opens a new one).
 
 An event's other fields (ids, layouts, versions, timestamps, per-event phases) are never metrics: they are
 columns or `detail` of the events table (`table_fields`, `tidal.tracking.EVENT_COLUMNS`).
@@ -29,6 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tidal.core.devices import Owner, Transition
+from tidal.tracking import wave_heads
 
 #: event field -> the per-step total it adds to (`<kind>/<total>`)
 TOTALS = {"seconds": "total_s", "bytes": "total_bytes", "bytes_moved": "total_bytes", "kv_bytes": "total_bytes",
@@ -57,17 +74,36 @@ ACTION_MOVES = {"ReleaseRollout": ("rollout", "rollout", "free"),
 
 def step_event_metrics(events: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """One value per metric for the step whose events these are (see module doc)."""
+    events = list(events)
     out: dict[str, float] = {f"{kind}/{agg}": 0.0 for kind, aggs in ALWAYS.items() for agg in aggs}
-    for ev in events:
+    # a migration wave's moves ran at once, each record carries the wave's seconds: counted once, as the events
+    # table shows them
+    heads = wave_heads([(str(ev["kind"]), ev) for ev in events])
+    for ev, head in zip(events, heads):
         kind = str(ev["kind"])
         out[f"{kind}/count"] = out.get(f"{kind}/count", 0.0) + 1.0
         for name, total in TOTALS.items():
             v = ev.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                if name == "seconds" and isinstance(ev.get("wave"), int) and ev["wave"] > 1:
-                    v = v / ev["wave"]   # the moves of a wave ran at once, each event carries the wave's seconds
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (head or name != "seconds"):
                 out[f"{kind}/{total}"] = out.get(f"{kind}/{total}", 0.0) + float(v)
     return out
+
+
+def run_figures(*, steps: int, wall_s: float, step_seconds: Sequence[float], reshards: int, migrations: int,
+                idle_fraction: float, step_idle_fraction: float, heldout_accuracy_start: float,
+                heldout_accuracy_end: float, rewards: Sequence[float]) -> dict[str, float]:
+    """The run's totals (module doc, "Per run"), logged once when it finishes and written to summary.json under
+    `figures`: the same floats in both places, so MLflow's compare view and the summary agree.
+
+    `idle_fraction` is `Timeline.idle_fraction()` (the whole run), `step_idle_fraction`
+    `Timeline.steps_idle_fraction()` (the steps' windows only); `step_seconds` and `rewards` hold one value per
+    step run in this process (a resumed run's first step is its first)."""
+    return {"run/steps": float(steps), "run/wall_s": wall_s,
+            "run/mean_step_s": sum(step_seconds) / len(step_seconds) if step_seconds else 0.0,
+            "run/idle_fraction": idle_fraction, "run/step_idle_fraction": step_idle_fraction,
+            "run/reshards": float(reshards), "run/migrations": float(migrations),
+            "run/heldout_accuracy_start": heldout_accuracy_start, "run/heldout_accuracy_end": heldout_accuracy_end,
+            "run/reward_mean_last": rewards[-1] if rewards else 0.0}
 
 
 def _devices_text(devices: Sequence[int]) -> str:

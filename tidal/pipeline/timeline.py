@@ -1,10 +1,10 @@
 """Device x time record of a run: which role held each device, and when it was busy.
 
 Every component reports busy intervals `(device, role, what, t0, t1)`; ownership spans come from the device
-ledger's history. From them: the device idle fraction (busy device-seconds / owned device-seconds, using the
-actual device count over time, not the initial one) and a picture (one row per device, colored by role,
-solid where busy, pale where the role holds the device but does nothing; a dashed line labelled "step N" where
-step N starts; the x axis in seconds since the run's start, that start's UTC time in its label).
+ledger's history. From them: the device idle fraction over a named window, 1 - busy device-seconds / owned
+device-seconds (using the actual device count over time, not the initial one), and a picture (one row per device,
+colored by role, solid where busy, pale where the role holds the device but does nothing; a dashed line labelled
+"step N" where step N starts; the x axis in seconds since the run's start, that start's UTC time in its label).
 
 Faults (`tidal.pipeline.faults`, `tidal.pipeline.rejoin`) on the failed device's lane, apart from busy and owned
 (a failed device is in no role, so they count neither as work nor as idle time):
@@ -12,10 +12,21 @@ Faults (`tidal.pipeline.faults`, `tidal.pipeline.rejoin`) on the failed device's
     dev 2  ███████ generate ████✕░░░░░░░░ failed: <reason> ░░░░░░░░▲██ generate ██   ✕ failure, ░ down (FAILED),
                                 ▔▔▔▔▔ recovery 3.10s                                 ▔ failure -> work redone,
                                                                                      ▲ rejoined (FAILED -> FREE)
+
+The idle fraction's windows, one definition each (`tidal.pipeline.run_metrics` logs them):
+
+    step/idle_fraction        [step start, step start + step/time_s]    `idle_fraction(t0, t1)`, by the driver
+    run/step_idle_fraction    every step's window, summed               `steps_idle_fraction()`
+    run/idle_fraction         [first placement, finish]                 `idle_fraction()`, also timeline.png's title
+
+The run's window holds what the steps' windows leave out: the opening evaluation, evaluations, syncs and
+checkpoints between steps, when devices are owned and mostly idle (so `run/idle_fraction` is usually the larger). A
+window is recorded by `TrainingRun.record` (`add_step_window`) from the driver's step start and `step/time_s`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -43,9 +54,14 @@ class Timeline:
     #: a device FAILED (`what`: the reason); `role` "rejoined" where it came back at t1, else "failed"
     down: list[Span] = field(default_factory=list)
     recovery: list[Span] = field(default_factory=list)   #: a failure -> its lost work done again (`what`: seconds)
+    #: (RL step, t0, t1): the window of each step's `step/idle_fraction` and `step/time_s`
+    step_windows: list[tuple[int, float, float]] = field(default_factory=list)
 
     def mark_step(self, step: int, t: float) -> None:
         self.steps.append((step, t))
+
+    def add_step_window(self, step: int, t0: float, t1: float) -> None:
+        self.step_windows.append((step, t0, max(t0, t1)))
 
     def add_busy(self, devices, role: str, what: str, t0: float, t1: float) -> None:
         self.busy.extend(Span(d, role, what, t0, t1) for d in devices if t1 > t0)
@@ -60,12 +76,28 @@ class Timeline:
         self.recovery.append(Span(device, "recovery", what, t0, max(t0, t1)))
 
     def idle_fraction(self, t0: float | None = None, t1: float | None = None) -> float:
-        """1 - busy / owned device-seconds within [t0, t1] (overlapping busy spans on a device count once)."""
+        """1 - busy / owned device-seconds within [t0, t1]; by default the whole run, from the first ownership
+        span's start to the last one's end (`run/idle_fraction`)."""
         lo = min((s.t0 for s in self.owned), default=0.0) if t0 is None else t0
         hi = max((s.t1 for s in self.owned), default=0.0) if t1 is None else t1
+        return _idle(*self.device_seconds(lo, hi))
+
+    def steps_idle_fraction(self) -> float:
+        """1 - busy / owned device-seconds summed over the steps' windows (`run/step_idle_fraction`): the
+        device-second weighted mean of the steps' `step/idle_fraction`."""
+        return self.windows_idle_fraction((t0, t1) for _, t0, t1 in self.step_windows)
+
+    def windows_idle_fraction(self, windows: Iterable[tuple[float, float]]) -> float:
+        """1 - busy / owned device-seconds summed over `windows` (which must not overlap)."""
+        busy = owned = 0.0
+        for t0, t1 in windows:
+            b, o = self.device_seconds(t0, t1)
+            busy, owned = busy + b, owned + o
+        return _idle(busy, owned)
+
+    def device_seconds(self, lo: float, hi: float) -> tuple[float, float]:
+        """(busy, owned) device-seconds within [lo, hi]; overlapping busy spans on a device count once."""
         owned = sum(max(0.0, min(s.t1, hi) - max(s.t0, lo)) for s in self.owned)
-        if owned <= 0:
-            return 0.0
         busy = 0.0
         for dev in {s.device for s in self.busy}:
             spans = sorted((max(s.t0, lo), min(s.t1, hi)) for s in self.busy if s.device == dev)
@@ -75,7 +107,7 @@ class Timeline:
                 if b > a:
                     busy += b - a
                     end = b
-        return max(0.0, min(1.0, 1.0 - busy / owned))
+        return busy, owned
 
     def role_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -86,7 +118,8 @@ class Timeline:
     def to_json(self) -> dict:
         return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned],
                 "steps": [{"step": n, "t0": t} for n, t in self.steps],
-                "down": [s.__dict__ for s in self.down], "recovery": [s.__dict__ for s in self.recovery]}
+                "down": [s.__dict__ for s in self.down], "recovery": [s.__dict__ for s in self.recovery],
+                "step_windows": [{"step": n, "t0": t0, "t1": t1} for n, t0, t1 in self.step_windows]}
 
     def draw(self, path, title: str = "", origin: float | None = None) -> None:
         """The picture (`figure`) as a PNG at `path`."""
@@ -120,7 +153,7 @@ class Timeline:
             ax.annotate(f"step {step}", (t, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
                         textcoords="offset points", fontsize=8, ha="center", va="bottom")
         ax.set_xlabel(axis_label(origin))
-        ax.set_title(title or f"device timeline (idle fraction {self.idle_fraction():.2f})", pad=16)
+        ax.set_title(title or timeline_title("device timeline", self.idle_fraction()), pad=16)
         # below the axes (inside, it would hide the devices' spans and the step labels): a 0.3 inch strip
         fig.legend(handles=[Patch(color=c, label=r) for r, c in ROLE_COLORS.items()], loc="lower center",
                    fontsize=8, ncol=len(ROLE_COLORS), frameon=False)
@@ -145,6 +178,16 @@ class Timeline:
         for s in self.down:
             if s.role == "rejoined":
                 ax.plot([s.t1], [s.device], marker="^", color=FAULT_COLOR, markersize=8)
+
+
+def _idle(busy: float, owned: float) -> float:
+    """1 - busy / owned, in [0, 1]; 0 where nothing was owned (no device to be idle)."""
+    return 0.0 if owned <= 0 else max(0.0, min(1.0, 1.0 - busy / owned))
+
+
+def timeline_title(what: str, run_idle_fraction: float) -> str:
+    """The picture's title: `what`, then `run/idle_fraction` under its name, as the summary and MLflow give it."""
+    return f"{what} (run/idle_fraction {run_idle_fraction:.2f})"
 
 
 def axis_label(origin: float | None) -> str:

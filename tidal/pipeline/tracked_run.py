@@ -7,6 +7,20 @@ The same wiring as `tidal train`, as a value the flow's tasks (and the sweep's r
     run = TrainingRun(cfg, out_dir, t.sink, t.recorder)
     ...
     t.close("FINISHED", artifacts=[out_dir / "timeline.png"])             # MLflow status + db status
+    # on an exception: t.close(closing_status(exc)); raise
+
+How a run ends (`closing_status`, the `status` its driver passes to `close`): FINISHED when its code returned,
+KILLED when it was stopped from outside, FAILED on any other exception. Stopped from outside, by what reaches the
+driver's code:
+
+    Ctrl-C, SIGINT                      KeyboardInterrupt
+    SIGTERM to `tidal train`            tidal.cli.main.Terminated (a KeyboardInterrupt)
+    a Prefect cancel                    prefect.exceptions.TerminationSignal: the runner sends the flow run's process
+                                        SIGTERM, Prefect's handler (`capture_sigterm`) raises it in the flow's code
+    an async flow's cancel              asyncio.CancelledError (Prefect re-raises it as TerminationSignal)
+    the Prefect API aborts the run      prefect.exceptions.Abort; a cancelled subflow's result: CancelledRun
+
+KILLED in MLflow is `aborted` in the database (`db.repository.STATUS_OF_MLFLOW`).
 
 While a run is open, a heartbeat thread stamps its `runs.heartbeat_at` every HEARTBEAT_S; `open` first marks
 `lost` every running run silent for LOST_AFTER_S (a driver that was killed, or whose machine went away).
@@ -18,8 +32,10 @@ request's overrides, so an explicit override still wins.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -36,7 +52,24 @@ ENV_KEYS = {"TIDAL_DB_URL": "tracking.db_url", "MLFLOW_TRACKING_URI": "tracking.
 HEARTBEAT_S = 10.0      # how often a driver stamps runs.heartbeat_at
 LOST_AFTER_S = 120.0    # a running run silent this long has lost its driver (12 missed beats)
 log = logging.getLogger("tidal.run")
-_STATUS_DB = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "aborted"}
+#: exceptions that stop a run from outside (module doc), besides Prefect's (`_prefect_stops`)
+STOPS: tuple[type[BaseException], ...] = (KeyboardInterrupt, asyncio.CancelledError)
+#: the Prefect exceptions that stop a run from outside (module doc)
+PREFECT_STOPS = ("TerminationSignal", "Abort", "CancelledRun")
+
+
+def _prefect_stops() -> tuple[type[BaseException], ...]:
+    """Prefect's exceptions of PREFECT_STOPS, where Prefect is loaded: an exception it raised can only exist then,
+    so a driver without a flow never pays Prefect's import."""
+    exceptions = sys.modules.get("prefect.exceptions")
+    return tuple(getattr(exceptions, name) for name in PREFECT_STOPS) if exceptions is not None else ()
+
+
+def closing_status(exc: BaseException) -> str:
+    """The MLflow status a run ends with when `exc` ended it: KILLED when `exc` stops a run from outside (module
+    doc), else FAILED. `exc` itself decides, not what it was raised from: `asyncio.wait_for`'s timeout is raised
+    from a CancelledError, and a timeout is the run's failure."""
+    return "KILLED" if isinstance(exc, STOPS + _prefect_stops()) else "FAILED"
 
 
 def env_overrides() -> list[str]:
@@ -165,7 +198,8 @@ class RunTracking:
         return cls(sink, None, None, None, sink.start_run(cfg.run.name, flatten(cfg)))
 
     def close(self, status: str, artifacts: Sequence[Path] = ()) -> None:
-        """End the MLflow run with `status` (FINISHED, FAILED, KILLED) and the database row likewise."""
+        """End the MLflow run with `status` (FINISHED, FAILED, KILLED; on an exception `closing_status`) and the
+        database row with its word for it (`db.repository.STATUS_OF_MLFLOW`: KILLED is `aborted`)."""
         if status == "FINISHED":
             for path in artifacts:
                 if Path(path).is_file():
@@ -178,6 +212,6 @@ class RunTracking:
             from db import repository as repo
             from db.session import session_scope
             with session_scope(self.engine) as s:   # `open` sets the engine and the row's id together
-                repo.finish_run(s, cast(int, self.db_run_id), status=_STATUS_DB[status])
+                repo.finish_run(s, cast(int, self.db_run_id), status=repo.status_of_mlflow(status))
             self.engine.dispose()
             self.engine = None
