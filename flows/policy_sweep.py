@@ -5,7 +5,9 @@
       repeat request.trials times:
           spec = ask_trial(sweep)         the sampler's next settings
           run_trial(sweep, spec)          simulate (or train for real); MLflow child run; tell the study
-      report_sweep(sweep)                 best settings + Pareto front (same JSON as `tidal sweep --json`)
+      report_sweep(sweep)                 best settings + Pareto front (same JSON as `tidal sweep --json`);
+                                          artifacts <study>-summary (the summary `tidal sweep` prints: best
+                                          settings to paste, front, trials, links) and <study>-trials (a table)
 
 The space format and the objectives are documented in `tidal.sweep`.
 """

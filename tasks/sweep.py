@@ -3,7 +3,10 @@
     open_sweep(request) -> key      study in the storage, MLflow parent run
     ask_trial(key) -> TrialSpec     the sampler's next settings (number + params: small values)
     run_trial(key, spec)            simulator or a real training run; MLflow child run; tell Optuna
-    report_sweep(key) -> dict       best settings, Pareto front (the `tidal sweep --json` report)
+    report_sweep(key) -> dict       best settings, Pareto front (the `tidal sweep --json` report); the flow run's
+                                    artifacts: `<study>-summary` (markdown: best settings as a config snippet, the
+                                    front, the trials, links to optuna-dashboard and the MLflow parent run) and
+                                    `<study>-trials` (a table, one row per trial)
     close_sweep(key, status)
 
 Trials run one after another: each `ask` sees every earlier result (TPE), and a real trial uses every device.
@@ -11,12 +14,14 @@ Trials run one after another: each `ask` sees every earlier result (TPE), and a 
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks import registry
+from tasks.reporting import artifact_key
 from tasks.requests import SweepRequest
-from tidal.sweep import Sweep, TrialResult, TrialSpec, load_space
+from tidal.sweep import Sweep, SweepReport, TrialResult, TrialSpec, load_space, summary_markdown, trials_table
 
 
 @task(name="open-sweep", cache_policy=NO_CACHE)
@@ -38,7 +43,26 @@ def run_trial(key: str, spec: TrialSpec) -> TrialResult:
 
 @task(name="report-sweep", cache_policy=NO_CACHE)
 def report_sweep(key: str) -> dict:
-    return registry.get(key, "sweep").report().to_json()
+    """The study's report, shown on the flow run (`publish_report`); returns it as `tidal sweep --json` writes it."""
+    report = registry.get(key, "sweep").report()
+    publish_report(report)
+    return report.to_json()
+
+
+def publish_report(report: SweepReport) -> str:
+    """The report as this flow run's artifacts (`<study>-summary`: `tidal.sweep.summary_markdown`; `<study>-trials`:
+    one row per trial) and its best settings and links in the log; returns the markdown."""
+    text = summary_markdown(report)
+    create_markdown_artifact(text, key=artifact_key(report.study, "summary"),
+                             description=f"sweep {report.study}: best settings, Pareto front, trials, links")
+    create_table_artifact(trials_table(report), key=artifact_key(report.study, "trials"),
+                          description=f"sweep {report.study}: every trial, its values and settings")
+    get_run_logger().info("sweep %s: %d complete trials, best trial %d: %s; MLflow parent run %s; study %s",
+                          report.study, report.n_trials, report.best_trial,
+                          ", ".join(f"{k}={v}" for k, v in report.best_params.items()),
+                          report.mlflow_parent_run_url or report.mlflow_parent_run_id,
+                          report.dashboard_url or f"{report.study} in {report.storage}")
+    return text
 
 
 @task(name="close-sweep", cache_policy=NO_CACHE)

@@ -191,3 +191,69 @@ def test_shipped_policy_sweep_draws_20_distinct_valid_trials_with_named_metrics(
     for t in study.trials:   # a draw that repeated an earlier trial was set aside, naming which
         if t.state == optuna.trial.TrialState.PRUNED:
             assert t.user_attrs["duplicate_of"] in {d.number for d in study.trials}
+
+
+def test_the_summary_shows_the_front_the_best_settings_to_paste_and_the_links(tmp_path, monkeypatch):
+    """The smallest sweep (3 trials, 1 simulated step): its summary (the flow run's markdown artifact, what
+    `tidal sweep` prints) marks the Pareto front, gives the best settings as config YAML and as overrides, and
+    links the study and the MLflow parent run, or says how to serve a local store."""
+    from tidal.sweep import as_overrides, run_sweep, summary_markdown, trials_table
+    monkeypatch.delenv("TIDAL_OPTUNA_STORAGE", raising=False)
+    monkeypatch.delenv("TIDAL_OPTUNA_DASHBOARD_URL", raising=False)
+    monkeypatch.setenv("TIDAL_HOME", str(tmp_path / "home"))   # no `tidal up` dashboard here
+    space = load_space(_space(tmp_path, {
+        "study": "small", "objectives": ["step_time", "reshards"], "simulator": {"steps": 1},
+        "space": {"scheduler.policy": {"choices": ["static", "rlinf", "tidal"]},
+                  "cluster.use_pre_process_policy": {"type": "bool"}}}))
+    tracking = [o for o in _tracking(tmp_path) if o != "-o"]
+    report = run_sweep(space, 3, overrides=tracking)
+    text = summary_markdown(report)
+
+    assert text.startswith("# Sweep `small-sim`\n") and "3 complete trials, 0 failed" in text
+    assert f"## Best settings: trial {report.best_trial}" in text
+    snippet = "```yaml\n" + "\n".join(
+        f"{section}:\n  {leaf}: {yaml.safe_dump(value).splitlines()[0]}" for section, leaf, value in (
+            (k.split(".")[0], k.split(".")[1], v) for k, v in report.best_params.items())) + "\n```"
+    assert snippet in text, text
+    assert " ".join(f"`{o}`" for o in as_overrides(report.best_params)) in text
+    front = text.split("## Pareto front")[1].split("## Trials")[0]
+    assert [int(line.split("|")[1]) for line in front.splitlines() if line.startswith("| ") and "trial" not in line] \
+        == [row["number"] for row in report.pareto]
+    trials = [line for line in text.split("## Trials")[1].split("## Links")[0].splitlines()
+              if line.startswith("| ") and "trial" not in line]
+    assert len(trials) == 3
+    assert {int(line.split("|")[1]) for line in trials if "★" in line} == {row["number"] for row in report.pareto}
+    # links: a local store has no pages, so the summary says how to serve each and where the page then is
+    assert report.study_id is not None and report.dashboard_url is None and report.mlflow_parent_run_url is None
+    assert f"`optuna-dashboard sqlite:///{tmp_path}/tidal.db`" in text
+    assert f"http://127.0.0.1:8080/dashboard/studies/{report.study_id}" in text
+    assert f"MLflow parent run `{report.mlflow_parent_run_id}`" in text
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlruns.db" in text
+    assert (f"http://127.0.0.1:5000/#/experiments/{report.mlflow_experiment_id}/runs/"
+            f"{report.mlflow_parent_run_id}") in text
+    rows = trials_table(report)
+    assert [r["trial"] for r in rows] == [t["number"] for t in report.trials]
+    assert {r["trial"] for r in rows if r["pareto"]} == {row["number"] for row in report.pareto}
+    assert all(set(r) == set(rows[0]) for r in rows) and "step_time_s" in rows[0]
+
+    # a known dashboard and a tracking server: links to their pages
+    from dataclasses import replace
+    monkeypatch.setenv("TIDAL_OPTUNA_DASHBOARD_URL", "http://dash.example:8080/")
+    from tidal.sweep import dashboard_url
+    linked = replace(report, dashboard_url=dashboard_url("sqlite:///x.db", report.study_id),
+                     mlflow_parent_run_url="http://mlflow.example/#/experiments/1/runs/abc")
+    text = summary_markdown(linked)
+    assert f"[optuna-dashboard](http://dash.example:8080/dashboard/studies/{report.study_id})" in text
+    assert f"[{report.mlflow_parent_run_id}](http://mlflow.example/#/experiments/1/runs/abc)" in text
+
+
+def test_tidal_sweep_prints_the_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TIDAL_OPTUNA_STORAGE", raising=False)
+    monkeypatch.setenv("TIDAL_HOME", str(tmp_path / "home"))
+    space = _space(tmp_path, {"study": "cli", "simulator": {"steps": 1},
+                              "space": {"scheduler.policy": {"choices": ["static", "tidal"]}}})
+    assert cli_main(["sweep", str(space), "--trials", "2", *_tracking(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for words in ("Sweep cli-sim", "Best settings", "scheduler:", "policy:", "Best trial", "Trials", "Links",
+                  "optuna-dashboard", "mlflow ui --backend-store-uri"):
+        assert words in out, (words, out)

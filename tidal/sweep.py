@@ -35,6 +35,12 @@ Storage: `--storage URL`, else `$TIDAL_OPTUNA_STORAGE`, else `tracking.db_url` (
 tables beside ours; our migrations only look at ours). The report lists the complete trials, the best
 settings and the Pareto front. With several objectives "best" is the Pareto trial that is best on the first
 objective (ties: the next ones), so put the objective you care most about first.
+
+The summary (`summary_markdown(report)`: `tidal sweep` prints it, the `policy-sweep` flow run shows it as its
+markdown artifact) holds the best settings as a config snippet to paste, the Pareto front, every trial with its
+values (front marked), and the ways to the study and the MLflow parent run: the study's page in optuna-dashboard
+(`$TIDAL_OPTUNA_DASHBOARD_URL`, else the dashboard `tidal up` started over this storage), else the storage and the
+command that serves it; the parent run's page (a tracking server), else its id and the `mlflow ui` command.
 """
 
 from __future__ import annotations
@@ -52,15 +58,17 @@ from typing import Any, Literal, cast, overload
 
 import yaml
 from rich.console import Console
-from rich.table import Table
+from rich.markdown import Markdown
 
 from scheduler.simulator import simulate
 from scheduler.workload import rlinf_example
+from tidal.cli.services import UpOptions, build_specs, default_state_dir, read_record, trusted
 from tidal.core.bounded_yaml import load_yaml, read_text
 from tidal.core.config import TidalConfig, build_config, flatten, sweep_storage
 from tidal.core.errors import TidalError
+from tidal.core.secrets import redact
 from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, policy_name, run_dir
-from tidal.tracking import MlflowSink
+from tidal.tracking import MlflowSink, run_url
 
 #: objective -> direction (real runs only: accuracy)
 Direction = Literal["minimize", "maximize"]
@@ -81,6 +89,12 @@ SIM_KEYS = {"cluster.use_pre_process_policy": "use_pre_process_policy",
             "scheduler.lend_actor": "lend_actor", "scheduler.grow_on_return": "grow_on_return",
             "scheduler.return_on_generated": "return_on_generated", "scheduler.margin_frac": "margin_frac"}
 BUILTIN = "rlinf-example"
+#: an optuna-dashboard serving the sweeps' storage (compose, a team's server), e.g. http://127.0.0.1:8080
+DASHBOARD_ENV = "TIDAL_OPTUNA_DASHBOARD_URL"
+#: where `tidal up` serves optuna-dashboard and the MLflow UI by default (`tidal.cli.services.DEFAULT_PORTS`)
+LOCAL_DASHBOARD, LOCAL_MLFLOW_UI = "http://127.0.0.1:8080", "http://127.0.0.1:5000"
+#: trials the summary's table lists (the latest); the study holds them all
+MAX_SUMMARY_TRIALS = 200
 
 log = logging.getLogger("tidal.sweep")
 
@@ -354,6 +368,14 @@ class SweepReport:
     best_mlflow_run_id: str | None
     pareto: list[dict]                 #: [{number, params, values, mlflow_run_id}], best first
     mlflow_parent_run_id: str | None
+    #: every complete or failed trial of the study, by number: {number, state, params, metrics, mlflow_run_id,
+    #: error}; metrics are all the trial measured (the objectives and the others), by objective name
+    trials: list[dict] = field(default_factory=list)
+    study_id: int | None = None        #: the study's id in its storage (optuna-dashboard's page of it)
+    dashboard_url: str | None = None   #: the study's page in an optuna-dashboard serving its storage
+    mlflow_uri: str | None = None      #: the tracking store, credentials masked
+    mlflow_experiment_id: str | None = None
+    mlflow_parent_run_url: str | None = None   #: the parent run's page (a tracking server only)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -366,6 +388,28 @@ def storage_url(cfg: TidalConfig, storage: str | None) -> str:
 def _masked(url: str) -> str:
     from sqlalchemy.engine import make_url
     return make_url(url).render_as_string(hide_password=True)
+
+
+def dashboard_url(storage: str, study_id: int) -> str | None:
+    """The study's page in an optuna-dashboard serving `storage`: at $TIDAL_OPTUNA_DASHBOARD_URL, else the one
+    `tidal up` started (its pid record in `default_state_dir()`, its process alive, started over this storage:
+    the record's settings digest is the one `tidal up` would give this storage on its host and port), else None.
+    A dashboard over another storage is never linked: its study ids name other studies."""
+    base = os.environ.get(DASHBOARD_ENV)
+    if not base:
+        state = default_state_dir()
+        rec = read_record(state, "optuna")
+        if rec is None or not trusted(rec):
+            return None
+        try:
+            (spec,) = build_specs(UpOptions(state, host=rec.host, optuna_port=rec.port, optuna_storage=storage,
+                                            only=("optuna",)))
+        except TidalError:   # optuna-dashboard not installed here: the record is no one's we can check
+            return None
+        if spec.settings != rec.settings:
+            return None
+        base = rec.url
+    return f"{base.rstrip('/')}/dashboard/studies/{study_id}"
 
 
 class Sweep:
@@ -383,6 +427,7 @@ class Sweep:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study_name = study or f"{space.study}-{'real' if real else 'sim'}"
         rdb = optuna.storages.RDBStorage(self.storage, engine_kwargs=_engine_kwargs(self.storage))
+        self._rdb = rdb
         try:
             existing = optuna.load_study(study_name=self.study_name, storage=rdb)
         except KeyError:
@@ -497,9 +542,14 @@ class Sweep:
         values = dict(best["values"])
         self.sink.log_metrics({f"best/{METRIC_NAMES[k]}": v for k, v in values.items()}
                               | {"sweep/trial_count": len(complete)}, len(complete))
+        study_id = self._rdb.get_study_id_from_name(self.study_name)
         return SweepReport(self.study_name, _masked(self.storage), objs, self.space.directions, len(complete),
                            failed, best["number"], best["params"], values, best["mlflow_run_id"], pareto,
-                           self.parent_run_id)
+                           self.parent_run_id, trials=[_trial_row(t) for t in trials if t.state in (
+                               optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)],
+                           study_id=study_id, dashboard_url=dashboard_url(self.storage, study_id),
+                           mlflow_uri=redact(self.sink.uri), mlflow_experiment_id=self.sink.experiment_id,
+                           mlflow_parent_run_url=run_url(self.sink.uri, self.sink.experiment_id, self.parent_run_id))
 
     def close(self, status: str = "FINISHED") -> None:
         """End the sweep's MLflow run (KILLED also ends a trial's run left open)."""
@@ -507,6 +557,14 @@ class Sweep:
             self.sink.close()
         else:
             self.sink.end_run(status)
+
+
+def _trial_row(t: Any) -> dict[str, Any]:
+    """A finished trial as the report lists it: what it measured is its `metrics` user attribute (every value the
+    backend returns), else its objective values."""
+    return {"number": t.number, "state": t.state.name, "params": dict(t.params),
+            "metrics": dict(t.user_attrs.get("metrics") or {}), "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
+            "error": t.user_attrs.get("error")}
 
 
 def _engine_kwargs(url: str) -> dict:
@@ -549,22 +607,116 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
+def _cell(v: Any) -> str:
+    return _fmt(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _settings(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in params.items()) or "-"
+
+
+def config_snippet(params: dict[str, Any]) -> str:
+    """Settings as the YAML a config holds (`scheduler.policy: rlinf` -> `scheduler:\n  policy: rlinf`), values
+    exact (not rounded): pasted into an experiment config it sets what the trial ran."""
+    nested: dict[str, Any] = {}
+    for key, value in params.items():
+        *sections, leaf = key.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return yaml.safe_dump(nested, sort_keys=False, default_flow_style=False).rstrip()
+
+
+def _metric_keys(report: SweepReport) -> list[str]:
+    """The objectives, then whatever else the trials measured, in OBJECTIVES' order."""
+    measured = {k for t in report.trials for k in t["metrics"]}
+    return [*report.objectives, *(k for k in OBJECTIVES if k in measured and k not in report.objectives)]
+
+
+def _header(report: SweepReport, keys: list[str]) -> list[str]:
+    arrow = {"minimize": " ↓", "maximize": " ↑"}
+    goal = dict(zip(report.objectives, report.directions))
+    return [f"{METRIC_NAMES[k]}{arrow[goal[k]] if k in goal else ''}" for k in keys]
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows)]
+
+
+def _links(report: SweepReport) -> list[str]:
+    """The study in optuna-dashboard and the sweep's MLflow parent run: a page where one is known, else how to
+    serve the store and the address the page then has."""
+    if report.dashboard_url:
+        study = f"- Optuna study `{report.study}`: [optuna-dashboard]({report.dashboard_url})"
+    else:
+        page = f"{LOCAL_DASHBOARD}/dashboard/studies/{report.study_id}" if report.study_id is not None else \
+            f"{LOCAL_DASHBOARD}/dashboard"
+        study = (f"- Optuna study `{report.study}` in storage `{report.storage}`: serve it with "
+                 f"`optuna-dashboard {report.storage}` (or `tidal up`, over $TIDAL_OPTUNA_STORAGE / the platform "
+                 f"database) and open [{page}]({page})")
+    run = report.mlflow_parent_run_id
+    if report.mlflow_parent_run_url:
+        mlflow = f"- MLflow parent run: [{run}]({report.mlflow_parent_run_url}) (each trial is a child run)"
+    elif run and report.mlflow_uri and report.mlflow_experiment_id is not None:
+        local = run_url(LOCAL_MLFLOW_UI, report.mlflow_experiment_id, run)   # an http:// address: never None
+        mlflow = (f"- MLflow parent run `{run}` (each trial is a child run) in the local store "
+                  f"`{report.mlflow_uri}`: serve it with `mlflow ui --backend-store-uri {report.mlflow_uri} "
+                  f"--host 127.0.0.1` (or `tidal up`) and open [{local}]({local})")
+    else:
+        mlflow = f"- MLflow parent run `{run}`"
+    return [study, mlflow]
+
+
+def summary_markdown(report: SweepReport) -> str:
+    """The sweep's summary: best settings as a config snippet and as overrides, the Pareto front (best first),
+    every trial (the latest MAX_SUMMARY_TRIALS) with the front marked, and the links (`_links`). Pure: the same
+    text is the flow run's artifact and what `tidal sweep` prints."""
+    keys = _metric_keys(report)
+    front = {row["number"] for row in report.pareto}
+    several = len(report.objectives) > 1
+    goals = ", ".join(f"{METRIC_NAMES[o]} ({d})" for o, d in zip(report.objectives, report.directions))
+    best_values = ", ".join(f"{METRIC_NAMES[k]} {_fmt(v)}" for k, v in report.best_values.items())
+    lines = [f"# Sweep `{report.study}`", "",
+             f"{report.n_trials} complete trials, {report.n_failed} failed. Objectives: {goals}.", "",
+             f"## Best settings: trial {report.best_trial}", "",
+             f"{best_values}" + (f" (the Pareto front's best on {METRIC_NAMES[report.objectives[0]]}, the first "
+                                 "objective)" if several else "") + ". In an experiment config:", "",
+             "```yaml", config_snippet(report.best_params), "```", "",
+             "or as overrides (`tidal train -o`, the rl-training form's `overrides`): "
+             + " ".join(f"`{o}`" for o in as_overrides(report.best_params)), ""]
+    title = "## Pareto front" if several else "## Best trial"
+    lines += [title, "", "Best first; no other trial is at least as good on every objective and better on one."
+              if several else "The single objective's best.", ""]
+    lines += _table(["trial", *_header(report, list(report.objectives)), "settings"],
+                    [[row["number"], *(row["values"][o] for o in report.objectives), _settings(row["params"])]
+                     for row in report.pareto])
+    shown = report.trials[-MAX_SUMMARY_TRIALS:]
+    more = f" (the latest {len(shown)} of {len(report.trials)})" if len(shown) < len(report.trials) else ""
+    lines += ["", f"## Trials{more}", "", f"★: on the {'Pareto front' if several else 'best trial'}.", ""]
+    lines += _table(["trial", "", *_header(report, keys), "settings"],
+                    [[t["number"], "★" if t["number"] in front else "",
+                      *(t["metrics"].get(k, "-") if t["state"] == "COMPLETE" else "failed" for k in keys),
+                      _settings(t["params"]) + (f" — {t['error']}" if t.get("error") else "")] for t in shown])
+    lines += ["", "## Links", "", *_links(report)]
+    return "\n".join(lines) + "\n"
+
+
+def trials_table(report: SweepReport) -> list[dict[str, Any]]:
+    """The trials as rows of one shape (a Prefect table artifact): trial, front, state, each measured value by
+    its metric name, each swept key ("" where a trial did not draw it)."""
+    keys = _metric_keys(report)
+    params = list(dict.fromkeys(k for t in report.trials for k in t["params"]))
+    front = {row["number"] for row in report.pareto}
+    return [{"trial": t["number"], "pareto": t["number"] in front, "state": t["state"],
+             **{METRIC_NAMES[k]: t["metrics"].get(k, "") for k in keys},
+             **{k: t["params"].get(k, "") for k in params}} for t in report.trials]
+
+
 def print_report(report: SweepReport, console: Any = None) -> None:
-    console = console or Console()
-    keys = sorted({k for row in report.pareto for k in row["params"]})
-    table = Table(title=f"Pareto front of {report.study} ({report.n_trials} complete trials, "
-                        f"{report.n_failed} failed)" if len(report.objectives) > 1 else
-                  f"best of {report.study} ({report.n_trials} complete trials, {report.n_failed} failed)")
-    for col in ["trial", *report.objectives, *(k.rsplit(".", 1)[-1] for k in keys)]:   # short: the key's leaf
-        table.add_column(col, justify="right")
-    for row in report.pareto:
-        table.add_row(str(row["number"]), *[_fmt(row["values"][o]) for o in report.objectives],
-                      *[_fmt(row["params"].get(k, "-")) for k in keys])
-    console.print(table)
-    console.print(f"[bold]best[/] (trial {report.best_trial}): "
-                  + ", ".join(f"{k}={_fmt(v)}" for k, v in report.best_params.items())
-                  + "  ->  " + ", ".join(f"{k} {_fmt(v)}" for k, v in report.best_values.items()))
-    console.print(f"storage {report.storage}, study {report.study}; MLflow parent run {report.mlflow_parent_run_id}")
+    """The summary (`summary_markdown`) on the terminal, links written out."""
+    (console or Console()).print(Markdown(summary_markdown(report), hyperlinks=False))
 
 
 def main(argv: list[str]) -> int:
