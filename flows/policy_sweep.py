@@ -18,6 +18,7 @@ from prefect import flow
 
 from tasks.requests import SweepRequest
 from tasks.sweep import ask_trial, close_sweep, open_sweep, report_sweep, run_trial
+from tidal.pipeline.tracked_run import closing_status
 
 
 @flow(name="policy-sweep", flow_run_name="{request.space}")
@@ -31,8 +32,8 @@ def policy_sweep(request: SweepRequest = SweepRequest()) -> dict:
         report = report_sweep(sweep)
         status = "FINISHED"
         return report
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
+        status = closing_status(stop)
         raise
     finally:
         close_sweep(sweep, status)

@@ -67,7 +67,14 @@ from tidal.core.bounded_yaml import load_yaml, read_text
 from tidal.core.config import TidalConfig, build_config, flatten, sweep_storage
 from tidal.core.errors import TidalError
 from tidal.core.secrets import redact
-from tidal.pipeline.tracked_run import RunTracking, env_overrides, load_run_config, policy_name, run_dir
+from tidal.pipeline.tracked_run import (
+    RunTracking,
+    closing_status,
+    env_overrides,
+    load_run_config,
+    policy_name,
+    run_dir,
+)
 from tidal.tracking import MlflowSink, run_url
 
 #: objective -> direction (real runs only: accuracy)
@@ -594,8 +601,8 @@ def run_sweep(space: SweepSpace, trials: int, *, real: bool = False, overrides: 
         report = sweep.report()
         status = "FINISHED"
         return report
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
+        status = closing_status(stop)
         raise
     finally:
         sweep.close(status)
