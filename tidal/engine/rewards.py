@@ -357,7 +357,8 @@ def check_reward(spec: str, timeout_s: float, field: str = FIELD) -> None:
     module_name = spec.partition(":")[0]
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_probe_main, args=(child_conn, spec, field, list(sys.path)),
+    # the search path of a worker: Ray starts workers in the driver's working directory, which they import from
+    process = ctx.Process(target=_probe_main, args=(child_conn, spec, field, [*sys.path, os.getcwd()]),
                           name=f"reward-check:{spec}", daemon=True)
     process.start()
     child_conn.close()  # the child holds its own copy; closing ours lets recv() see EOF if it dies
