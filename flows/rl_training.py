@@ -1,21 +1,25 @@
 """`rl-training`: one flow run = one training run; each RL step is a subflow run.
 
     rl_training(request)                         request: config path, typed fields, overrides (a form in the UI)
-      run = open_run(request)                    config, database row, MLflow run, warm start, workers
+      run = open_run(request)                    task "open-run", a log line per stage: config checked, database
+                                                 row + MLflow run (then at once the progress artifact and the
+                                                 MLflow run's artifact), model loaded, Ray and N workers started,
+                                                 weights placed, first evaluation
       keep_host_copy                             actor.redundancy: host: the state before the first step
-      for each step:
+      for each step (0-based: step 0 is the first, as in MLflow, the timeline and the database):
           rl_step(run, step)                     subflow "rl-step", flow run name step-N:
               run_step                              generate | score | train iters, streaming on the workers
               sync_weights                          new weights to rollout + inference (next policy version)
               evaluate                              held-out accuracy of those weights (when due)
               record_step                           metrics, events -> MLflow; rows -> database
               checkpoint | keep_host_copy           a resumable checkpoint generation (when due), else the host copy
-          report_step(run, step, metrics)        a line in this flow run's log; its progress artifact
+          report_step(run, step, metrics)        "step N of M ..." and the step's run warnings in this flow
+                                                 run's log; its progress artifact
           a device lost beyond what the step absorbs (its subflow fails): recover_run, the run goes on in this
           process from its newest state (on the surviving workers where they can), at the step it names
           (run.max_restarts times)
       finish_run(run)                            timeline.png, events.json, summary.json
-      report_run(run, summary)                   markdown artifact: summary table, the MLflow run's address
+      report_run(run, summary)                   markdown artifact: summary table, the MLflow run's page
       close_run(run, status)                     workers down; MLflow run and database row end as FINISHED/FAILED
 
 The live `TrainingRun` (and its Ray workers) stays in this flow run's process; tasks get its registry key.

@@ -1,10 +1,14 @@
 """What an `rl-training` flow run shows in the Prefect UI, as text: pure functions over the values a run returns.
 
-    step 2/10  reward 0.412  held-out 0.563  3.84 s | generate 2.91  score 0.62  train 1.80 device-s  sync 0.21 s
+    step 1 of 10  reward 0.412  held-out 0.563  3.84 s | generate 2.91  score 0.62  train 1.80 device-s  sync 0.21 s
         | 2 reshards 0.09 s  1 migration 0.02 s                      <- step_line(step, num_steps, metrics)
     progress_percent(2, 10) -> 20.0                                  <- the run's progress artifact
+    mlflow_run_markdown(uri, exp, run)                               <- the MLflow artifact, as the run opens
     summary_markdown(summary, mlflow_run_markdown(uri, exp, run))   <- the markdown artifact at the end
     artifact_key("addition_dynamic", "summary") -> "addition-dynamic-summary"
+
+Steps are numbered from 0 everywhere a run shows them: MLflow's step axis, the step subflows' names (`step-0`),
+the timeline, the database's rows, the run warnings and this log line (`step 0 of 10` is the first of ten steps).
 
 No Prefect here (tests call it directly); `tasks.training` writes the results to the flow run's log and artifacts.
 A step's metrics are `TrainingRun.record`'s: `grpo/reward_mean`, `eval/heldout_accuracy` (on evaluated steps),
@@ -21,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidal.core.secrets import redact
+from tidal.tracking import ui_run_url
 
 #: timeline role -> what the role does in a step, in the order a step does it
 PHASES = (("rollout", "generate"), ("inference", "score"), ("actor", "train"))
@@ -38,12 +43,12 @@ def _plural(n: float, word: str) -> str:
 
 
 def step_line(step: int, num_steps: int, m: Mapping[str, float]) -> str:
-    """One line for RL step `step` (0-based) of `num_steps`: reward, held-out accuracy (evaluated steps only),
-    step time | device-seconds per phase and the weight sync | the step's reshards and migrations with their
-    seconds."""
+    """One line for RL step `step` (0-based, as everywhere: `step 0 of 2` is the first) of a run of `num_steps`
+    steps: reward, held-out accuracy (evaluated steps only), step time | device-seconds per phase and the weight
+    sync | the step's reshards and migrations with their seconds."""
     heldout = f"  held-out {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
     phases = "  ".join(f"{what} {m.get(f'phase/{role}_device_s', 0.0):.2f}" for role, what in PHASES)
-    return (f"step {step + 1}/{num_steps}  reward {m.get('grpo/reward_mean', 0.0):.3f}{heldout}  "
+    return (f"step {step} of {num_steps}  reward {m.get('grpo/reward_mean', 0.0):.3f}{heldout}  "
             f"{m['step/time_s']:.2f} s | {phases} device-s  sync {m.get('sync/time_s', 0.0):.2f} s | "
             f"{_plural(m.get('reshard/count', 0), 'reshard')} {m.get('reshard/total_s', 0.0):.2f} s  "
             f"{_plural(m.get('migration/count', 0), 'migration')} {m.get('migration/total_s', 0.0):.2f} s")
@@ -55,8 +60,9 @@ def progress_percent(steps_done: int, num_steps: int) -> float:
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in an MLflow UI at `tracking_uri` (a tracking server's address)."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The run's page in an MLflow UI at `tracking_uri` (a tracking server's address), in the model-training view
+    (`tidal.tracking.ui_run_url`)."""
+    return ui_run_url(tracking_uri, experiment_id, run_id)
 
 
 def mlflow_run_markdown(tracking_uri: str | None, experiment_id: str | None, run_id: str | None) -> str:

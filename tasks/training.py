@@ -15,11 +15,16 @@ on the workers inside it (one driver event loop, rollout -> inference -> actor, 
 is one task; splitting it would serialise what streams. The phases after it each need the previous one
 (evaluation measures the synced weights; the step's record holds the evaluation; a checkpoint is taken
 between steps and names the steps completed), so they are tasks of their own, in sequence.
+
+The opening is one task, `open-run` (config, tracking records, `TrainingRun.open`'s stages): the stages share the
+live run they build, so they are one call; the task's log has a line per stage (`OpeningLog`), and its artifacts
+(progress, the MLflow run's link) appear as soon as the MLflow run exists.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -34,7 +39,7 @@ from tasks import registry
 from tasks.reporting import artifact_key, mlflow_run_markdown, progress_percent, step_line, summary_markdown
 from tasks.requests import TrainingRequest
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
-from tidal.tracking import MlflowSink
+from tidal.tracking import NOTE_TAG, MlflowSink, flow_run_note
 
 if TYPE_CHECKING:
     from tidal.core.config import TidalConfig
@@ -78,49 +83,139 @@ def _live(key: str) -> _Live:
     return registry.get(key, "run")
 
 
-@task(name="open-run", cache_policy=NO_CACHE)
+def flow_run_page() -> str | None:
+    """This flow run's page in the Prefect UI (`PREFECT_UI_URL`, which Prefect derives from `PREFECT_API_URL`):
+    None outside a flow run, or against a temporary server that serves no UI."""
+    from prefect.utilities.urls import url_for
+    return url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
+
+
 def prefect_links() -> dict[str, str]:
-    """The flow run this task belongs to, as MLflow tags: its id and its page in the Prefect UI (when known)."""
-    links = {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_name": str(flow_run.name or ""),
-             "prefect.flow_run_url": str(flow_run.ui_url or "")}
+    """The flow run driving this code, as MLflow tags: its id, name and page (when known), and the MLflow run's
+    description (`tidal.tracking.NOTE_TAG`): markdown the run page renders, a link back to the flow run."""
+    fid, name, url = str(flow_run.id or ""), str(flow_run.name or ""), flow_run_page() or ""
+    links = {"prefect.flow_run_id": fid, "prefect.flow_run_name": name, "prefect.flow_run_url": url,
+             NOTE_TAG: flow_run_note(url, name, fid) or ""}
     return {k: v for k, v in links.items() if v}
 
 
 def open_tracking(cfg: TidalConfig, out: Path) -> RunTracking:
-    """The run's database row and MLflow run, each holding the other's id and this flow run's id."""
+    """The run's database row and MLflow run, each holding the other's id and this flow run's id (and its page,
+    in the MLflow run's description)."""
     links = prefect_links()
     return RunTracking.open(cfg, out, tags=links, prefect_flow_run_id=links.get("prefect.flow_run_id"))
 
 
+class OpeningLog:
+    """The opening's progress as lines in the open-run task's log (the flow run's page shows them): one as each
+    stage ends, saying what it did, how long it took and what comes next, so the page always names the stage under
+    way. Stages: the config's checks, the tracking records, then `TrainingRun.open`'s (`OPEN_STAGES`), then "open".
+    """
+
+    def __init__(self, logger: Any, cfg: TidalConfig):
+        self.logger, self.cfg = logger, cfg
+        self.t_open = self.t_stage = time.monotonic()
+        self.kind = "cpu"                    # the device kind, once the config's checks found it
+        self.run: TrainingRun | None = None  # set once it exists: the lines after its stages read it
+        self.current: str | None = None      # the stage of `TrainingRun.open` under way
+
+    def say(self, done: str, next_: str | None) -> None:
+        """`<done> (<seconds> s); <next>...`; the stage's clock restarts."""
+        now = time.monotonic()
+        self.logger.info("%s (%.1f s)%s", done, now - self.t_stage, f"; {next_}..." if next_ else "")
+        self.t_stage = now
+
+    def begins(self, stage: str) -> str:
+        """What `stage` of `TrainingRun.open` does, as the line before it says."""
+        return {"model": "loading the model (a checkpoint, the cached warm start, or a warm start)",
+                "workers": f"starting Ray and {self.cfg.cluster.num_devices} workers ({self.kind} devices)",
+                "pipeline": "placing the weights on the workers",
+                "evaluation": f"the first held-out evaluation ({self.cfg.data.eval_size} prompts)"}.get(stage, stage)
+
+    def ended(self, stage: str | None) -> str:
+        """What `stage` of `TrainingRun.open` did, read from the run (None: the tracking records, just before)."""
+        run = cast("TrainingRun", self.run)
+        if stage is None:
+            return "tracking ready"
+        if stage == "model":
+            meta = getattr(run, "ws_meta", {})
+            acc = meta.get("heldout_accuracy")
+            return f"model loaded: {meta.get('source', '?')}" + (f", held-out {acc:.3f}" if acc is not None else "")
+        if stage == "workers":
+            return f"Ray up, {self.cfg.cluster.num_devices} workers started"
+        if stage == "pipeline":
+            return "weights placed on the workers"
+        return f"first evaluation: held-out accuracy {run.evals[-1][1]:.3f}"
+
+    def stage(self, name: str) -> None:
+        """`TrainingRun.open`'s `on_stage`: the line between the stage that ended and `name`."""
+        done, self.current = self.ended(self.current), name
+        if name != "open":
+            self.say(done, self.begins(name))
+            return
+        self.say(done, None)
+        self.logger.info("run open after %.1f s: step 0 of %d next", time.monotonic() - self.t_open,
+                         self.cfg.run.num_steps)
+
+
+@task(name="open-run", cache_policy=NO_CACHE)
 def open_run(request: TrainingRequest) -> OpenedRun:
-    """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process."""
+    """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process.
+
+    A task, so the flow run's page shows the opening as it goes: a line in this task's log per stage
+    (`OpeningLog`), and, as soon as the MLflow run exists, the run's progress artifact and a markdown artifact with
+    the way to its MLflow run."""
     from tidal.pipeline.preflight import preflight
     from tidal.pipeline.run import TrainingRun
+    logger = get_run_logger()   # this task's log, on the flow run's page
+    logger.info("opening the run: checking the config %s", request.config)
     cfg = load_run_config(request.config, request.config_overrides())
+    opening = OpeningLog(logger, cfg)
     request.check_against(cfg)
+    logger.info("settings of this run:\n%s", "\n".join(request.effective(cfg)))
     checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
     out = run_dir(cfg)
+    opening.kind = checked[1]
+    opening.say(f"config checked: {cfg.run.name}, {cfg.run.num_steps} steps, policy {policy_name(cfg)}, "
+                f"{cfg.cluster.num_devices} {checked[1]} devices", "opening the tracking records")
     tracking = open_tracking(cfg, out) if request.track else RunTracking.null(cfg)
-    logger = get_run_logger()   # the flow run's log in the Prefect UI: the warm start's progress shows there
+    progress = _announce(cfg, tracking, logger)
     run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
                       log_fn=lambda p: logger.info("warm start iter %d: loss %.3f held-out %.3f", p.iter, p.loss,
                                                    p.heldout_accuracy))
+    opening.run = run
     try:
-        run.open(checked=checked)
+        run.open(checked=checked, on_stage=opening.stage)
     except BaseException:
         tracking.close("FAILED")
         raise
+    _log_warnings(run)
     key = registry.put("run", _Live(run, tracking))
+    return OpenedRun(key, cfg.run.name, cfg.run.num_steps, policy_name(cfg), str(out), tracking.db_run_id,
+                     tracking.mlflow_run_id, progress)
+
+
+def _announce(cfg: TidalConfig, tracking: RunTracking, logger: Any) -> str:
+    """As soon as the run's records exist: its progress artifact (0 %), a markdown artifact with the way to its
+    MLflow run (key `<run name>-mlflow`) and the same in the log. Returns the progress artifact's id."""
+    sink = tracking.sink
+    uri, exp = (sink.uri, sink.experiment_id) if isinstance(sink, MlflowSink) else (None, None)
+    mlflow = mlflow_run_markdown(uri, exp, tracking.mlflow_run_id)
     progress = create_progress_artifact(0.0, key=artifact_key(cfg.run.name, "progress"),
                                         description=f"{cfg.run.name}: RL steps done of {cfg.run.num_steps}")
-    return OpenedRun(key, cfg.run.name, cfg.run.num_steps, policy_name(cfg), str(out), tracking.db_run_id,
-                     tracking.mlflow_run_id, str(progress))
+    create_markdown_artifact(f"# {cfg.run.name}\n\n{mlflow}\n\nDatabase row: {tracking.db_run_id}\n",
+                             key=artifact_key(cfg.run.name, "mlflow"),
+                             description=f"{cfg.run.name}: its MLflow run, from the start")
+    logger.info("tracking: database row %s; %s", tracking.db_run_id, mlflow)
+    return str(progress)
 
 
 def report_step(run: OpenedRun, step: int, metrics: dict[str, float]) -> None:
-    """After step `step`: one line in this flow run's log (`tasks.reporting.step_line`) and the progress artifact
-    at the steps done. Called from the flow, so the line is the flow run's own, not a subflow's or a task's."""
+    """After step `step`: one line in this flow run's log (`tasks.reporting.step_line`), the warnings the step
+    raised, and the progress artifact at the steps done. Called from the flow, so the lines are the flow run's
+    own, not a subflow's or a task's: the run's page holds every step and every warning."""
     get_run_logger().info("%s", step_line(step, run.num_steps, metrics))
+    _log_warnings(_live(run.key).run)
     if run.progress_artifact_id is not None:
         update_progress_artifact(UUID(run.progress_artifact_id), progress_percent(step + 1, run.num_steps))
 
@@ -201,12 +296,9 @@ def recover_run(key: str, failure: BaseException) -> int:
 
 @task(name="record-step", cache_policy=NO_CACHE)
 def record_step(key: str) -> dict[str, float]:
-    """The step's metrics and events to MLflow, its rows to the database; a warning the step raised goes to the
-    flow run's log (tidal.pipeline.run_warnings)."""
-    run = _live(key).run
-    out = run.record()
-    _log_warnings(run)
-    return out
+    """The step's metrics and events to MLflow, its rows to the database. A warning the step raised
+    (tidal.pipeline.run_warnings) waits for `report_step`, which logs it on the run's own flow run."""
+    return _live(key).run.record()
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)
@@ -219,6 +311,7 @@ def finish_run(key: str) -> dict:
 
 
 def _log_warnings(run: TrainingRun) -> None:
+    """The run's warnings not yet shown, as warnings in the log of the flow run or task calling this."""
     for w in run.drain_warnings():
         get_run_logger().warning("%s", w.message)
 

@@ -1,9 +1,16 @@
 """The platform as a person uses it, in a browser: one story across the Prefect UI, MLflow and optuna-dashboard.
 
-    tidal up (free ports, own state dir)  ->  tidal serve --only rl-training  ->  tidal sweep ... --trials 2
+    tidal up (free ports, own state dir)  ->  source its env file  ->  tidal serve --only rl-training
+    ->  tidal sweep ... --trials 2 (to the services `up` started: its trials link their MLflow runs)
     Prefect UI: the deployment's run form, typed fields filled (config, policy, auto_scheduler, num_steps, seed)
-    -> the flow run completes -> its log holds a line per step -> its summary artifact links the MLflow run
-    -> MLflow UI: that run's page -> optuna-dashboard: the sweep's study, both trials
+    -> Submit -> the flow run's page shows the open-run task's first stage line within OPENING_VISIBLE_S
+    -> the flow run completes -> its log holds the opening's stages, then a line per step (`step 0 of 2` first)
+    -> its MLflow artifact (made as the run opened) links the MLflow run -> MLflow UI: that run's page in the
+    model-training view, its metrics listed, its description linking back to the flow run's page
+    -> optuna-dashboard: the sweep's study, both trials, the link to the sweep's MLflow run
+
+The times from Submit to the first opening line on the page and to each stage's line (the log's own timestamps)
+are printed (`pytest -s`) and written to `<tmp_path>/timings.json`.
 
 Headless Chromium (Debian's /usr/bin/chromium) driven by Playwright for Python, loopback only. Skipped, saying
 why, when either is missing (`apt-get install -y chromium`, `pip install -e .[dev]`; `.ci/run` installs both).
@@ -16,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -33,6 +41,14 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
              "RAY_USAGE_STATS_ENABLED": "0"}
+
+#: seconds from Submit until the open-run task writes its first line (what the run is doing): the runner's poll
+#: (`tidal up`'s env file: PREFECT_RUNNER_POLL_FREQUENCY=1), the flow's process start, the task's start
+OPENING_LOGGED_S = 5.0
+#: seconds from Submit until the flow run's page shows that line: the above, the log's batching (the env file:
+#: PREFECT_LOGGING_TO_API_BATCH_INTERVAL=0.5), the page's load and the Prefect UI's own log refresh (about 3 s)
+OPENING_VISIBLE_S = 10.0
+STEP_LINE = re.compile(r"^step \d+ of \d+  reward ")
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,20 +95,36 @@ def _tidal(*args: str, env: dict, cwd: Path, timeout: float) -> subprocess.Compl
     return out
 
 
+def _sourced(env_file: Path) -> dict[str, str]:
+    """What `source <state>/env` exports (its lines are `export NAME=VALUE`, the value quoted for the shell)."""
+    out = {}
+    for line in env_file.read_text().splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        out[name] = shlex.split(value)[0]
+    return out
+
+
 @pytest.fixture
 def platform(tmp_path):
-    """`tidal up` on free ports with its own stores, and `tidal serve --only rl-training` against it, both in
-    `tmp_path` (runs' folders land there); yields the addresses and the serving environment."""
+    """`tidal up` on free ports with its own stores, and `tidal serve --only rl-training` in the environment its
+    env file gives, both in `tmp_path` (runs' folders land there); yields the addresses and that environment."""
     ports = {name: _free_port() for name in ("prefect", "mlflow", "optuna")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     env = {**os.environ, **TELEMETRY, "PREFECT_HOME": str(tmp_path / "prefect-client"),
-           "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db", "MLFLOW_TRACKING_URI": urls["mlflow"],
-           "PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
-    env.pop("TIDAL_OPTUNA_STORAGE", None)
+           "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db"}
+    for var in ("TIDAL_OPTUNA_STORAGE", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_RUNNER_POLL_FREQUENCY",
+                "PREFECT_LOGGING_TO_API_BATCH_INTERVAL"):
+        env.pop(var, None)
     state = tmp_path / "services"
     _tidal("up", "--state-dir", str(state), *(a for n, p in ports.items() for a in (f"--{n}-port", str(p))),
            "--mlflow-uri", f"sqlite:///{tmp_path}/mlruns.db", "--mlflow-artifacts", str(tmp_path / "mlartifacts"),
            "--optuna-storage", f"sqlite:///{tmp_path}/tidal.db", env=env, cwd=tmp_path, timeout=240)
+    sourced = _sourced(state / "env")   # what a person does next: `source .tidal/services/env`
+    assert sourced == {"PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+                       "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+                       "MLFLOW_TRACKING_URI": urls["mlflow"], "TIDAL_OPTUNA_STORAGE": f"sqlite:///{tmp_path}/tidal.db",
+                       "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db"}, sourced
+    env.update(sourced)
     log = tmp_path / "serve.log"
     serve = subprocess.Popen([str(Path(sys.executable).parent / "tidal"), "serve", "--only", "rl-training"], env=env,
                              cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,18 +155,12 @@ def _fill_run_form(page, config: str) -> None:
     page.get_by_text("Config (Optional)", exact=True).wait_for(timeout=60_000)
     page.locator("input").first.fill("browser-run")
     _property(page, "Config").locator("textarea").fill(config)
-    policy = _property(page, "Policy")
-    policy.get_by_role("button", name="str", exact=True).click()   # anyOf [policy, None]: pick the policy branch
-    policy.locator(".p-select-button__control").click()
-    page.keyboard.press("ArrowDown")
-    page.locator(".p-select-option__text", has_text=re.compile("^rlinf$")).click()
-    auto = _property(page, "Auto Scheduler")
-    auto.get_by_role("button", name="bool", exact=True).click()
-    auto.get_by_role("switch").click()   # on
+    for label, option in (("Policy", "rlinf"), ("Auto Scheduler", "true")):   # selects (enum, unset: null)
+        _property(page, label).locator(".p-select-button__control").click()
+        page.keyboard.press("ArrowDown")
+        page.locator(".p-select-option__text", has_text=re.compile(f"^{option}$")).click()
     for label, value in (("Num Steps", "2"), ("Seed", "3")):
-        field = _property(page, label)
-        field.get_by_role("button", name="int", exact=True).click()
-        field.locator("input[type=number]").fill(value)
+        _property(page, label).locator("input[type=number]").fill(value)
 
 
 def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platform, tmp_path):
@@ -155,42 +181,68 @@ def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platf
         # 1. the Prefect UI's run form: typed fields, then Submit
         page.goto(f"{urls['prefect']}/deployments/deployment/{dep['id']}/run")
         _fill_run_form(page, str(REPO / "experiments/tiny_dynamic.yaml"))
-        page.get_by_role("button", name="Submit", exact=True).click()
-        page.wait_for_url(re.compile(rf"/deployments/deployment/{dep['id']}"))
+        submit = page.get_by_role("button", name="Submit", exact=True)
+        t_submit, wall_submit = time.monotonic(), time.time()
+        submit.click()
         (run,) = _wait("the flow run made by the form", lambda: _http("POST", f"{api}/flow_runs/filter", {
-            "flow_runs": {"name": {"any_": ["browser-run"]}}}), 30)
-        assert run["parameters"]["request"] == {
-            "config": str(REPO / "experiments/tiny_dynamic.yaml"), "policy": "rlinf", "auto_scheduler": True,
-            "num_steps": 2, "seed": 3, "use_pre_process_policy": None, "use_wait_before_last_iter_policy": None,
-            "overrides": [], "track": True}
+            "flow_runs": {"name": {"any_": ["browser-run"]}}}), 30, every_s=0.2)
+        sent = {k: v for k, v in run["parameters"]["request"].items() if v not in (None, "", [])}   # unset: absent
+        assert sent == {"config": str(REPO / "experiments/tiny_dynamic.yaml"), "policy": "rlinf",
+                        "auto_scheduler": True, "num_steps": 2, "seed": 3, "track": True}, sent
+
+        # 2. its page at once: the opening shows as it goes (the open-run task's first line), within seconds
+        page.goto(f"{urls['prefect']}/runs/flow-run/{run['id']}")
+        page.get_by_text(re.compile(r"^opening the run: checking the config ")).first.wait_for(timeout=60_000)
+        opening_visible_s = time.monotonic() - t_submit
+        page.get_by_text(re.compile(r"^open-run-")).first.wait_for()   # the task, by name, on the page
 
         def final():
             fr = _http("GET", f"{api}/flow_runs/{run['id']}")
             return fr if fr["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
         fr = _wait("the flow run finished", final, 300, serve_log, every_s=2.0)
         assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n{serve_log.read_text()[-4000:]}"
+        timings = _opening_timings(api, run["id"], wall_submit)
+        timings["opening_line_on_page_s"] = round(opening_visible_s, 2)
+        (tmp_path / "timings.json").write_text(json.dumps(timings, indent=1))
+        print(f"\nfrom Submit (s): {json.dumps(timings, indent=1)}")
+        assert timings["opening the run"] < OPENING_LOGGED_S and opening_visible_s < OPENING_VISIBLE_S, timings
 
-        # 2. its page: a log line per step, then its summary artifact
-        page.goto(f"{urls['prefect']}/runs/flow-run/{run['id']}")
-        for step in ("step 1/2", "step 2/2"):
+        # 3. the page: the opening's stages, a log line per step, the artifacts
+        page.reload()
+        for stage in ("config checked", "tracking ready", "model loaded", r"Ray up, 4 workers started",
+                      "weights placed", "first evaluation", "run open after"):
+            page.get_by_text(re.compile(rf"^{stage}")).first.wait_for(timeout=30_000)
+        for step in ("step 0 of 2", "step 1 of 2"):
             page.get_by_text(re.compile(rf"^{step}  reward .* reshards? ")).first.wait_for(timeout=60_000)
         page.get_by_text("Artifacts", exact=True).click()
         page.get_by_text("tiny-dynamic-progress", exact=True).wait_for()
         page.get_by_text("tiny-dynamic-summary", exact=True).click()
         page.get_by_role("cell", name="policy", exact=True).wait_for()
         assert page.get_by_role("row").filter(has_text=re.compile(r"^\s*steps\s*2\s*$")).count() == 1
+        page.goto(f"{urls['prefect']}/runs/flow-run/{run['id']}")
+        page.get_by_text("Artifacts", exact=True).click()
+        page.get_by_text("tiny-dynamic-mlflow", exact=True).click()   # made as the run opened
         link = page.locator("a[href*='/#/experiments/']")
         href = link.get_attribute("href")
-        assert href is not None and href.startswith(f"{urls['mlflow']}/#/experiments/")
-        run_id = href.rsplit("/", 1)[-1]
+        assert href is not None and href.startswith(f"{urls['mlflow']}/#/experiments/"), href
+        assert href.endswith("?workflowType=machine_learning"), href
+        run_id = href.split("/runs/", 1)[1].split("?")[0]
 
-        # 3. follow it: MLflow's page of the same run (it opens in a new tab)
+        # 4. follow it: MLflow's page of the same run (a new tab), in the model-training view: its metrics listed,
+        # its description a link back to the flow run's page
         with page.context.expect_page() as opened:
             link.click()
         mlflow_page = opened.value
         mlflow_page.get_by_text(re.compile(r"^tiny-dynamic-rlinf-\d{8}-\d{6}")).first.wait_for(timeout=60_000)
         assert run_id in mlflow_page.title()
-        mlflow_page.get_by_text(re.compile(r"\bbrowser-run\b")).first.wait_for()   # tag prefect.flow_run_name
+        assert "workflowType=machine_learning" in mlflow_page.url
+        mlflow_page.get_by_text("grpo/reward_mean", exact=True).first.wait_for()   # the run's metrics
+        mlflow_page.screenshot(path=str(tmp_path / "mlflow-run.png"))   # for a person reading a failure
+        back = mlflow_page.locator(f"a[href='{urls['prefect']}/runs/flow-run/{run['id']}']")
+        back.first.wait_for()
+        assert back.first.inner_text().strip() == "browser-run"   # the description's link, named as the run
+        mlflow_page.goto(back.first.get_attribute("href") or "")
+        mlflow_page.get_by_text(re.compile(r"^run open after ")).first.wait_for()   # the flow run's own page
 
         # 4. the sweep in optuna-dashboard: its study, both trials
         page.goto(f"{urls['optuna']}/dashboard")
@@ -199,4 +251,26 @@ def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platf
         for trial in ("Trial 0", "Trial 1"):
             page.get_by_text(trial, exact=True).first.wait_for()
         page.get_by_text("mlflow_parent_run_id", exact=True).wait_for()   # and the way to its MLflow runs
+        page.get_by_text("mlflow_parent_run_url", exact=True).wait_for()   # a link: runs log to the MLflow server
         browser.close()
+
+
+def _opening_timings(api: str, flow_run_id: str, wall_submit: float) -> dict[str, float]:
+    """Seconds from Submit to the first line of each stage of the opening and to the first step's line, from the
+    flow run's log (the lines' own timestamps, the server's clock: this machine's)."""
+    from datetime import datetime
+    logs = _http("POST", f"{api}/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
+                                                "sort": "TIMESTAMP_ASC"})
+    marks = {"first log line": None, "opening the run": "opening the run", "config checked": "config checked",
+             "tracking ready": "tracking ready", "model loaded": "model loaded",
+             "workers started": "Ray up", "weights placed": "weights placed",
+             "first evaluation": "first evaluation", "run open": "run open after"}
+    out: dict[str, float] = {}
+    for name, prefix in marks.items():
+        hit = next((lg for lg in logs if prefix is None or lg["message"].startswith(prefix)), None)
+        if hit is not None:
+            out[name] = round(datetime.fromisoformat(hit["timestamp"]).timestamp() - wall_submit, 2)
+    step = next((lg for lg in logs if STEP_LINE.match(lg["message"])), None)
+    assert step is not None, [lg["message"] for lg in logs]
+    out["first step line"] = round(datetime.fromisoformat(step["timestamp"]).timestamp() - wall_submit, 2)
+    return out

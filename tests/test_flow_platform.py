@@ -1,5 +1,7 @@
-"""The platform as a flow run shows it: the database row links the flow run and the MLflow run; the flow run's log
-holds a line per RL step, its artifacts the run's progress and, at the end, its summary and MLflow address.
+"""The platform as a flow run shows it: the database row links the flow run and the MLflow run (whose description
+links back); the flow run's log holds a line per stage of the opening (its open-run task), a line per RL step
+(`step 0 of 2` first: the step index MLflow and the subflows use) and the run's warnings; its artifacts the run's
+progress and its MLflow run from the moment that run exists, and at the end its summary.
 
 Flows run in this process on a temporary local Prefect server (Prefect's own test harness: a real server and
 database, nothing mocked); what the flow wrote is read back through the Prefect API, MLflow's client and the
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -67,16 +70,23 @@ def test_the_run_row_holds_the_flow_run_and_the_mlflow_run(local_prefect, tmp_pa
         (row,) = list_runs(s, prefect_flow_run_id=flow_run_id)
         assert (row.id, row.mlflow_run_id, row.status) == (db_run_id, mlflow_run_id, "finished")
     engine.dispose()
-    tags = MlflowClient(tracking_uri=cfg.tracking.mlflow_uri).get_run(mlflow_run_id).data.tags
+    client = MlflowClient(tracking_uri=cfg.tracking.mlflow_uri)
+    tags = client.get_run(mlflow_run_id).data.tags
     assert tags["prefect.flow_run_id"] == flow_run_id and tags["tidal.db_run_id"] == str(db_run_id)
+    assert flow_run_id in tags["mlflow.note.content"]   # the description: the way back to the flow run
+    exp = client.get_experiment(client.get_run(mlflow_run_id).info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"   # MLflow opens it for model training
 
 
+#: a step's line in the flow run's log (`tasks.reporting.step_line`), not a warning that names a step
+STEP_LINE = re.compile(r"step \d+ of \d+  reward ")
 #: 2 rlinf steps on 4 CPU virtual devices, seconds each; the actor reshards (how often follows the timing)
 TINY = REPO / "experiments/tiny_dynamic.yaml"
 
 
-def _read(flow_run_id: str):
-    """The flow run's log lines (its own, not its subflows') and its artifacts, through the Prefect API."""
+def _read(flow_run_id: str, timed: bool = False):
+    """The flow run's log lines (its own and its tasks', not its subflows') and its artifacts, through the Prefect
+    API; `timed`: each line as (timestamp, message)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
@@ -86,7 +96,8 @@ def _read(flow_run_id: str):
             logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
             arts = await client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
-            return [lg.message for lg in logs], {a.key: a for a in arts}
+            lines = [(lg.timestamp, lg.message) if timed else lg.message for lg in logs]
+            return lines, {a.key: a for a in arts}
     return asyncio.run(read())
 
 
@@ -105,17 +116,27 @@ def test_a_flow_run_shows_each_step_its_progress_and_the_summary(local_prefect, 
 
     deadline = time.monotonic() + 60   # logs reach the server in batches, a moment after the flow ends
     lines, arts = _read(flow_run_id)
-    while sum(line.startswith("step ") for line in lines) < 2 and time.monotonic() < deadline:
+    while sum(bool(STEP_LINE.match(line)) for line in lines) < 2 and time.monotonic() < deadline:
         time.sleep(1)
         lines, arts = _read(flow_run_id)
-    steps = [line for line in lines if line.startswith("step ")]
-    assert [line.split("  ")[0] for line in steps] == ["step 1/2", "step 2/2"], lines
+    steps = [line for line in lines if STEP_LINE.match(line)]
+    assert [line.split("  ")[0] for line in steps] == ["step 0 of 2", "step 1 of 2"], lines
+    # the opening, a line per stage, in order, before the first step
+    stages = ("opening the run", "config checked", "tracking: database row", "tracking ready",
+              "model loaded", "workers started", "weights placed", "first evaluation", "run open after")
+    found = [next((i for i, line in enumerate(lines) if stage in line), -1) for stage in stages]
+    assert -1 not in found and found == sorted(found) and found[-1] < lines.index(steps[0]), (found, lines)
     for line in steps:   # reward, held-out (evaluated every step), time, phases, moves
         assert "reward " in line and "held-out " in line and "generate " in line and "sync " in line
     moves = [int(line.split("| ")[-1].split(" reshard")[0]) for line in steps]
     assert sum(moves) == summary["reshards"], (steps, summary["reshards"])
 
-    assert set(arts) >= {"tiny-flow-progress", "tiny-flow-summary"}, sorted(arts)
+    assert set(arts) >= {"tiny-flow-progress", "tiny-flow-mlflow", "tiny-flow-summary"}, sorted(arts)
+    timed, _ = _read(flow_run_id, timed=True)
+    first_step_at = min(t for t, line in timed if STEP_LINE.match(line))
+    for key in ("tiny-flow-progress", "tiny-flow-mlflow"):   # made as the run opened, not at its end
+        assert arts[key].created < first_step_at, (key, arts[key].created, first_step_at)
+    assert f"`{summary['mlflow_run_id']}`" in arts["tiny-flow-mlflow"].data
     assert arts["tiny-flow-progress"].type == "progress" and arts["tiny-flow-progress"].data == 100.0
     md = arts["tiny-flow-summary"]
     assert md.type == "markdown" and "| steps | 2 |" in md.data and f"| reshards | {summary['reshards']} |" in md.data
@@ -130,6 +151,40 @@ def test_a_flow_run_shows_each_step_its_progress_and_the_summary(local_prefect, 
     history = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlruns.db").get_metric_history(
         summary["mlflow_run_id"], "reshard/count")
     assert sum(m.value for m in history) == summary["reshards"]
+
+
+def test_a_steps_warning_lands_on_the_runs_own_log(local_prefect):
+    """A warning a step raised (tidal.pipeline.run_warnings) is logged by `report_step` in the parent flow run,
+    whose page the user watches, not in the step's subflow."""
+    from types import SimpleNamespace
+
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from tasks import registry
+    from tasks.training import OpenedRun, _Live, report_step
+    from tidal.pipeline.run_warnings import RunWarning
+    pending = [RunWarning("zero_advantage", "step 0: every group has zero advantage")]
+    fake = SimpleNamespace(drain_warnings=lambda: [pending.pop()] if pending else [])
+    key = registry.put("run", _Live(fake, None))  # type: ignore[arg-type]
+
+    @flow(name="warned")
+    def warned() -> str:
+        report_step(OpenedRun(key, "w", 2, "rlinf", "", None, None), 0, {"step/time_s": 1.0})
+        return str(flow_run.id)
+
+    try:
+        flow_run_id = warned()
+    finally:
+        registry.pop(key)
+    deadline = time.monotonic() + 30
+    lines, _ = _read(flow_run_id)
+    while not any("zero advantage" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(1)
+        lines, _ = _read(flow_run_id)
+    steps = [line for line in lines if STEP_LINE.match(line)]
+    assert len(steps) == 1 and steps[0].startswith("step 0 of 2  reward "), lines
+    assert "step 0: every group has zero advantage" in lines, lines
 
 
 def test_the_deployment_refuses_bad_typed_fields_when_the_run_is_asked_for(local_prefect):

@@ -148,6 +148,92 @@ def test_bad_config_in_a_request_is_a_config_error_naming_the_field():
         load_run_config(REPO / "experiments/rlinf_dynamic.yaml", ["run.num_stepz=2"])
 
 
+
+# ---- links between Prefect and MLflow; the opening's lines ------------------------------------------------------
+
+def test_tidals_experiments_open_in_mlflows_model_training_view(tmp_path):
+    """MLflow 3 opens an experiment as GenAI unless its kind says otherwise: a new experiment is created with the
+    kind, an existing one without a kind (or with one MLflow only inferred) gets it, a person's choice stays."""
+    from mlflow.tracking import MlflowClient
+
+    from tidal.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MlflowSink
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    client = MlflowClient(tracking_uri=uri)
+
+    def kind(name: str) -> str | None:
+        MlflowSink(uri, name, str(tmp_path / "art"))
+        return client.get_experiment_by_name(name).tags.get(EXPERIMENT_KIND_TAG)
+    assert EXPERIMENT_KIND == "custom_model_development" and kind("new") == EXPERIMENT_KIND
+    client.create_experiment("untagged")
+    assert kind("untagged") == EXPERIMENT_KIND
+    client.create_experiment("inferred", tags={EXPERIMENT_KIND_TAG: "genai_development_inferred"})
+    assert kind("inferred") == EXPERIMENT_KIND
+    client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert kind("chosen") == "genai_development"
+
+
+def test_every_mlflow_link_opens_the_run_in_the_model_training_view():
+    from tasks.reporting import mlflow_run_markdown
+    from tidal.tracking import run_url, ui_run_url
+    page = "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    assert ui_run_url("http://127.0.0.1:5000/", "3", "abc") == run_url("http://127.0.0.1:5000", "3", "abc") == page
+    assert f"({page})" in mlflow_run_markdown("http://127.0.0.1:5000", "3", "abc")
+    assert f"({page})" in mlflow_run_markdown("sqlite:///mlruns.db", "3", "abc")   # `mlflow ui`'s page
+
+
+def test_the_mlflow_runs_description_links_its_flow_run():
+    from tidal.tracking import flow_run_note
+    url = "http://127.0.0.1:4200/runs/flow-run/1f0c"
+    assert flow_run_note(url, "brave-fox", "1f0c") == (
+        f"Driven by the Prefect flow run [brave-fox]({url}): its log, tasks and artifacts.")
+    assert flow_run_note(url, "a [b]", "1f0c").startswith("Driven by the Prefect flow run [a (b)](")
+    assert flow_run_note(None, "brave-fox", "1f0c") == "Driven by the Prefect flow run `brave-fox` (id `1f0c`)."
+    assert flow_run_note(None, None, None) is None
+
+
+def test_prefect_links_name_the_flow_runs_page_from_the_api_url(monkeypatch):
+    """Outside a flow run there is nothing to link; inside one, the page is PREFECT_UI_URL's (derived from
+    PREFECT_API_URL) `/runs/flow-run/<id>`, in the tag and in the description."""
+    import uuid
+    from types import SimpleNamespace
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+
+    import tasks.training
+    from tasks.training import prefect_links
+    assert prefect_links() == {}
+    fid = uuid.uuid4()
+    monkeypatch.setattr(tasks.training, "flow_run", SimpleNamespace(id=fid, name="brave-fox"))
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4321/api"}, restore_defaults={PREFECT_UI_URL}):
+        links = prefect_links()
+    page = f"http://127.0.0.1:4321/runs/flow-run/{fid}"
+    assert links["prefect.flow_run_id"] == str(fid) and links["prefect.flow_run_url"] == page
+    assert links["mlflow.note.content"] == f"Driven by the Prefect flow run [brave-fox]({page}): its log, tasks " \
+                                           "and artifacts."
+
+
+def test_the_opening_logs_a_line_per_stage_each_naming_the_next():
+    """`OpeningLog` as `TrainingRun.open` calls it: a line as each stage ends (what it did, seconds, what comes
+    next), then the run open; nothing between two lines but one stage."""
+    from types import SimpleNamespace
+
+    from tasks.training import OpeningLog
+    from tidal.pipeline.run import OPEN_STAGES
+    lines: list[str] = []
+    logger = SimpleNamespace(info=lambda fmt, *args: lines.append(fmt % args))
+    cfg = load_run_config(REPO / "experiments/tiny_dynamic.yaml")
+    opening = OpeningLog(logger, cfg)
+    opening.run = SimpleNamespace(ws_meta={"source": "warm start", "heldout_accuracy": 0.25},   # type: ignore
+                                  evals=[(0, 0.5)])
+    for stage in (*OPEN_STAGES, "open"):
+        opening.stage(stage)
+    assert [line.split(" (")[0] for line in lines[:-1]] == [
+        "tracking ready", "model loaded: warm start, held-out 0.250", "Ray up, 4 workers started",
+        "weights placed on the workers", "first evaluation: held-out accuracy 0.500"]
+    assert lines[0].endswith("; loading the model (a checkpoint, the cached warm start, or a warm start)...")
+    assert lines[1].endswith("; starting Ray and 4 workers (cpu devices)...")
+    assert lines[-1].startswith("run open after ") and lines[-1].endswith(" s: step 0 of 2 next")
+
 # ---- a real Prefect server, served deployments, REST-triggered runs --------------------------------------------
 
 def _free_port() -> int:

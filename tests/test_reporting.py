@@ -24,7 +24,7 @@ STEP = {"grpo/reward_mean": 0.41234, "eval/heldout_accuracy": 0.5625, "step/time
 
 def test_step_line_holds_reward_heldout_time_phases_and_moves():
     assert step_line(1, 10, STEP) == (
-        "step 2/10  reward 0.412  held-out 0.562  3.84 s | generate 2.91  score 0.62  train 1.80 device-s  "
+        "step 1 of 10  reward 0.412  held-out 0.562  3.84 s | generate 2.91  score 0.62  train 1.80 device-s  "
         "sync 0.21 s | 2 reshards 0.09 s  1 migration 0.02 s")
 
 
@@ -33,7 +33,7 @@ def test_step_line_of_a_step_without_evaluation_or_moves():
     m.update({"reshard/count": 0.0, "reshard/total_s": 0.0, "migration/count": 0.0, "migration/total_s": 0.0})
     line = step_line(0, 2, m)
     assert "held-out" not in line
-    assert line.endswith("| 0 reshards 0.00 s  0 migrations 0.00 s") and line.startswith("step 1/2  reward 0.412")
+    assert line.endswith("| 0 reshards 0.00 s  0 migrations 0.00 s") and line.startswith("step 0 of 2  reward 0.412")
 
 
 @pytest.mark.parametrize("name", ["addition-dynamic", "Addition_Dynamic", "run.v2", "-x-", "a  b", "ÜBER", "--"])
@@ -54,10 +54,10 @@ def test_progress_is_a_percent_of_steps_done():
 
 def test_mlflow_address_for_a_server_a_local_store_and_no_tracking():
     assert mlflow_run_markdown("http://127.0.0.1:5000/", "3", "abc") == (
-        "MLflow run: [abc](http://127.0.0.1:5000/#/experiments/3/runs/abc)")
+        "MLflow run: [abc](http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning)")
     local = mlflow_run_markdown("sqlite:///mlruns.db", "1", "abc")
     assert "`abc`" in local and "mlflow ui --backend-store-uri sqlite:///mlruns.db --host 127.0.0.1" in local
-    assert "(http://127.0.0.1:5000/#/experiments/1/runs/abc)" in local
+    assert "(http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning)" in local
     assert mlflow_run_markdown(None, None, None).startswith("MLflow: not tracked")
 
 

@@ -143,6 +143,38 @@ def test_the_dashboard_and_the_sweep_share_one_storage(tmp_path, monkeypatch):
     assert services.default_stores()[1] == storage_url(TidalConfig(), None) == "sqlite:///studies.db"
 
 
+def _record(name: str, port: int) -> PidRecord:
+    return PidRecord(name, 1, "127.0.0.1", port, f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{port}/h", name,
+                     f"{name}.log", 0.0)
+
+
+def test_the_env_file_points_runs_and_sweeps_at_the_services_up_started(tmp_path, monkeypatch):
+    """Sourcing `<state>/env`: flows use the Prefect server (and start within seconds of a submit), runs log to the
+    MLflow server, sweeps write the storage the dashboard shows, and the platform database is that storage."""
+    monkeypatch.chdir(tmp_path)
+    recs = [_record("prefect", 4201), _record("mlflow", 5001), _record("optuna", 8081)]
+    opts = UpOptions(tmp_path / "state", optuna_storage="sqlite:///tidal.db")
+    db = f"sqlite:///{tmp_path.resolve()}/tidal.db"
+    assert services.env_lines(recs, opts, "sqlite:///tidal.db") == [
+        "export PREFECT_API_URL=http://127.0.0.1:4201/api", "export PREFECT_RUNNER_POLL_FREQUENCY=1",
+        "export PREFECT_LOGGING_TO_API_BATCH_INTERVAL=0.5",
+        "export MLFLOW_TRACKING_URI=http://127.0.0.1:5001", f"export TIDAL_OPTUNA_STORAGE={db}",
+        f"export TIDAL_DB_URL={db}"]
+    # a dashboard on its own storage: the platform database is left as it is
+    other = UpOptions(tmp_path / "state", optuna_storage="postgresql://u:p@db/studies?x=1&y=2")
+    assert services.env_lines(recs[2:], other, "sqlite:///tidal.db") == [
+        "export TIDAL_OPTUNA_STORAGE='postgresql://u:p@db/studies?x=1&y=2'"]
+    assert services.env_lines(recs[1:2], opts, "sqlite:///tidal.db") == [
+        "export MLFLOW_TRACKING_URI=http://127.0.0.1:5001"]
+    # sourced by a shell: the variables as a run reads them
+    monkeypatch.delenv("TIDAL_DB_URL", raising=False)
+    path = services.write_env(tmp_path, opts, recs)
+    assert path.stat().st_mode & 0o077 == 0   # a store URL may hold a password
+    out = subprocess.run(["bash", "-c", f"source {path} && echo $MLFLOW_TRACKING_URI $TIDAL_DB_URL"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["http://127.0.0.1:5001", db]
+
+
 def test_a_running_service_asked_for_other_settings_is_refused(tmp_path):
     """`tidal up` with another store than the running dashboard's: an error naming the service and the way out,
     nothing restarted; the same settings again: reused."""

@@ -293,5 +293,6 @@ def test_compare_groups_runs_by_policy_and_by_sweep(tmp_path):
 
 
 def test_run_url_names_a_servers_run_page_only():
-    assert run_url("http://127.0.0.1:5000/", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+    assert run_url("http://127.0.0.1:5000/", "3", "abc") == (
+        "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning")   # the model-training view
     assert run_url("sqlite:///mlruns.db", "3", "abc") is None

@@ -52,6 +52,15 @@ directory, made absolute) so files land where the config says, not in the curren
 An experiment that already exists keeps the location it was created with (MLflow cannot move it); the sink
 exposes it as `artifact_root`.
 
+Experiment kind and links: MLflow 3's UI opens an experiment either as a GenAI app (traces, tokens, cost) or for
+model training (runs, metrics, charts). It keeps the choice in the experiment tag `mlflow.experimentKind`
+(`EXPERIMENT_KIND_TAG`) and, per page, in the `workflowType` query of the page's address (with no query: the
+browser's last choice, GenAI at first). Every experiment a sink opens carries the tag (set when the sink creates
+it, added when an existing one has none or only an inferred one; a kind a person chose stays), and every page
+address Tidal gives (`ui_run_url`, `run_url`) carries `?workflowType=machine_learning`, so a link lands on the
+run in the model-training view. A run's description (`NOTE_TAG`, markdown the run page renders) holds the way
+back to the Prefect flow run that drives it (`flow_run_note`).
+
 Reading runs back (`tidal compare`, `tidal/cli/compare.py`): `store_client(uri)` and `find_run(client, id)` keep
 mlflow's imports here. Runs carry the tags it groups by: `tidal.policy`, and on a sweep's trials `tidal.sweep`
 (the study) and `tidal.trial` (its number).
@@ -87,6 +96,14 @@ MAX_PARAMS_PER_BATCH = 100   # MAX_PARAMS_TAGS_PER_BATCH
 MAX_METRICS_PER_BATCH = 1000
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 EVENTS_TABLE = "events_table.json"
+#: the experiment tag in which MLflow 3 keeps an experiment's kind, and the kind of Tidal's (model training)
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+CHOSEN_KINDS = (EXPERIMENT_KIND, "genai_development")   # the kinds the UI's selector sets (others are inferred)
+#: the query that opens an MLflow 3 page in the model-training view whatever the browser chose last
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+#: the run tag MLflow shows (markdown, rendered) as the run's description
+NOTE_TAG = "mlflow.note.content"
 _BAD_CHARS = re.compile(r"[^\w.\- :/]")
 
 
@@ -339,9 +356,34 @@ def artifact_location(uri: str, artifacts: str | None) -> str | None:
     return Path(artifacts).expanduser().resolve().as_uri()
 
 
+def ui_run_url(ui: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI served at `ui`, in the model-training view (`MODEL_TRAINING_VIEW`): the
+    page lists the run's metrics, not an empty GenAI overview."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
+
+
 def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
     """The run's page in the MLflow UI of an `http(s)://` tracking server (None for a local store)."""
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}" if _is_server(uri) else None
+    return ui_run_url(uri, experiment_id, run_id) if _is_server(uri) else None
+
+
+def flow_run_note(flow_run_url: str | None, flow_run_name: str | None, flow_run_id: str | None) -> str | None:
+    """The description (`NOTE_TAG`, markdown) of an MLflow run that a Prefect flow run drives: a link to the flow
+    run's page where its address is known, else its name and id (a flow run on a temporary server has no page to
+    link). None without a flow run."""
+    if not flow_run_id:
+        return None
+    name = (flow_run_name or flow_run_id).replace("[", "(").replace("]", ")")
+    if flow_run_url:
+        return f"Driven by the Prefect flow run [{name}]({flow_run_url}): its log, tasks and artifacts."
+    return f"Driven by the Prefect flow run `{name}` (id `{flow_run_id}`)."
+
+
+def _mark_model_training(client: MlflowClient, experiment: Any) -> None:
+    """Tag an experiment (mlflow.entities.Experiment) as model training (`EXPERIMENT_KIND`) unless a person chose
+    its kind (`CHOSEN_KINDS`); an untagged one, or one whose kind MLflow only inferred, gets the tag."""
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) not in CHOSEN_KINDS:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
 class MlflowSink(_EventsMixin):
@@ -354,10 +396,12 @@ class MlflowSink(_EventsMixin):
         self._stack: list[_RunState] = []
         exp = self._client.get_experiment_by_name(experiment)
         if exp is None:
-            self.experiment_id = self._client.create_experiment(experiment,
-                                                                artifact_location=artifact_location(uri, artifacts))
+            self.experiment_id = self._client.create_experiment(
+                experiment, artifact_location=artifact_location(uri, artifacts),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         else:
             self.experiment_id = exp.experiment_id
+            _mark_model_training(self._client, exp)
         self.artifact_root = self._client.get_experiment(self.experiment_id).artifact_location
 
     @classmethod

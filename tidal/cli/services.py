@@ -11,7 +11,7 @@ spawns, e.g. MLflow's uvicorn worker), with its log and a JSON pid file in the s
         prefect.pid  prefect.log  prefect/   (PREFECT_HOME: the server's SQLite database)
         mlflow.pid   mlflow.log
         optuna.pid   optuna.log
-        env          (`export PREFECT_API_URL=...`: source it so flows use this server)
+        env          (`source` it: flows, runs and sweeps then use these services, see `env_lines`)
 
 MLflow serves the same store the runs write (`tracking.mlflow_uri`: $MLFLOW_TRACKING_URI, else
 `sqlite:///mlruns.db` in the current directory) and optuna-dashboard the store `tidal sweep` writes
@@ -44,6 +44,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -403,10 +404,59 @@ def up(opts: UpOptions, log: Log = print) -> tuple[list[PidRecord], dict[str, st
         if wrong:
             log(f"  warning: {rec.name} also listens on {', '.join(f'{a}:{p}' for a, p in wrong)}, "
                 f"not only {rec.host}")
-    if any(r.name == "prefect" for r in ok):
-        prefect = next(r for r in ok if r.name == "prefect")
-        (state / "env").write_text(f"export PREFECT_API_URL={prefect.url.rstrip('/')}/api\n")
+    write_env(state, opts, ok)
     return ok, failed
+
+
+#: how often a served deployment asks the server for runs to start (Prefect's default: 10 s), and how long a flow
+#: run's log lines wait before they are sent (default 2 s): a run submitted in the UI starts within the first, and
+#: its page shows each line of the opening the second after it is written. Both cost a request a second or two to
+#: a server on this machine.
+RUNNER_POLL_S = 1
+LOG_BATCH_S = 0.5
+
+
+def env_lines(recs: list[PidRecord], opts: UpOptions, db_url: str) -> list[str]:
+    """The `export` lines that point flows, runs and sweeps at the running services `recs`:
+
+        PREFECT_API_URL                 the Prefect server (the UI's address, PREFECT_UI_URL, follows from it)
+        PREFECT_RUNNER_POLL_FREQUENCY   RUNNER_POLL_S, so a submitted run starts within a second
+        PREFECT_LOGGING_TO_API_BATCH_INTERVAL   LOG_BATCH_S, so its page shows a log line half a second after it
+        MLFLOW_TRACKING_URI             the MLflow server: runs log there (tracking.mlflow_uri), links open its pages
+        TIDAL_OPTUNA_STORAGE            the storage optuna-dashboard shows: `tidal sweep` writes its studies there
+        TIDAL_DB_URL                    the platform database (`db_url`, made absolute), where the dashboard's
+                                        storage is that database (`tidal sweep`'s default): one database, wherever
+                                        a run or sweep starts
+
+    Store URLs are quoted for the shell (`write_env` makes the file readable by its owner only: a store URL may
+    hold a password)."""
+    by = {r.name: r for r in recs}
+    lines = []
+    if "prefect" in by:
+        lines += [f"export PREFECT_API_URL={by['prefect'].url.rstrip('/')}/api",
+                  f"export PREFECT_RUNNER_POLL_FREQUENCY={RUNNER_POLL_S}",
+                  f"export PREFECT_LOGGING_TO_API_BATCH_INTERVAL={LOG_BATCH_S}"]
+    if "mlflow" in by:
+        lines.append(f"export MLFLOW_TRACKING_URI={by['mlflow'].url.rstrip('/')}")
+    if "optuna" in by:
+        storage = absolute_sqlite(opts.optuna_storage)
+        lines.append(f"export TIDAL_OPTUNA_STORAGE={shlex.quote(storage)}")
+        if storage == absolute_sqlite(db_url):
+            lines.append(f"export TIDAL_DB_URL={shlex.quote(storage)}")
+    return lines
+
+
+def write_env(state: Path, opts: UpOptions, started: list[PidRecord]) -> Path:
+    """`<state>/env` from every service running under `state` (those this `up` started or found, and those an
+    earlier `up --only ...` left running); returns its path."""
+    names = {r.name for r in started}
+    others = [r for n in SERVICES if n not in names and (r := read_record(state, n)) is not None and trusted(r)]
+    path = state / "env"
+    db_url = os.environ.get("TIDAL_DB_URL") or TrackingConfig.model_fields["db_url"].default
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text("".join(f"{line}\n" for line in env_lines([*started, *others], opts, db_url)))
+    return path
 
 
 # ---- down -------------------------------------------------------------------------------------------------------
@@ -504,8 +554,8 @@ def up_main(argv: list[str]) -> int:
     ok, failed = up(opts)
     for rec in ok:
         print(f"  {rec.name:<8} {rec.url:<28} pid {rec.pid}  log {rec.log}")
-    if any(r.name == "prefect" for r in ok):
-        print(f"  flows use this Prefect server after: source {state / 'env'}")
+    if ok:
+        print(f"  flows, runs and sweeps use these services after: source {state / 'env'}")
     for name, why in failed.items():
         print(f"error: {name} {why}", file=sys.stderr)
     return 1 if failed else 0

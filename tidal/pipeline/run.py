@@ -59,6 +59,9 @@ if TYPE_CHECKING:   # imported where used (the driver, the workers' runtime): no
 log = logging.getLogger("tidal.run")
 #: the failures `TrainingRun.recover` answers: a device lost beyond what a step absorbs, or a call hung past its limit
 RECOVERABLE: tuple[type[WorkerError], ...] = (WorkerDied, WorkerTimeout)
+#: the stages of `TrainingRun.open`, in order: the weights (warm start, cached, or a checkpoint), Ray and one worker
+#: per device, the pipeline on them (the weights placed), the held-out evaluation of the starting weights
+OPEN_STAGES = ("model", "workers", "pipeline", "evaluation")
 
 
 @dataclass
@@ -193,10 +196,13 @@ class TrainingRun:
         self.restarts: list[dict] = []
         self.host_copy: Path | None = None   # actor.redundancy: host: the folder of the newest copy (keep_host_copy)
 
-    def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None) -> TrainingRun:
+    def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None,
+             on_stage: Callable[[str], None] | None = None) -> TrainingRun:
         """Inputs, warm start, workers, the pipeline (and the resumed state). `checked`: this config's `preflight`,
-        when the caller ran it before creating the run's folder and records."""
+        when the caller ran it before creating the run's folder and records. `on_stage(name)`: told as each stage
+        begins (`OPEN_STAGES`) and with "open" once the run is open, so a caller can show which one is under way."""
         cfg = self.cfg
+        stage = on_stage or (lambda name: None)
         # every check `tidal validate` runs too, before any worker starts (tidal/pipeline/preflight.py)
         inputs, self.kind = checked or preflight(cfg, tracked=False, resume_from=resume_from)
         self.inputs = inputs
@@ -205,6 +211,7 @@ class TrainingRun:
         task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.t_run = time.monotonic()
+        stage("model")
         weights: dict | HFWeights | None = inputs.initial_weights()   # a checkpoint: read by each worker itself
         if weights is not None:
             self.ws_meta = {"source": str(cfg.model.path)}
@@ -214,12 +221,14 @@ class TrainingRun:
             self._warn(self.run_warnings.after_warm_start(self.ws_meta, cfg.warm_start.stop_at_accuracy))
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
         self.policy_name = cfg.scheduler.policy if cfg.cluster.auto_scheduler else "static"
+        stage("workers")
         self.group = WorkerGroup.start(list(range(cfg.cluster.num_devices)), device_kind=self.kind,
                                        compute_share=cfg.cluster.cpu_compute_share,
                                        share_period_s=cfg.cluster.cpu_share_period_ms / 1e3,
                                        ray_address=cfg.cluster.ray_address,
                                        cpu_cores=cfg.cluster.cpu_device_core_ids if self.kind == "cpu" else None)
         try:
+            stage("pipeline")
             self.pipe = Pipeline(cfg, self.group, run_spec(cfg, inputs), weights, self.policy or
                                  get_policy(self.policy_name),
                                  SchedState(PolicyParams.from_config(cfg), costs=cpu_e2e()), source=inputs.source)
@@ -228,10 +237,12 @@ class TrainingRun:
                 self.next_step = resume(self.pipe, resume_from)
             if not self.restarts:
                 self.first_step = self.next_step
+            stage("evaluation")
             self.evals.append((self.next_step, self.pipe.evaluate(self.heldout)))
         except BaseException:
             self.close()
             raise
+        stage("open")
         return self
 
     policy = None  # a test or sweep may set a policy callable before `open`
