@@ -24,6 +24,7 @@ live run they build, so they are one call; the task's log has a line per stage (
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from tidal.pipeline.run import TrainingRun
 
 log = logging.getLogger("tidal.tasks")
+#: seconds between the opening's lines while one stage goes on: the page never shows nothing for longer
+HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,24 @@ class OpeningLog:
         self.run: TrainingRun | None = None  # set once it exists: the lines after its stages read it
         self.current: str | None = None      # the stage of `TrainingRun.open` under way
 
+    def __enter__(self) -> OpeningLog:
+        """While the run opens, a line every HEARTBEAT_S that a stage goes on (Ray and the workers, a long warm
+        start): the page never goes longer than that without one."""
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="opening-heartbeat", daemon=True)
+        self._beat.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._beat.join(timeout=HEARTBEAT_S)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            stage = self.current
+            if stage is not None and stage != "open":
+                self.logger.info("... still %s (%.0f s)", self.begins(stage), time.monotonic() - self.t_stage)
+
     def say(self, done: str, next_: str | None) -> None:
         """`<done> (<seconds> s); <next>...`; the stage's clock restarts."""
         now = time.monotonic()
@@ -185,7 +206,8 @@ def open_run(request: TrainingRequest) -> OpenedRun:
                                                    p.heldout_accuracy))
     opening.run = run
     try:
-        run.open(checked=checked, on_stage=opening.stage)
+        with opening:
+            run.open(checked=checked, on_stage=opening.stage)
     except BaseException:
         tracking.close("FAILED")
         raise

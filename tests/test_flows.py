@@ -413,3 +413,30 @@ def test_served_deployments_run_from_the_rest_api(prefect_server, tmp_path):
         assert set(rows) == {"static", "rlinf", "tidal"} and rows["static"]["reshards"] == 0
     finally:
         _stop(serve)
+
+
+def test_the_opening_says_a_stage_goes_on_at_least_every_heartbeat(monkeypatch):
+    """While `TrainingRun.open` is in one stage (Ray and the workers take seconds), the open-run task's log gets a
+    line every HEARTBEAT_S: the flow run's page never shows nothing for longer."""
+    import time as _time
+
+    from tasks import training
+    from tidal.core.config import build_config
+    monkeypatch.setattr(training, "HEARTBEAT_S", 0.05)
+    lines: list[str] = []
+
+    class Logger:
+        def info(self, msg: str, *args: object) -> None:
+            lines.append(msg % args)
+
+    opening = training.OpeningLog(Logger(), build_config({}, []))
+    opening.current = "workers"
+    with opening:
+        _time.sleep(0.3)
+    beats = [ln for ln in lines if ln.startswith("... still starting Ray")]
+    assert len(beats) >= 3, lines
+    opening.current = "open"
+    n = len(lines)
+    with opening:
+        _time.sleep(0.15)
+    assert len(lines) == n   # the run is open: nothing more to say
