@@ -17,8 +17,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.requests import SweepRequest
-from tasks.sweep import ask_trial, close_sweep, open_sweep, report_sweep, run_trial
-from tidal.pipeline.tracked_run import closing_status
+from tasks.sweep import ask_trial, close_sweep, closing_status, open_sweep, report_sweep, run_trial
 
 
 @flow(name="policy-sweep", flow_run_name="{request.space}")

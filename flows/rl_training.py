@@ -36,6 +36,7 @@ from tasks.training import (
     OpenedRun,
     checkpoint,
     close_run,
+    closing_status,
     evaluate,
     finish_run,
     keep_host_copy,
@@ -48,7 +49,6 @@ from tasks.training import (
     run_step,
     sync_weights,
 )
-from tidal.pipeline.tracked_run import closing_status
 
 
 @flow(name="rl-step", flow_run_name="step-{step}")

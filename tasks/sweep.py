@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks import registry
 from tasks.reporting import artifact_key
 from tasks.requests import SweepRequest
+from tidal.pipeline.tracked_run import closing_status as closing_status  # the flow's closing status
 from tidal.sweep import Sweep, SweepReport, TrialResult, TrialSpec, load_space, summary_markdown, trials_table
 
 

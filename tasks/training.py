@@ -35,11 +35,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 
 from tasks import registry
 from tasks.reporting import artifact_key, mlflow_run_markdown, progress_percent, step_line, summary_markdown
 from tasks.requests import TrainingRequest
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
+from tidal.pipeline.tracked_run import closing_status as closing_status  # the flows' closing status
 from tidal.tracking import NOTE_TAG, MlflowSink, flow_run_note
 
 if TYPE_CHECKING:
@@ -89,7 +91,6 @@ def _live(key: str) -> _Live:
 def flow_run_page() -> str | None:
     """This flow run's page in the Prefect UI (`PREFECT_UI_URL`, which Prefect derives from `PREFECT_API_URL`):
     None outside a flow run, or against a temporary server that serves no UI."""
-    from prefect.utilities.urls import url_for
     return url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
 
 

@@ -159,11 +159,12 @@ def test_the_env_file_points_runs_and_sweeps_at_the_services_up_started(tmp_path
         "export PREFECT_API_URL=http://127.0.0.1:4201/api", "export PREFECT_RUNNER_POLL_FREQUENCY=1",
         "export PREFECT_LOGGING_TO_API_BATCH_INTERVAL=0.5",
         "export MLFLOW_TRACKING_URI=http://127.0.0.1:5001", f"export TIDAL_OPTUNA_STORAGE={db}",
-        f"export TIDAL_DB_URL={db}"]
+        "export TIDAL_OPTUNA_DASHBOARD_URL=http://127.0.0.1:8081", f"export TIDAL_DB_URL={db}"]
     # a dashboard on its own storage: the platform database is left as it is
     other = UpOptions(tmp_path / "state", optuna_storage="postgresql://u:p@db/studies?x=1&y=2")
     assert services.env_lines(recs[2:], other, "sqlite:///tidal.db") == [
-        "export TIDAL_OPTUNA_STORAGE='postgresql://u:p@db/studies?x=1&y=2'"]
+        "export TIDAL_OPTUNA_STORAGE='postgresql://u:p@db/studies?x=1&y=2'",
+        "export TIDAL_OPTUNA_DASHBOARD_URL=http://127.0.0.1:8081"]
     assert services.env_lines(recs[1:2], opts, "sqlite:///tidal.db") == [
         "export MLFLOW_TRACKING_URI=http://127.0.0.1:5001"]
     # sourced by a shell: the variables as a run reads them

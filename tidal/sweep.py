@@ -62,7 +62,6 @@ from rich.markdown import Markdown
 
 from scheduler.simulator import simulate
 from scheduler.workload import rlinf_example
-from tidal.cli.services import UpOptions, build_specs, default_state_dir, read_record, trusted
 from tidal.core.bounded_yaml import load_yaml, read_text
 from tidal.core.config import TidalConfig, build_config, flatten, sweep_storage
 from tidal.core.errors import TidalError
@@ -98,6 +97,7 @@ SIM_KEYS = {"cluster.use_pre_process_policy": "use_pre_process_policy",
 BUILTIN = "rlinf-example"
 #: an optuna-dashboard serving the sweeps' storage (compose, a team's server), e.g. http://127.0.0.1:8080
 DASHBOARD_ENV = "TIDAL_OPTUNA_DASHBOARD_URL"
+STORAGE_ENV = "TIDAL_OPTUNA_STORAGE"
 #: where `tidal up` serves optuna-dashboard and the MLflow UI by default (`tidal.cli.services.DEFAULT_PORTS`)
 LOCAL_DASHBOARD, LOCAL_MLFLOW_UI = "http://127.0.0.1:8080", "http://127.0.0.1:5000"
 #: trials the summary's table lists (the latest); the study holds them all
@@ -398,24 +398,13 @@ def _masked(url: str) -> str:
 
 
 def dashboard_url(storage: str, study_id: int) -> str | None:
-    """The study's page in an optuna-dashboard serving `storage`: at $TIDAL_OPTUNA_DASHBOARD_URL, else the one
-    `tidal up` started (its pid record in `default_state_dir()`, its process alive, started over this storage:
-    the record's settings digest is the one `tidal up` would give this storage on its host and port), else None.
-    A dashboard over another storage is never linked: its study ids name other studies."""
+    """The study's page in the optuna-dashboard at $TIDAL_OPTUNA_DASHBOARD_URL (`tidal up`'s env file sets it beside
+    $TIDAL_OPTUNA_STORAGE, the storage that dashboard serves), else None. A dashboard over another storage is never
+    linked: its study ids name other studies."""
     base = os.environ.get(DASHBOARD_ENV)
-    if not base:
-        state = default_state_dir()
-        rec = read_record(state, "optuna")
-        if rec is None or not trusted(rec):
-            return None
-        try:
-            (spec,) = build_specs(UpOptions(state, host=rec.host, optuna_port=rec.port, optuna_storage=storage,
-                                            only=("optuna",)))
-        except TidalError:   # optuna-dashboard not installed here: the record is no one's we can check
-            return None
-        if spec.settings != rec.settings:
-            return None
-        base = rec.url
+    served = os.environ.get(STORAGE_ENV)
+    if not base or (served and served != storage):
+        return None
     return f"{base.rstrip('/')}/dashboard/studies/{study_id}"
 
 

@@ -424,6 +424,7 @@ def env_lines(recs: list[PidRecord], opts: UpOptions, db_url: str) -> list[str]:
         PREFECT_LOGGING_TO_API_BATCH_INTERVAL   LOG_BATCH_S, so its page shows a log line half a second after it
         MLFLOW_TRACKING_URI             the MLflow server: runs log there (tracking.mlflow_uri), links open its pages
         TIDAL_OPTUNA_STORAGE            the storage optuna-dashboard shows: `tidal sweep` writes its studies there
+        TIDAL_OPTUNA_DASHBOARD_URL      that dashboard: a sweep's summary links its study's page
         TIDAL_DB_URL                    the platform database (`db_url`, made absolute), where the dashboard's
                                         storage is that database (`tidal sweep`'s default): one database, wherever
                                         a run or sweep starts
@@ -441,6 +442,7 @@ def env_lines(recs: list[PidRecord], opts: UpOptions, db_url: str) -> list[str]:
     if "optuna" in by:
         storage = absolute_sqlite(opts.optuna_storage)
         lines.append(f"export TIDAL_OPTUNA_STORAGE={shlex.quote(storage)}")
+        lines.append(f"export TIDAL_OPTUNA_DASHBOARD_URL={by['optuna'].url.rstrip('/')}")
         if storage == absolute_sqlite(db_url):
             lines.append(f"export TIDAL_DB_URL={shlex.quote(storage)}")
     return lines
