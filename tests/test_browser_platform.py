@@ -112,8 +112,8 @@ def platform(tmp_path):
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     env = {**os.environ, **TELEMETRY, "PREFECT_HOME": str(tmp_path / "prefect-client"),
            "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db"}
-    for var in ("TIDAL_OPTUNA_STORAGE", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_RUNNER_POLL_FREQUENCY",
-                "PREFECT_LOGGING_TO_API_BATCH_INTERVAL"):
+    for var in ("TIDAL_OPTUNA_STORAGE", "TIDAL_OPTUNA_DASHBOARD_URL", "MLFLOW_TRACKING_URI", "PREFECT_API_URL",
+                "PREFECT_RUNNER_POLL_FREQUENCY", "PREFECT_LOGGING_TO_API_BATCH_INTERVAL"):
         env.pop(var, None)
     state = tmp_path / "services"
     _tidal("up", "--state-dir", str(state), *(a for n, p in ports.items() for a in (f"--{n}-port", str(p))),
@@ -123,6 +123,7 @@ def platform(tmp_path):
     assert sourced == {"PREFECT_API_URL": f"{urls['prefect']}/api", "PREFECT_RUNNER_POLL_FREQUENCY": "1",
                        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
                        "MLFLOW_TRACKING_URI": urls["mlflow"], "TIDAL_OPTUNA_STORAGE": f"sqlite:///{tmp_path}/tidal.db",
+                       "TIDAL_OPTUNA_DASHBOARD_URL": urls["optuna"],
                        "TIDAL_DB_URL": f"sqlite:///{tmp_path}/tidal.db"}, sourced
     env.update(sourced)
     log = tmp_path / "serve.log"
