@@ -8,6 +8,7 @@
     -> its MLflow artifact (made as the run opened) links the MLflow run -> MLflow UI: that run's page in the
     model-training view, its metrics listed, its description linking back to the flow run's page
     -> optuna-dashboard: the sweep's study, both trials, the link to the sweep's MLflow run
+    -> a second run cancelled once open: CANCELLED in Prefect, KILLED in MLflow, aborted in the database
 
 The times from Submit to the first opening line on the page and to each stage's line (the log's own timestamps)
 are printed (`pytest -s`) and written to `<tmp_path>/timings.json`.
@@ -253,7 +254,40 @@ def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platf
             page.get_by_text(trial, exact=True).first.wait_for()
         page.get_by_text("mlflow_parent_run_id", exact=True).wait_for()   # and the way to its MLflow runs
         page.get_by_text("mlflow_parent_run_url", exact=True).wait_for()   # a link: runs log to the MLflow server
+
+        # 5. a second run, cancelled once its page shows it open (as the UI's Cancel does: the state CANCELLING,
+        # which the runner answers by signalling the flow's process): KILLED in MLflow, aborted in the database
+        second = _http("POST", f"{api}/deployments/{dep['id']}/create_flow_run", {
+            "name": "cancelled-run", "parameters": {"request": {
+                "config": str(REPO / "experiments/tiny_dynamic.yaml"), "num_steps": 50, "track": True}}})
+        page.goto(f"{urls['prefect']}/runs/flow-run/{second['id']}")
+        page.get_by_text(re.compile(r"^run open after ")).first.wait_for(timeout=120_000)
+        _http("POST", f"{api}/flow_runs/{second['id']}/set_state",
+              {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+        fr = _wait("the second flow run cancelled", lambda: (lambda r: r if r["state"]["type"] in (
+            "CANCELLED", "FAILED", "CRASHED", "COMPLETED") else None)(_http("GET", f"{api}/flow_runs/{second['id']}")),
+            120, serve_log, every_s=1.0)
+        assert fr["state"]["type"] == "CANCELLED", fr["state"]
         browser.close()
+    _assert_killed(second["id"], urls["mlflow"], env["TIDAL_DB_URL"], serve_log)
+
+
+def _assert_killed(flow_run_id: str, mlflow_uri: str, db_url: str, serve_log: Path) -> None:
+    """The run of `flow_run_id` reads KILLED in MLflow and aborted in the platform database."""
+    from mlflow.tracking import MlflowClient
+
+    from db import list_runs, open_database, session_scope
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp_ids = [e.experiment_id for e in client.search_experiments()]
+
+    def ended():
+        found = client.search_runs(exp_ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+        return found if found and found[0].info.status != "RUNNING" else None
+    (ml_run,) = _wait("the cancelled run's MLflow run ended", ended, 60, serve_log)
+    assert ml_run.info.status == "KILLED", ml_run.info
+    with session_scope(open_database(db_url)) as s:
+        (row,) = list_runs(s, prefect_flow_run_id=flow_run_id)
+        assert row.status == "aborted", row.status
 
 
 def _opening_timings(api: str, flow_run_id: str, wall_submit: float) -> dict[str, float]:
