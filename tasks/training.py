@@ -122,6 +122,8 @@ class OpeningLog:
         self.kind = "cpu"                    # the device kind, once the config's checks found it
         self.run: TrainingRun | None = None  # set once it exists: the lines after its stages read it
         self.current: str | None = None      # the stage of `TrainingRun.open` under way
+        self._stop = threading.Event()       # set as the opening ends: the heartbeat stops
+        self._beat: threading.Thread | None = None
 
     def __enter__(self) -> OpeningLog:
         """While the run opens, a line every HEARTBEAT_S that a stage goes on (Ray and the workers, a long warm
@@ -133,7 +135,8 @@ class OpeningLog:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._beat.join(timeout=HEARTBEAT_S)
+        if self._beat is not None:
+            self._beat.join(timeout=HEARTBEAT_S)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
