@@ -41,20 +41,21 @@ SMALL = {
 }
 
 
-def _migration(src: int, dst: int, seconds: float, wave: int, step: int = 1) -> dict:
+def _migration(src: int, dst: int, seconds: float, wave: int, step: int = 1, first: bool = True) -> dict:
     return {"kind": "migration", "time": 8.0, "step": step, "src": src, "dst": dst, "groups": 1, "requests": 2,
-            "kv_bytes": 10, "mode": "kv", "seconds": seconds, "wave": wave}
+            "kv_bytes": 10, "mode": "kv", "seconds": seconds, "wave": wave, "wave_first": first}
 
 
 # --- a migration wave: one duration -----------------------------------------------------------------------------
 
 WAVES = [
-    _migration(2, 4, 0.4, wave=3), _migration(3, 4, 0.4, wave=3), _migration(5, 4, 0.4, wave=3),   # one wave
+    _migration(2, 4, 0.4, wave=3), _migration(3, 4, 0.4, wave=3, first=False),
+    _migration(5, 4, 0.4, wave=3, first=False),                                                       # one wave
     {"kind": "action", "time": 8.5, "step": 1, "action": "MigrateBatch", "seconds": 0.01},
-    _migration(2, 3, 0.2, wave=1),                                     # a wave of one move
-    _migration(4, 2, 0.3, wave=2), _migration(5, 2, 0.3, wave=2),     # two waves of two moves, the same seconds:
-    _migration(4, 3, 0.3, wave=2), _migration(5, 3, 0.3, wave=2),     # a wave holds at most `wave` moves
-    _migration(4, 3, 0.3, wave=2, step=2),                            # a new step: a new wave
+    _migration(2, 3, 0.2, wave=1),                                                         # a wave of one move
+    _migration(4, 2, 0.3, wave=2), _migration(5, 2, 0.3, wave=2, first=False),   # two waves of two moves with
+    _migration(4, 3, 0.3, wave=2), _migration(5, 3, 0.3, wave=2, first=False),   # the same seconds: two durations
+    _migration(4, 3, 0.3, wave=2, step=2),                                       # a new step: a new wave
 ]
 
 

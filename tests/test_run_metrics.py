@@ -42,9 +42,9 @@ EVENTS = [
     {**RESHARD, "time": 9.0, "iter": 2, "bytes_moved": 3000, "seconds": 0.5, "devices": [0, 1]},
     # one wave of two moves: each event carries the wave's 0.4 s
     {"kind": "migration", "time": 8.0, "step": 1, "src": 2, "dst": 4, "groups": 2, "requests": 4, "kv_bytes": 100,
-     "mode": "kv", "seconds": 0.4, "wave": 2},
+     "mode": "kv", "seconds": 0.4, "wave": 2, "wave_first": True},
     {"kind": "migration", "time": 8.0, "step": 1, "src": 3, "dst": 4, "groups": 1, "requests": 2, "kv_bytes": 50,
-     "mode": "kv", "seconds": 0.4, "wave": 2},
+     "mode": "kv", "seconds": 0.4, "wave": 2, "wave_first": False},
     {"kind": "action", "time": 7.5, "step": 1, "iter": 1, "action": "ReleaseInference", "reason": "scored",
      "ok": True, "error": "", "seconds": 0.01, "devices": [6, 7]},
     {"kind": "decision", "time": 7.49, "step": 1, "iter": 1, "trigger": "boundary", "decide_s": 0.001,

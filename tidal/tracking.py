@@ -217,27 +217,11 @@ def _text(v: object) -> str:
 
 def wave_heads(rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[bool]:
     """For each (kind, record) in log order, whether its `seconds` start a duration of their own: False only for
-    the second and later moves of a migration wave.
-
-    A wave's N moves ran at once and each of its N records carries the wave's wall `seconds` and `wave` = N
-    (`tidal.pipeline.actuator`, recorded back to back, a failed move left out). A record continues the wave of
-    the one before it when both are migrations of the same step, wave size and seconds, and the wave holds fewer
-    than N records so far. Summing `seconds` over the heads counts each wave once: what the events table shows
-    and what `migration/total_s` sums (`tidal.pipeline.run_metrics.step_event_metrics`)."""
-    heads: list[bool] = []
-    open_key: tuple[Any, ...] | None = None
-    taken = 0
-    for kind, rec in rows:
-        size = rec.get("wave")
-        key = (rec.get("step"), size, rec.get("seconds"))
-        if kind == "migration" and isinstance(size, int) and not isinstance(size, bool) and size > 1:
-            follows = key == open_key and taken < size
-            open_key, taken = key, taken + 1 if follows else 1
-            heads.append(not follows)
-        else:
-            open_key, taken = None, 0
-            heads.append(True)
-    return heads
+    the second and later moves of a migration wave. A wave's moves ran at once and each record carries the wave's
+    wall `seconds`; the actuator marks the wave's first recorded move `wave_first` (`tidal.pipeline.actuator`).
+    Summing `seconds` over the heads counts each wave once: what the events table shows and what
+    `migration/total_s` sums (`tidal.pipeline.run_metrics.step_event_metrics`)."""
+    return [kind != "migration" or rec.get("wave_first", True) is not False for kind, rec in rows]
 
 
 def event_row(ev: Event, started: float, head: bool = True) -> list[Any]:

@@ -238,6 +238,7 @@ class RayActuator:
         # exports and its imports, the rest (calls' round trips)
         phases = {"drain": t0 - t_idle, "fetch": max((r.fetch_s for r in res), default=0.0),
                   "import": max((r.import_s for r in res), default=0.0)}
+        first = True   # the wave's first recorded move carries its seconds for the tables (`wave_first`)
         for (src, dst, _), r in zip(wave, res):
             if not r.ok or r.summary is None:
                 continue
@@ -246,8 +247,9 @@ class RayActuator:
             st.given[dst] = st.given.get(dst, 0) + m.groups
             move_reported(st.reports, src, dst, m)
             c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
-                     kv_bytes=m.kv_bytes, mode="kv", seconds=t1 - t0, wave=len(wave),
+                     kv_bytes=m.kv_bytes, mode="kv", seconds=t1 - t0, wave=len(wave), wave_first=first,
                      phases_s={name: round(sec, 4) for name, sec in phases.items()})
+            first = False
             out["groups"] += m.groups
             out["kv_bytes"] += m.kv_bytes
         c.timeline.add_busy(sorted({d for s, t, _ in wave for d in (s, t)}), "moving", "migrate", t0, t1)
