@@ -176,14 +176,15 @@ def faulted(cfg, out: Path, start: Path, kill_step: int, which: str) -> dict:
 
         def kill_on_submit(call: CallKind, victim: int) -> None:
             """Kill `victim` as step `kill_step` hands it its first call of kind `call`."""
-            submit = pipe.cluster.submit
+            track = pipe.cluster.track
 
-            def spy_submit(kind, device, fn, payload=None, **kw):
-                f = submit(kind, device, fn, payload, **kw)
+            def spy_submit(kind, handle, payload=None):
+                f = track(kind, handle, payload)
+                device = handle.device_id
                 if kind is call and device == victim and pipe.step_state.step == kill_step and not killed:
                     kill(victim)
                 return f
-            pipe.cluster.submit = spy_submit
+            pipe.cluster.track = spy_submit
 
         if which == "actor":   # the first iter of step K: the step cannot absorb it, the run restarts
             kill_on_submit(CallKind.ACTOR, 0)

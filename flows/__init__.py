@@ -4,7 +4,8 @@ library code. See docs/flows.md.
 Entry points (each takes one typed request from `tasks.requests`, which the Prefect UI renders as a form):
 - `rl_training.rl_training(TrainingRequest)`: flow `rl-training`, one flow run = one training run, each RL step a
   subflow run `rl-step` named step-N (run_step -> sync_weights -> evaluate if due -> record_step -> checkpoint if
-  due); `tidal train --flow` runs it;
+  due), the loop `tidal.pipeline.run_loop.run_loop` that `tidal train` drives too (recovery, resume from a
+  checkpoint: `TrainingRequest.resume_from`); `tidal train --flow` runs it;
 - `policy_sweep.policy_sweep(SweepRequest)`: flow `policy-sweep`, an Optuna study of scheduler settings
   (`tidal.sweep`), trial after trial, on the simulator or real runs;
 - `benchmark.benchmark(BenchmarkRequest)`: flow `benchmark`, scheduler policies simulated side by side on one

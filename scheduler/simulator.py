@@ -43,6 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 import time as _time
+from typing import Any
 
 import numpy as np
 
@@ -58,13 +59,12 @@ from scheduler.actions import (
     ReturnToInference,
     StartRollout,
     Wait,
-    describe,
 )
 from scheduler.estimate import LengthModel
 from scheduler.learning import ready_curve
+from scheduler.loop import Controller
 from scheduler.observe import RolloutProgress, observe
 from scheduler.policies import get_policy
-from scheduler.reconcile import reconcile
 from scheduler.rollout_model import Instance, Packed, Work, lay_out, settle_many
 from scheduler.signals import ActorLayout, ActorSignal, DeviceSignal, InferenceSignal, Signals
 from scheduler.sim_records import SimEvent, SimResult, StepStats
@@ -115,6 +115,12 @@ class _Sim:
         self.now = 0.0
         self.ledger = DeviceLedger(range(self.p.num_devices), clock=lambda: self.now)
         self.length_model = LengthModel.prior(spec.max_new_tokens)
+        #: the policy's side (`scheduler.loop`): a failed action is a bug here and raises; asks are not
+        #: throttled (the simulator asks at its own events; `SimSpec.poll_s` sets how often while the actor waits)
+        self.controller = Controller(self.decide, SchedState(self.p, self.c, self.length_model.mean,
+                                                             float(spec.prompt_tokens)),
+                                     self._record if keep_events else None, contain=False,
+                                     lengths=self.length_model)
         self.busy = {"rollout": 0.0, "inference": 0.0, "actor": 0.0}
         self.ledger.assign(self.p.actor_devices, Owner.ACTOR, "placement")
         self.ledger.assign(self.p.rollout_devices, Owner.ROLLOUT, "placement")
@@ -222,8 +228,8 @@ class _Sim:
         self.n_inst0 = len(self.inst)
         self.in_call = False
         self.kv_paused: set[int] = set()
-        self.state = SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens), self.iter_shares,
-                                self.ready_curve)
+        self.controller.refit(SchedState(p, c, self.length_model.mean, float(self.spec.prompt_tokens),
+                                         self.iter_shares, self.ready_curve), self.length_model)
         self.gen_at = np.zeros(p.rollout_batch_size)
         self.iter_tokens: list[float] = []
         self.polling = False
@@ -480,28 +486,30 @@ class _Sim:
                        p.rollout_batch_size, self.gen_prefix, self.dispatched)
 
     def call(self, trigger: str) -> None:
+        """One consultation of the controller (`scheduler.loop`), this simulator its observations and actuator."""
         if self.policy_name == "static":
             return  # static never acts: skip building signals it would ignore
-        sig = self.signals(trigger)
-        acts = self.decide(self.state, sig, self.now)
         self.in_call = True
         self.counts["decisions"] += 1
         # this decision's context for the actuator methods below
         self._moving: dict[int, float] = {}    # device -> time its old role has freed it
         self._relaying: dict[int, tuple[float, list[Work]]] = {}   # instances to re-lay: (t0, work parts)
         self.kv_paused = set()   # instances this decision's KV moves paused (charged once each)
-        if self.keep_events:
-            for line in describe(acts):
-                self.log("action", line)
-        _, held = reconcile(acts, self, lambda: self.now, contain=False)
+        out = self.controller.consult(trigger, self.step, lambda: self.signals(trigger), self, lambda: self.now)
         self._relay(self._relaying)
         leftover = [d for d in self._moving if self.ledger.owner(d) is Owner.MOVING]
         self.ledger.free(leftover, "released; no taker")
-        if acts:
-            self.log("decide", f"{trigger}: {len(acts)} actions")
+        if out.actions:
+            self.log("decide", f"{trigger}: {len(out.actions)} actions")
             self._sync_owners()
-        self.actor.held = held
+        self.actor.held = out.held
         self.in_call = False
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        """The controller's events as the event list keeps them: a line per decided action."""
+        if kind == "decision":
+            for line in fields["actions"]:
+                self.log("action", line)
 
     def _presettle(self, ids, pending: dict) -> None:
         """Open every instance in `ids` (first-touch order) for changes in one vectorised settle."""

@@ -4,6 +4,7 @@ A run is a config file plus a few `key.path=value` overrides, exactly as on the 
 change most are typed fields of their own (None: the config's value), applied as overrides after the list::
 
     rl-training   TrainingRequest(config="experiments/rlinf_dynamic.yaml", overrides=["run.num_steps=2"])
+                  TrainingRequest(config="experiments/rlinf_dynamic.yaml", resume_from="runs/<run>/checkpoints")
                   TrainingRequest(config="experiments/addition_dynamic.yaml", policy="rlinf", num_steps=2)
                       -> overrides ["scheduler.policy=rlinf", "run.num_steps=2"]
     policy-sweep  SweepRequest(space="experiments/sweep_policy.yaml", trials=16)
@@ -109,10 +110,10 @@ class Request(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _no_credentials(cls, value, info):
+    def _no_credentials(cls, value: object, info: ValidationInfo) -> object:
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, str) and redact(item) != item:
-                raise ConfigError(info.field_name, redact(item), "holds a credential, and Prefect stores flow "
+                raise ConfigError(str(info.field_name), redact(item), "holds a credential, and Prefect stores flow "
                                   "parameters in its database", CREDENTIALS_FIX)
         return value
 
@@ -175,6 +176,11 @@ class TrainingRequest(Request):
                                  description="Other key.path=value overrides, e.g. actor.lr=3e-4 data.eval_size=64 "
                                              "(a key a field above also sets must agree with it).")
     track: bool = Field(True, description="Log to MLflow (tracking.mlflow_uri) and the database (tracking.db_url).")
+    resume_from: str | None = Field(
+        None, description="Resume from this checkpoint folder (a run's <run folder>/checkpoints: its newest complete "
+                          "generation; the placement may differ), a path where the flow runs. The run goes on at the "
+                          "step the checkpoint names; it must be of this model and leave steps to train, checked "
+                          "before any worker starts. Empty: start at step 0.")
 
     @model_validator(mode="after")
     def _fields_agree_with_overrides(self) -> TrainingRequest:

@@ -9,10 +9,13 @@
                                     `<study>-trials` (a table, one row per trial)
     close_sweep(key, status)
 
-Trials run one after another: each `ask` sees every earlier result (TPE), and a real trial uses every device.
+`SweepTasks` is these verbs as `tidal.sweep.sweep_loop` asks for them, the loop `tidal sweep` runs too. Trials
+run one after another: each `ask` sees every earlier result (TPE), and a real trial uses every device.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -21,8 +24,27 @@ from prefect.cache_policies import NO_CACHE
 from tasks import registry
 from tasks.reporting import artifact_key
 from tasks.requests import SweepRequest
-from tidal.pipeline.tracked_run import closing_status as closing_status  # the flow's closing status
 from tidal.sweep import Sweep, SweepReport, TrialResult, TrialSpec, load_space, summary_markdown, trials_table
+from tidal.sweep import sweep_loop as sweep_loop  # the flow's loop: the same as `tidal sweep`'s
+
+
+class SweepTasks:
+    """The sweep loop's verbs (`tidal.sweep.SweepVerbs`) as this module's tasks on the open sweep `key`."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def ask(self) -> TrialSpec:
+        return ask_trial(self.key)
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult:
+        return run_trial(self.key, spec)
+
+    def report(self) -> dict[str, Any]:
+        return report_sweep(self.key)
+
+    def close(self, status: str) -> None:
+        close_sweep(self.key, status)
 
 
 @task(name="open-sweep", cache_policy=NO_CACHE)
@@ -43,7 +65,7 @@ def run_trial(key: str, spec: TrialSpec) -> TrialResult:
 
 
 @task(name="report-sweep", cache_policy=NO_CACHE)
-def report_sweep(key: str) -> dict:
+def report_sweep(key: str) -> dict[str, Any]:
     """The study's report, shown on the flow run (`publish_report`); returns it as `tidal sweep --json` writes it."""
     report = registry.get(key, "sweep").report()
     publish_report(report)

@@ -4,11 +4,12 @@ Tasks pass a run key (a string; see `tasks.registry`) and small typed values (me
 never tensors: Prefect pickles results. `cache_policy=NO_CACHE` everywhere: each call acts on live workers
 and must run every time.
 
-One step, and who waits on whom::
+One step, and who waits on whom (the phases `tidal.pipeline.run_loop.plan_step` plans; `StepTasks` runs them as
+this module's tasks)::
 
-    run_step ──► sync_weights ──► evaluate ──► record_step ──► checkpoint
-    (generate | score | train iters        (if due)   (MLflow +      (if due; between steps:
-     stream concurrently on the workers)               database)      a resumable generation)
+    run_step ──► sync_weights ──► evaluate ──► record_step ──► checkpoint | keep_host_copy
+    (generate | score | train iters        (if due)   (MLflow +      (if due; between steps: a resumable
+     stream concurrently on the workers)               database)      generation; else actor.redundancy: host's copy)
 
 `run_step` drives the streaming pipeline: generation, scoring and the actor's train iters run concurrently
 on the workers inside it (one driver event loop, rollout -> inference -> actor, whole groups at a time), so it
@@ -40,8 +41,12 @@ from prefect.utilities.urls import url_for
 from tasks import registry
 from tasks.reporting import artifact_key, mlflow_run_markdown, progress_percent, step_line, summary_markdown
 from tasks.requests import TrainingRequest
+from tidal.pipeline.run_loop import LoopSettings
+from tidal.pipeline.run_loop import Recoverable as Recoverable  # what `recover_run` answers
+from tidal.pipeline.run_loop import StepPlan as StepPlan  # the rl-step subflow's parameter
+from tidal.pipeline.run_loop import run_loop as run_loop  # the flow's loop: the same as `run_training`'s
+from tidal.pipeline.run_loop import run_phases as run_phases  # a step's phases in its plan's order
 from tidal.pipeline.tracked_run import RunTracking, load_run_config, policy_name, run_dir
-from tidal.pipeline.tracked_run import closing_status as closing_status  # the flows' closing status
 from tidal.tracking import NOTE_TAG, MlflowSink, flow_run_note
 
 if TYPE_CHECKING:
@@ -59,23 +64,17 @@ class OpenedRun:
 
     key: str                     #: registry key of the live TrainingRun in this process
     name: str
-    num_steps: int
     policy: str
     output_dir: str
     db_run_id: int | None
     mlflow_run_id: str | None
+    loop: LoopSettings           #: what the run loop reads of the run's config (steps, evaluation, checkpoints)
+    first_step: int = 0          #: the step the loop starts at: 0, or the one the resumed checkpoint names
     progress_artifact_id: str | None = None   #: the flow run's progress artifact (steps done, in percent)
 
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """The result of `run_step`, and which of the step's later phases are due."""
-
-    step: int
-    seconds: float
-    reward_mean: float
-    evaluate: bool               #: held-out evaluation due after this step (run.eval_every, last step)
-    checkpoint: bool             #: checkpoint due (run.checkpoint_every; 0: only at the end)
+    @property
+    def num_steps(self) -> int:
+        return self.loop.num_steps
 
 
 @dataclass
@@ -179,13 +178,14 @@ class OpeningLog:
             self.say(done, self.begins(name))
             return
         self.say(done, None)
-        self.logger.info("run open after %.1f s: step 0 of %d next", time.monotonic() - self.t_open,
-                         self.cfg.run.num_steps)
+        self.logger.info("run open after %.1f s: step %d of %d next", time.monotonic() - self.t_open,
+                         cast("TrainingRun", self.run).next_step, self.cfg.run.num_steps)
 
 
 @task(name="open-run", cache_policy=NO_CACHE)
 def open_run(request: TrainingRequest) -> OpenedRun:
-    """Config, tracking (database row + MLflow run), warm start, workers; the run stays open in this process.
+    """Config, tracking (database row + MLflow run), warm start, workers, and the resumed state of
+    `request.resume_from`; the run stays open in this process.
 
     A task, so the flow run's page shows the opening as it goes: a line in this task's log per stage
     (`OpeningLog`), and, as soon as the MLflow run exists, the run's progress artifact and a markdown artifact with
@@ -198,11 +198,13 @@ def open_run(request: TrainingRequest) -> OpenedRun:
     opening = OpeningLog(logger, cfg)
     request.check_against(cfg)
     logger.info("settings of this run:\n%s", "\n".join(request.effective(cfg)))
-    checked = preflight(cfg, tracked=request.track)   # before the run's folder and records exist
+    # before the run's folder and records exist: a resume checkpoint too (complete, this model's, steps left)
+    checked = preflight(cfg, tracked=request.track, resume_from=request.resume_from)
     out = run_dir(cfg)
     opening.kind = checked[1]
+    resuming = f", resuming from {request.resume_from}" if request.resume_from else ""
     opening.say(f"config checked: {cfg.run.name}, {cfg.run.num_steps} steps, policy {policy_name(cfg)}, "
-                f"{cfg.cluster.num_devices} {checked[1]} devices", "opening the tracking records")
+                f"{cfg.cluster.num_devices} {checked[1]} devices{resuming}", "opening the tracking records")
     tracking = open_tracking(cfg, out) if request.track else RunTracking.null(cfg)
     progress = _announce(cfg, tracking, logger)
     run = TrainingRun(cfg, out, tracking.sink, tracking.recorder,
@@ -211,14 +213,14 @@ def open_run(request: TrainingRequest) -> OpenedRun:
     opening.run = run
     try:
         with opening:
-            run.open(checked=checked, on_stage=opening.stage)
+            run.open(resume_from=request.resume_from, checked=checked, on_stage=opening.stage)
     except BaseException:
         tracking.close("FAILED")
         raise
     _log_warnings(run)
     key = registry.put("run", _Live(run, tracking))
-    return OpenedRun(key, cfg.run.name, cfg.run.num_steps, policy_name(cfg), str(out), tracking.db_run_id,
-                     tracking.mlflow_run_id, progress)
+    return OpenedRun(key, cfg.run.name, policy_name(cfg), str(out), tracking.db_run_id, tracking.mlflow_run_id,
+                     LoopSettings.from_config(cfg), run.next_step, progress)
 
 
 def _announce(cfg: TidalConfig, tracking: RunTracking, logger: Any) -> str:
@@ -246,7 +248,7 @@ def report_step(run: OpenedRun, step: int, metrics: dict[str, float]) -> None:
         update_progress_artifact(UUID(run.progress_artifact_id), progress_percent(step + 1, run.num_steps))
 
 
-def report_run(run: OpenedRun, summary: dict) -> str:
+def report_run(run: OpenedRun, summary: dict[str, Any]) -> str:
     """The run's summary table and the way to its MLflow run, as this flow run's markdown artifact (key
     `<run name>-summary`); returns the markdown."""
     sink = _live(run.key).tracking.sink
@@ -257,18 +259,40 @@ def report_run(run: OpenedRun, summary: dict) -> str:
     return text
 
 
+class StepTasks:
+    """The phases of one step (`tidal.pipeline.run_loop.StepVerbs`) as this module's tasks on the run `key`: the
+    `rl-step` subflow runs them in its plan's order (`run_phases`), each a task run of its own."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def run_step(self, step: int) -> dict[str, float]:
+        return run_step(self.key, step)
+
+    def sync_weights(self) -> dict[str, float]:
+        return sync_weights(self.key)
+
+    def evaluate(self) -> float:
+        return evaluate(self.key)
+
+    def record(self) -> dict[str, float]:
+        return record_step(self.key)
+
+    def checkpoint(self) -> str:
+        return checkpoint(self.key)
+
+    def keep_host_copy(self) -> str:
+        return keep_host_copy(self.key)
+
+
 @task(name="run-step", cache_policy=NO_CACHE)
-def run_step(key: str, step: int) -> StepOutcome:
-    """Generate, score and train the step's iters, streaming (the scheduler acts at iter boundaries)."""
-    live = _live(key)
-    run = live.run
+def run_step(key: str, step: int) -> dict[str, float]:
+    """Generate, score and train the step's iters, streaming (the scheduler acts at iter boundaries); returns the
+    stream's metrics (`record_step` writes them, with the later phases')."""
+    run = _live(key).run
     if run.next_step != step:  # our invariant: steps run once, in order (no task retries here)
         raise RuntimeError(f"run {key} is at step {run.next_step}, asked to run step {step}")
-    m = run.run_step(sync=False)
-    every = run.cfg.run.checkpoint_every
-    last = step == run.cfg.run.num_steps - 1
-    return StepOutcome(step, float(m["step/time_s"]), float(m.get("grpo/reward_mean", 0.0)), run.eval_due(),
-                       last or (every > 0 and (step + 1) % every == 0))
+    return run.run_step(sync=False)
 
 
 @task(name="sync-weights", cache_policy=NO_CACHE)
@@ -291,29 +315,21 @@ def checkpoint(key: str) -> str:
 
 
 @task(name="keep-host-copy", cache_policy=NO_CACHE)
-def keep_host_copy(key: str) -> str | None:
-    """`actor.redundancy: host`: the run's state into host memory (between steps, where no checkpoint is taken), so
-    that a lost actor device costs only the step in progress; returns its folder (None without redundancy)."""
-    run = _live(key).run
-    return str(run.keep_host_copy()) if run.cfg.actor.redundancy == "host" else None
-
-
-def recoverable() -> tuple[type[BaseException], ...]:
-    """The failures `recover_run` answers (`tidal.pipeline.run.RECOVERABLE`: a device lost beyond what a step
-    absorbs, a hung call)."""
-    from tidal.pipeline.run import RECOVERABLE
-    return RECOVERABLE
+def keep_host_copy(key: str) -> str:
+    """`actor.redundancy: host` (the run loop asks for it only then): the run's state into host memory (before the
+    first step, and between steps where no checkpoint is taken), so that a lost actor device costs only the step
+    in progress; returns its folder."""
+    return str(_live(key).run.keep_host_copy())
 
 
 @task(name="recover-run", cache_policy=NO_CACHE)
-def recover_run(key: str, failure: BaseException) -> int:
-    """A device lost beyond what its step absorbed (`failure`, one of `RECOVERABLE`): the run carries on in this
-    process from its newest state kept (`TrainingRun.recover`: the surviving workers go on where they can). Returns
-    the step to run next; raises the failure again when `run.max_restarts` are spent or no state is kept."""
+def recover_run(key: str, failure: Recoverable) -> int:
+    """A device lost beyond what its step absorbed (`failure`, one of `tidal.pipeline.run_loop.RECOVERABLE`; the
+    run loop has checked `run.max_restarts`): the run carries on in this process from its newest state kept
+    (`TrainingRun.recover`: the surviving workers go on where they can). Returns the step to run next; raises the
+    failure again when no state is kept."""
     run = _live(key).run
-    if len(run.restarts) >= run.cfg.run.max_restarts or not isinstance(failure, recoverable()):
-        raise failure
-    rec = run.recover(cast(Any, failure))   # one of RECOVERABLE, checked above
+    rec = run.recover(failure)
     get_run_logger().warning("device %d (%s) lost: the run goes on from step %d (the %s %s; workers %s)",
                              rec["device"], rec["role"], rec["resumed_step"], rec["source"],
                              Path(rec["resumed_from"]).name, rec["workers"])
@@ -328,7 +344,7 @@ def record_step(key: str) -> dict[str, float]:
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)
-def finish_run(key: str) -> dict:
+def finish_run(key: str) -> dict[str, Any]:
     """Timeline, events and summary files; returns the summary (JSON-able)."""
     run = _live(key).run
     summary = run.finish().to_json()

@@ -39,7 +39,7 @@ MUST_NOT_IMPORT = {
     "db": ORCHESTRATION - {"sqlalchemy", "alembic"} | {"torch"},
     "tidal.convert": ORCHESTRATION | {"torch"},
     "tidal.tracking": ORCHESTRATION - {"mlflow"} | {"torch"},
-    "tidal.pipeline": {"prefect", "mlflow", "optuna"},
+    "tidal.pipeline": {"prefect", "mlflow", "optuna", "ray"},   # Ray stays inside tidal.workers
     "tidal.sweep": {"prefect", "mlflow", "torch"},
     "tasks": {"mlflow", "torch", "ray"},
     "flows": {"mlflow", "torch", "ray"},
@@ -228,3 +228,65 @@ def test_the_driver_names_worker_functions_by_reference_not_by_string():
         if _unit(module) in {"tidal.pipeline", "flows", "tasks", "tidal.cli", "tidal.sweep"}:
             hits = path.findall(p.read_text())
             assert not hits, f"{p.relative_to(ROOT)} names worker functions as strings: {hits}"
+
+
+#: the placement's fields as the pipeline names them (`tidal.pipeline.placement.LivePlacement`, `Homes`)
+PLACEMENT_FIELDS = {"actor", "actor_layout", "rollout", "inference", "lent", "inference_lent", "inf_lent", "homes",
+                    "initial_layout", "rollout_home", "inference_home", "_placement", "placement"}
+#: methods that change a container in place
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "add", "discard", "update", "sort",
+            "__setitem__", "__delitem__"}
+#: where placement fields may be written: the owner, and the worker-side role slots (`roles.rollout` is a
+#: worker's engine, not the run's placement)
+PLACEMENT_WRITERS = {"tidal.pipeline.actuator"}
+PLACEMENT_READERS = ("tidal.pipeline", "tidal.cli", "tidal.sweep", "tidal.tracking", "tasks", "flows")
+
+
+def _placement_writes(module: str) -> list[str]:
+    out = []
+    for node in ast.walk(_tree(module)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for tgt in node.targets for t in (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        for t in targets:
+            if isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute) and t.attr in PLACEMENT_FIELDS:
+                out.append(f"{module}:{node.lineno} {ast.unparse(node)[:80]}")
+    return out
+
+
+def test_only_the_actuator_changes_the_placement():
+    """One owner of placement: every other module of the pipeline and above reads the actuator's frozen snapshot
+    and never assigns or changes a placement field in place."""
+    writes = [w for m in _modules() if m.startswith(PLACEMENT_READERS) and m not in PLACEMENT_WRITERS
+              for w in _placement_writes(m)]
+    assert not writes, "placement written outside the actuator:\n" + "\n".join(writes)
+    assert _placement_writes("tidal.pipeline.actuator"), "the scan finds the owner's own writes"
+
+
+def test_placement_records_are_frozen_and_made_by_the_owner():
+    from tidal.pipeline.placement import Homes, LivePlacement
+    assert LivePlacement.__dataclass_params__.frozen and Homes.__dataclass_params__.frozen
+    makers = [m for m in _modules() if m not in ("tidal.pipeline.placement", "tidal.pipeline.actuator")
+              and any(isinstance(n, ast.Call) and "LivePlacement" in ast.unparse(n.func).split(".")
+                      for n in ast.walk(_tree(m)))]
+    assert not makers, f"modules that build a LivePlacement: {makers}"
+
+
+def test_the_pipeline_calls_workers_through_the_role_endpoints():
+    """The pipeline submits no role function itself: every worker call goes through `tidal.workers.endpoints`,
+    whose methods are typed by the role functions' signatures and return typed `CallHandle`s."""
+    direct = []
+    for module in _modules():
+        if _unit(module) != "tidal.pipeline":
+            continue
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in {"submit", "submit_all", "call", "call_all"}:
+                direct.append(f"{module}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not direct, "worker calls outside the endpoints:\n" + "\n".join(direct)

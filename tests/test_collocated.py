@@ -120,8 +120,7 @@ def test_a_shared_run_equals_the_disaggregated_static_run(tmp_path, name, refere
             last_gen = max(s.t1 for s in gen if lo <= s.t0 and s.t1 <= hi)
             assert all(s.t0 >= last_gen for s in _spans(run, "inference", "score") if lo <= s.t0 <= hi)
     syncs = [e for e in events if e["kind"] == "weight_sync"]
-    engines_on_actor = sorted(set(run.pipe.initial_layout.devices) & set(run.pipe.cluster.rollout
-                                                                          + run.pipe.cluster.inference))
+    engines_on_actor = sorted(set(run.pipe.placement.homes.actor.devices) & set(run.pipe.placement.engines))
     assert all(e["local"] == engines_on_actor for e in syncs), syncs   # a local copy, no trip through the driver
     if name == "collocated":   # the run's folder is enough to predict each step, phase by phase
         _predicted_from_its_folder(run.out_dir, "shared", ("rollout", "scoring", "training", "handover", "sync"))

@@ -172,7 +172,7 @@ def test_a_rollout_worker_killed_while_generating_costs_its_work_not_the_run(out
     (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
     assert (ev["device"], ev["role"], ev["step"]) == (2, "rollout", 1) and ev["reason"], ev
     assert ev["groups_regenerated"] and ev["time"] - killed[0] < 20.0, (ev, killed)
-    assert pipe.ledger.owner(2) is Owner.FAILED and pipe.cluster.rollout == [1]
+    assert pipe.ledger.owner(2) is Owner.FAILED and pipe.placement.rollout == (1,)
     assert scored == clean[1] == [list(range(8))] * 2   # every group once
     assert_same_training(clean[0], faulted)
 
@@ -185,15 +185,16 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
     killed: list[tuple[int, list[int]]] = []
 
     def arm(pipe):
-        submit = pipe.cluster.submit
+        track = pipe.cluster.track
 
-        def spy(kind, device, fn, payload=None, **kw):
-            f = submit(kind, device, fn, payload, **kw)
+        def spy(kind, handle, payload=None):
+            f = track(kind, handle, payload)
+            device = handle.device_id
             if kind is CallKind.INFERENCE and device == 4 and not killed:
                 killed.append((pipe.step_state.step, [g.group_id for g in payload]))
                 _kill(pipe, 4)
             return f
-        pipe.cluster.submit = spy
+        pipe.cluster.track = spy
 
     faulted, scored, pipe = _run(out, "inference-killed", arm)
     assert killed
@@ -201,7 +202,7 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
     step, groups = killed[0]
     assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", step), ev
     assert ev["groups_rescored"] == sorted(groups), ev
-    assert pipe.ledger.owner(4) is Owner.FAILED and pipe.cluster.inference == [3]
+    assert pipe.ledger.owner(4) is Owner.FAILED and pipe.placement.inference == (3,)
     assert scored == clean[1]
     assert_same_training(clean[0], faulted)
 
@@ -241,7 +242,7 @@ def test_a_replaced_rollout_device_rejoins_and_is_given_work_in_a_later_step(out
     assert kinds == [("device_failed", 0), ("device_recovered", 0), ("device_rejoined", 0)], kinds
     rejoined = next(e for e in pipe.cluster.events if e["kind"] == "device_rejoined")
     assert rejoined["pid"] == pipe.group.pid(2) != old_pid[0] and rejoined["bytes"] > 0, rejoined
-    assert pipe.ledger.owner(2) is Owner.ROLLOUT and pipe.cluster.rollout == [1, 2]
+    assert pipe.ledger.owner(2) is Owner.ROLLOUT and pipe.placement.rollout == (1, 2)
     step1 = pipe.timeline.steps[1][1]
     assert any(s.device == 2 and s.what == "generate" and s.t0 >= step1 for s in pipe.timeline.busy)
     (down,) = pipe.timeline.down
@@ -274,8 +275,8 @@ def test_an_actor_worker_killed_during_a_checkpoint_write_stops_the_run_and_leav
         g = run.group
         submit_all = g.submit_all
 
-        def spy(fn, **kw):
-            handles = submit_all(fn, **kw)
+        def spy(fn, *args, **kw):
+            handles = submit_all(fn, *args, **kw)
             if fn is roles_ckpt.actor_save:
                 os.kill(g.pid(0), signal.SIGKILL)
             return handles

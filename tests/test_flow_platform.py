@@ -163,6 +163,7 @@ def test_a_steps_warning_lands_on_the_runs_own_log(local_prefect):
 
     from tasks import registry
     from tasks.training import OpenedRun, _Live, report_step
+    from tidal.pipeline.run_loop import LoopSettings
     from tidal.pipeline.run_warnings import RunWarning
     pending = [RunWarning("zero_advantage", "step 0: every group has zero advantage")]
     fake = SimpleNamespace(drain_warnings=lambda: [pending.pop()] if pending else [])
@@ -170,7 +171,8 @@ def test_a_steps_warning_lands_on_the_runs_own_log(local_prefect):
 
     @flow(name="warned")
     def warned() -> str:
-        report_step(OpenedRun(key, "w", 2, "rlinf", "", None, None), 0, {"step/time_s": 1.0})
+        report_step(OpenedRun(key, "w", "rlinf", "", None, None, LoopSettings(2, 1, 0, False, 0)), 0,
+                    {"step/time_s": 1.0})
         return str(flow_run.id)
 
     try:
@@ -272,3 +274,75 @@ def test_a_flow_run_carries_on_when_the_actors_worker_is_killed(local_prefect, t
     assert restart["workers"] == "kept" and restart["device"] == 0 and restart["resumed_step"] == 1, restart
     assert restart["source"] == "host copy" and restart["layout_to"] == "tp=1,dp=1,devices=2", restart
     assert not Path(restart["resumed_from"]).parent.exists()   # close-run gave the copy's memory back
+
+
+def _subflow_names(flow_run_id: str) -> list[str]:
+    """The names of a flow run's subflow runs (its `rl-step` runs), oldest first, through the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[uuid.UUID(flow_run_id)])),
+                sort=FlowRunSort.START_TIME_ASC)
+            return [r.name for r in runs]
+    return asyncio.run(read())
+
+
+def test_a_flow_run_resumes_from_a_checkpoint_of_an_earlier_run(local_prefect, tmp_path, monkeypatch):
+    """A 2-step run as `tidal train` runs it (`run_training`) keeps a checkpoint after each step; a flow run given
+    the first one as `resume_from` opens at step 1 (the opening says so), runs that step alone (one subflow,
+    `step-1`; one database row, step 1) and ends with the uninterrupted run's weights, bit for bit."""
+    from db import list_runs, list_steps, open_database, session_scope
+    from flows.rl_training import rl_training
+    from tasks.requests import TrainingRequest
+    from tidal.pipeline.run import run_training
+    from tidal.pipeline.tracked_run import load_run_config, run_dir
+    for var in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    settings = [f"run.output_dir={tmp_path}/runs", "run.checkpoint_every=1"]
+    cfg = load_run_config(TINY, [*settings, "run.name=earlier"])
+    earlier = run_training(cfg, run_dir(cfg))
+    first = Path(earlier.output_dir) / "checkpoints" / "gen-1"
+    assert first.is_dir() and earlier.steps == 2
+
+    overrides = [*_tracking(tmp_path)[:-1], *settings, "run.name=resumed"]
+    state = rl_training(TrainingRequest(config=str(TINY), overrides=overrides, resume_from=str(first)),
+                        return_state=True)
+    summary = state.result()
+    flow_run_id = str(state.state_details.flow_run_id)
+    assert summary["steps"] == 2 and len(summary["reward_per_step"]) == 1 and summary["eval_per_step"][0][0] == 1
+    assert summary["final_weights_sha"] == earlier.final_weights_sha   # resumed == never interrupted
+    assert _subflow_names(flow_run_id) == ["step-1"]
+    assert sorted(p.name for p in (Path(summary["output_dir"]) / "checkpoints").glob("gen-*")) == ["gen-2"]
+    deadline = time.monotonic() + 60
+    lines, _ = _read(flow_run_id)
+    while not any(STEP_LINE.match(line) for line in lines) and time.monotonic() < deadline:
+        time.sleep(1)
+        lines, _ = _read(flow_run_id)
+    assert any(f"resuming from {first}" in line for line in lines), lines
+    assert any(line.startswith("run open after ") and line.endswith("step 1 of 2 next") for line in lines), lines
+    assert [line.split("  ")[0] for line in lines if STEP_LINE.match(line)] == ["step 1 of 2"], lines
+    engine = open_database(f"sqlite:///{tmp_path}/tidal.db")
+    with session_scope(engine) as s:
+        (row,) = list_runs(s, prefect_flow_run_id=flow_run_id)
+        assert row.status == "finished" and [st.step for st in list_steps(s, row.id)] == [1]
+    engine.dispose()
+
+
+def test_a_resume_from_no_checkpoint_fails_the_flow_run_before_any_run_exists(local_prefect, tmp_path, monkeypatch):
+    """`resume_from` naming a folder with no checkpoint is refused by `open-run` (`preflight`, as `tidal train
+    --resume` checks it) before any worker, run folder or record exists, naming the field."""
+    from flows.rl_training import rl_training
+    from tasks.requests import TrainingRequest
+    from tidal.core.errors import TidalError
+    monkeypatch.chdir(REPO)
+    state = rl_training(TrainingRequest(config=str(TINY), overrides=_tracking(tmp_path),
+                                        resume_from=str(tmp_path / "no-checkpoint-here")), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(TidalError) as info:
+        state.result()
+    assert info.value.field == "resume_from" and "Fix:" in str(info.value)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "tidal.db").exists()

@@ -41,12 +41,16 @@ def test_deployments_are_module_entrypoints_with_typed_parameter_forms():
     from flows.rl_training import rl_training
     form = rl_training.parameters.model_dump()["definitions"]["TrainingRequest"]["properties"]
     assert list(form) == ["config", "policy", "auto_scheduler", "use_pre_process_policy",
-                          "use_wait_before_last_iter_policy", "num_steps", "seed", "overrides", "track"]
+                          "use_wait_before_last_iter_policy", "num_steps", "seed", "overrides", "track",
+                          "resume_from"]
     assert form["overrides"]["type"] == "array" and form["config"]["type"] == "string"
     assert form["policy"]["enum"] == ["tidal", "rlinf", "static", None]   # plain fields: tests/test_requests_form.py
     assert form["num_steps"]["type"] == "integer" and (form["num_steps"]["minimum"], form["num_steps"]["maximum"]) \
         == (1, 1 << 24)
     assert form["auto_scheduler"]["enum"] == [True, False, None]
+    # a plain text input (no type switch, nothing prefilled): empty starts the run at step 0
+    assert {k: v for k, v in form["resume_from"].items() if k != "description"} == {"type": "string",
+                                                                                   "title": "Resume From"}
     for name in ("policy", "auto_scheduler", "num_steps", "seed"):   # empty: the config's value, its default named
         assert "default" not in form[name] and "Empty: the config's" in form[name]["description"]
     assert "(without one: 10)" in form["num_steps"]["description"]
@@ -224,7 +228,7 @@ def test_the_opening_logs_a_line_per_stage_each_naming_the_next():
     cfg = load_run_config(REPO / "experiments/tiny_dynamic.yaml")
     opening = OpeningLog(logger, cfg)
     opening.run = SimpleNamespace(ws_meta={"source": "warm start", "heldout_accuracy": 0.25},   # type: ignore
-                                  evals=[(0, 0.5)])
+                                  evals=[(0, 0.5)], next_step=0)
     for stage in (*OPEN_STAGES, "open"):
         opening.stage(stage)
     assert [line.split(" (")[0] for line in lines[:-1]] == [

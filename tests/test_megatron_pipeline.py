@@ -111,9 +111,9 @@ def _actor_vs_inference(run: TrainingRun) -> float:
     weights) over three of the last step's groups."""
     pipe = run.pipe
     groups = list(pipe.step_state.scored.values())[:3]
-    rescored = pipe.group.call(pipe.cluster.inference[0], roles.inference_score, groups=groups)
+    rescored = pipe.group.call(pipe.placement.inference[0], roles.inference_score, groups=groups)
     actor = next(r for r in pipe.group.gather(pipe.group.submit_all(
-        roles.actor_score, device_ids=pipe.cluster.actor_layout.devices, groups=groups)) if r is not None)
+        roles.actor_score, device_ids=pipe.placement.actor.devices, groups=groups)) if r is not None)
     return max(float((a - b).abs().max()) for g, mine in zip(rescored, actor) for a, b in zip(g.old_logprobs, mine))
 
 
@@ -180,7 +180,7 @@ def test_megatron_actor_in_a_dynamic_run(inputs):
         assert [d for d, _, _ in hand] == ["to_generation", "to_training", "to_generation"], hand
         assert all(moved > 0 for _, moved, _ in hand) and hand[0][2] == hand[-1][2] == 0, hand
         back = run.pipe.group.call(0, roles.actor_onload)   # the engines hold the weights; the actor's come back
-        assert back["bytes"] == hand[0][1] and back["actor_resident"] > 0, back
+        assert back.bytes == hand[0][1] and back.actor_resident > 0, back
         assert _actor_vs_inference(run) < 1e-5
     finally:
         run.close()

@@ -74,8 +74,8 @@ def _check_inference_matches_actor(run):
     """After the weight sync, inference and actor hold the same weights: their log-probs agree bit for bit."""
     pipe = run.pipe
     groups = list(pipe.step_state.scored.values())[:3]
-    rescored = pipe.group.call(pipe.cluster.inference[0], roles.inference_score, groups=groups)
-    handles = pipe.group.submit_all(roles.actor_score, device_ids=pipe.cluster.actor_layout.devices,
+    rescored = pipe.group.call(pipe.placement.inference[0], roles.inference_score, groups=groups)
+    handles = pipe.group.submit_all(roles.actor_score, device_ids=pipe.placement.actor.devices,
                                     groups=groups)
     actor = next(r for r in pipe.group.gather(handles) if r is not None)
     assert all(g.inference_version == pipe.version for g in rescored)
@@ -90,15 +90,15 @@ def _check_kept_weights(run):
     import ray
     pipe = run.pipe
     full = pipe.global_weights()
-    for d in sorted(pipe.kept):
+    for d in sorted(pipe.generations.kept):
         kept = pipe.group.call(d, roles.kept_weights, version=pipe.version)
         assert set(kept) == set(full) and all(torch.equal(kept[k], full[k]) for k in full), d
-    if pipe.kept:
-        pipe.weights_ref = None   # as after a sync where every engine loaded a kept copy
-        other = next(d for d in range(8) if d not in pipe.kept)
-        got = ray.get(pipe.weights_for(other))
+    if pipe.generations.kept:
+        pipe.generations.weights_ref = None   # as after a sync where every engine loaded a kept copy
+        other = next(d for d in range(8) if d not in pipe.generations.kept)
+        got = ray.get(pipe.generations.weights_for(other))
         assert all(torch.equal(got[k], full[k]) for k in full)
-        assert pipe.weights_for(min(pipe.kept)) == KeptWeights(pipe.version)
+        assert pipe.generations.weights_for(min(pipe.generations.kept)) == KeptWeights(pipe.version)
 
 
 def _run(tmp_path, name, overrides, policy=None, base=TINY):
@@ -241,7 +241,7 @@ def test_instances_started_on_the_actors_devices_end_with_the_step(tmp_path, sma
     events = run.pipe.cluster.events
     started = [e for e in events if e["kind"] == "action" and e["action"] == "StartRollout"]
     assert [e["ok"] for e in started] == [True, True], started
-    assert done == {0, 1} and run.pipe.cluster.actor_layout.devices == (0, 1)
+    assert done == {0, 1} and run.pipe.placement.actor.devices == (0, 1)
     assert scored == s_scored
     assert_same_training(static, given)
 

@@ -3,7 +3,7 @@
 import torch
 
 from tidal.engine.generation.requests import Request, RequestState
-from tidal.pipeline.actuator import move_reported
+from tidal.pipeline.cluster import move_reported
 from tidal.workers.messages import MigrationPackage, RolloutReport
 
 

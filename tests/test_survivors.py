@@ -160,7 +160,7 @@ def _carried_on(run, pids, lost: int, more_lost_ok: bool = False) -> dict:
         assert lost not in now and now.items() <= before.items() and now, (now, before)
     else:
         assert now == before
-    assert run.pipe.ledger.owner(lost) is Owner.FAILED and lost not in run.pipe.cluster.actor_layout.devices
+    assert run.pipe.ledger.owner(lost) is Owner.FAILED and lost not in run.pipe.placement.actor.devices
     return rec
 
 
@@ -170,15 +170,16 @@ def test_an_actor_worker_killed_in_its_iter_costs_the_step_not_the_run(out, clea
 
     def arm(run):
         pipe = run.pipe
-        submit = pipe.cluster.submit
+        track = pipe.cluster.track
 
-        def spy(kind, device, fn, payload=None, **kw):
-            f = submit(kind, device, fn, payload, **kw)
+        def spy(kind, handle, payload=None):
+            f = track(kind, handle, payload)
+            device = handle.device_id
             if kind is CallKind.ACTOR and device == 0 and pipe.step_state.step == 1 and not killed:
                 killed.append(pipe.clock())
                 _kill(pipe, 0)
             return f
-        pipe.cluster.submit = spy
+        pipe.cluster.track = spy
 
     survived, run, pids = _train(out, "actor-iter", arm)
     assert killed

@@ -40,10 +40,14 @@ def test_checkpoint_of_another_model_is_refused_and_left_alone(tmp_path, capsys)
     assert other.read_bytes() == before
 
 
-def test_resume_from_a_missing_checkpoint(tmp_path, capsys):
-    assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "--no-track", "--resume",
+@pytest.mark.parametrize("flow", [[], ["--flow"]])
+def test_resume_from_a_missing_checkpoint(tmp_path, capsys, flow):
+    """`--resume` is checked before anything starts, as a flow parameter too (`--flow`: the flow's resume_from)."""
+    assert main(["train", CONFIG, f"run.output_dir={tmp_path}", "--no-track", *flow, "--resume",
                  str(tmp_path / "nothing-here")]) == 2
-    assert "resume" in capsys.readouterr().err.lower()
+    err = capsys.readouterr().err
+    assert "resume_from" in err and "nothing-here" in err and "Fix:" in err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

@@ -41,6 +41,10 @@ markdown artifact) holds the best settings as a config snippet to paste, the Par
 values (front marked), and the ways to the study and the MLflow parent run: the study's page in optuna-dashboard
 (`$TIDAL_OPTUNA_DASHBOARD_URL`, else the dashboard `tidal up` started over this storage), else the storage and the
 command that serves it; the parent run's page (a tracking server), else its id and the `mlflow ui` command.
+
+The loop is written once (`sweep_loop`: ask, evaluate, `trials` times; report; close with the sweep's status) over
+a handful of verbs (`SweepVerbs`): `tidal sweep` (`run_sweep`) drives it over a `Sweep`, the `policy-sweep` flow
+over its tasks (`tasks.sweep.SweepTasks`), each verb a task run.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
 import yaml
 from rich.console import Console
@@ -104,6 +109,7 @@ LOCAL_DASHBOARD, LOCAL_MLFLOW_UI = "http://127.0.0.1:8080", "http://127.0.0.1:50
 MAX_SUMMARY_TRIALS = 200
 
 log = logging.getLogger("tidal.sweep")
+ReportT = TypeVar("ReportT", covariant=True)
 
 
 # ---- the space ----------------------------------------------------------------------------------------------
@@ -114,7 +120,7 @@ class Param:
 
     key: str
     kind: Literal["bool", "choice", "float", "int"]
-    choices: tuple = ()
+    choices: tuple[Any, ...] = ()
     low: float = 0.0
     high: float = 0.0
     log: bool = False
@@ -156,7 +162,7 @@ def _err(path: str, where: str, value: object, problem: str, fix: str) -> TidalE
     return TidalError(f"{path}: {where}", value, problem, fix)
 
 
-def _mapping(path: str, where: str, value: object) -> dict:
+def _mapping(path: str, where: str, value: object) -> dict[Any, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -373,18 +379,18 @@ class SweepReport:
     best_params: dict[str, Any]
     best_values: dict[str, float]
     best_mlflow_run_id: str | None
-    pareto: list[dict]                 #: [{number, params, values, mlflow_run_id}], best first
+    pareto: list[dict[str, Any]]       #: [{number, params, values, mlflow_run_id}], best first
     mlflow_parent_run_id: str | None
     #: every complete or failed trial of the study, by number: {number, state, params, metrics, mlflow_run_id,
     #: error}; metrics are all the trial measured (the objectives and the others), by objective name
-    trials: list[dict] = field(default_factory=list)
+    trials: list[dict[str, Any]] = field(default_factory=list)
     study_id: int | None = None        #: the study's id in its storage (optuna-dashboard's page of it)
     dashboard_url: str | None = None   #: the study's page in an optuna-dashboard serving its storage
     mlflow_uri: str | None = None      #: the tracking store, credentials masked
     mlflow_experiment_id: str | None = None
     mlflow_parent_run_url: str | None = None   #: the parent run's page (a tracking server only)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -563,7 +569,7 @@ def _trial_row(t: Any) -> dict[str, Any]:
             "error": t.user_attrs.get("error")}
 
 
-def _engine_kwargs(url: str) -> dict:
+def _engine_kwargs(url: str) -> dict[str, Any]:
     # The platform database is shared with running training runs: wait for SQLite's write lock, don't fail.
     return {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
 
@@ -575,26 +581,48 @@ def _describe(p: Param) -> str:
     return what + (f" when {dict(p.when)}" if p.when else "")
 
 
-def run_sweep(space: SweepSpace, trials: int, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
-              storage: str | None = None, study: str | None = None, on_trial=None) -> SweepReport:
-    """Add `trials` trials to the study and report; `on_trial(TrialResult)` after each."""
-    if trials < 1:
-        raise TidalError("--trials", trials, "must be at least 1", "e.g. --trials 16")
-    sweep = Sweep(space, real=real, overrides=overrides, storage=storage, study=study)
+class SweepVerbs(Protocol[ReportT]):
+    """What `sweep_loop` asks of an open sweep: `Sweep` itself (`tidal sweep`), or the `policy-sweep` flow's tasks
+    (`tasks.sweep.SweepTasks`). `close` ends the sweep with a status (FINISHED, FAILED, KILLED) whatever happened."""
+
+    def ask(self) -> TrialSpec: ...
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult: ...
+
+    def report(self) -> ReportT: ...
+
+    def close(self, status: str) -> None: ...
+
+
+def sweep_loop(verbs: SweepVerbs[ReportT], trials: int,
+               on_trial: Callable[[TrialResult], None] | None = None) -> ReportT:
+    """The sweep, written once: `trials` times ask the sampler and evaluate its settings (each `ask` sees every
+    earlier result), then the report; the sweep is closed in every case, FINISHED or `closing_status` of what
+    ended it. `on_trial(result)` after each trial."""
     status = "FAILED"
     try:
         for _ in range(trials):
-            res = sweep.evaluate(sweep.ask())
+            result = verbs.evaluate(verbs.ask())
             if on_trial:
-                on_trial(res)
-        report = sweep.report()
+                on_trial(result)
+        report = verbs.report()
         status = "FINISHED"
         return report
     except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
         status = closing_status(stop)
         raise
     finally:
-        sweep.close(status)
+        verbs.close(status)
+
+
+def run_sweep(space: SweepSpace, trials: int, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),
+              storage: str | None = None, study: str | None = None,
+              on_trial: Callable[[TrialResult], None] | None = None) -> SweepReport:
+    """Add `trials` trials to the study and report (`sweep_loop` over the `Sweep`); `on_trial(TrialResult)` after
+    each."""
+    if trials < 1:
+        raise TidalError("--trials", trials, "must be at least 1", "e.g. --trials 16")
+    return sweep_loop(Sweep(space, real=real, overrides=overrides, storage=storage, study=study), trials, on_trial)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------

@@ -211,15 +211,34 @@ def check(path: str | Path, *, max_seq_len: int | None = None, prompt: str = DEF
     probe = read_hf_config(root, 1)   # everything but the run-length checks
     msl = max_seq_len or min(probe.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     hf = read_hf_config(root, msl)
+    a = hf.args
+    report = _model_report(hf, root, msl)
+    report["weights"] = _weight_inventory(hf)
+    transformers = _transformers()
+    ids: list[int] | None = None
+    if transformers is None:
+        report.update(tokenizer="not installed (transformers)", tokenizer_vocab_size=None, has_chat_template=None,
+                      stop_ids=None, pad_id=None, padded_embedding_rows=None)
+    else:
+        ids, info = _tokenizer(root, prompt, a.vocab_size)
+        report.update(info)
+        report["padded_embedding_rows"] = a.vocab_size - info["tokenizer_vocab_size"]
+    par = _parity_report(hf, ids, transformers, parity, tolerance)
+    report["parity"] = par
+    report["max_abs_logit_diff"] = par["max_abs_logit_diff"]
+    report["ok"] = par["status"] != "failed"
+    return report
+
+
+def _model_report(hf, root: Path, msl: int) -> dict[str, Any]:
+    """The report's model section: what config.json and the stored tensors say, for a run of `msl` tokens."""
     a, cfg = hf.args, hf.config
-    n = hf.num_params
-    parity_bytes = n * 4 * 2
-    report: dict[str, Any] = {
+    return {
         "supported": True,
         "path": str(root),
         "architecture": hf.architecture,
         "model_type": cfg.get("model_type"),
-        "num_params": n,
+        "num_params": hf.num_params,
         "dtype": hf.dtype,
         "vocab_size": a.vocab_size,
         "num_layers": a.num_layers,
@@ -237,16 +256,11 @@ def check(path: str | Path, *, max_seq_len: int | None = None, prompt: str = DEF
         "max_seq_len": msl,
         "tp_sizes": tp_sizes(a),
     }
-    report["weights"] = _weight_inventory(hf)
-    transformers = _transformers()
-    ids: list[int] | None = None
-    if transformers is None:
-        report.update(tokenizer="not installed (transformers)", tokenizer_vocab_size=None, has_chat_template=None,
-                      stop_ids=None, pad_id=None, padded_embedding_rows=None)
-    else:
-        ids, info = _tokenizer(root, prompt, a.vocab_size)
-        report.update(info)
-        report["padded_embedding_rows"] = a.vocab_size - info["tokenizer_vocab_size"]
+
+
+def _parity_report(hf, ids: list[int] | None, transformers, parity: bool, tolerance: float) -> dict[str, Any]:
+    """The report's parity section: run, or skipped with the reason (asked, no transformers, too little memory)."""
+    parity_bytes = hf.num_params * 4 * 2
     par: dict[str, Any] = {"memory_bytes": parity_bytes, "max_abs_logit_diff": None}
     avail = _available_memory()
     if not parity:
@@ -258,10 +272,7 @@ def check(path: str | Path, *, max_seq_len: int | None = None, prompt: str = DEF
                    "(run it on a larger machine, or pass --no-parity)")
     else:
         par.update(_parity(hf, cast(list[int], ids), transformers, tolerance))  # read: transformers is there
-    report["parity"] = par
-    report["max_abs_logit_diff"] = par["max_abs_logit_diff"]
-    report["ok"] = par["status"] != "failed"
-    return report
+    return par
 
 
 def _yes(v: Any) -> str:

@@ -1,9 +1,10 @@
-"""`tidal train CONFIG [key=value ...] [--json PATH] [--no-track]`: the main job.
+"""`tidal train CONFIG [key=value ...] [--json PATH] [--no-track] [--resume DIR] [--flow]`: the main job.
 
 Runs an RL training job (GRPO) on the config's placement: CPU virtual devices unless the machine has enough
 GPUs. Prints a live progress line per step and a final summary; writes the run's folder (timeline.png,
 summary.json, events.json); logs to MLflow (`tracking.mlflow_uri`, local sqlite by default) and the platform
-database (`tracking.db_url`).
+database (`tracking.db_url`). `--resume DIR` goes on from a checkpoint folder's newest generation; `--flow` runs
+the same loop (`tidal.pipeline.run_loop`) as the Prefect `rl-training` flow, `--resume` as its `resume_from`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.requests import TrainingRequest
+from tidal.core.config import TidalConfig
 from tidal.core.errors import ConfigError
 from tidal.pipeline.tracked_run import RunTracking, closing_status, load_run_config, policy_name, run_dir
 from tidal.workers.errors import WorkerError
@@ -32,7 +34,7 @@ def _spark(values: list[float]) -> str:
     return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in values)
 
 
-def _source(cfg) -> str:
+def _source(cfg: TidalConfig) -> str:
     model = f"model {cfg.model.path}" if cfg.model.path else "Tidal's own model"
     data = f"prompts {', '.join(cfg.data.train_files)}" if cfg.data.train_files else f"task {cfg.data.task}"
     return f"{model}, {data}"
@@ -67,21 +69,10 @@ def main(argv: list[str]) -> int:
                     help="run it as the Prefect `rl-training` flow (a temporary local Prefect server when "
                          "PREFECT_API_URL is unset; each step a subflow run)")
     ap.add_argument("--resume", metavar="DIR", help="resume from a checkpoint directory (its newest complete "
-                    "generation; the layout may differ)")
+                    "generation; the layout may differ); with --flow, the flow's resume_from")
     args = ap.parse_args(argv)
     check_json_path(args.json)
     cfg = load_run_config(args.config, args.overrides)
-    if args.flow:
-        if args.resume:
-            raise ConfigError("--resume", args.resume, "is not a flow parameter yet", "drop --flow to resume")
-        from flows.rl_training import rl_training
-        flow_summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
-                                                   track=not args.no_track))
-        _write_json(args.json, flow_summary)
-        return 0
-    for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
-        os.environ.setdefault(k, v)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
     if args.resume:
         from tidal.pipeline.checkpointing import saved_step
@@ -92,6 +83,15 @@ def main(argv: list[str]) -> int:
             _write_json(args.json, {"status": "finished", "checkpoint": str(gen), "step": step,
                                     "num_steps": cfg.run.num_steps})
             return 0
+    if args.flow:
+        from flows.rl_training import rl_training
+        flow_summary = rl_training(TrainingRequest(config=args.config, overrides=list(args.overrides),
+                                                   track=not args.no_track, resume_from=args.resume))
+        _write_json(args.json, flow_summary)
+        return 0
+    for k, v in {"RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}.items():
+        os.environ.setdefault(k, v)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from tidal.pipeline.preflight import preflight
     checked = preflight(cfg, tracked=not args.no_track, resume_from=args.resume)   # before any folder or record
     out_dir = run_dir(cfg)
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     from tidal.pipeline.run import run_training
     tracking = RunTracking.null(cfg) if args.no_track else RunTracking.open(cfg, out_dir)
 
-    def on_step(step: int, m: dict) -> None:
+    def on_step(step: int, m: dict[str, float]) -> None:
         ev = f" heldout {m['eval/heldout_accuracy']:.3f}" if "eval/heldout_accuracy" in m else ""
         console.print(f"step {step + 1:>3}/{cfg.run.num_steps}  reward {m.get('grpo/reward_mean', 0):.3f}{ev}  "
                       f"{m['step/time_s']:.1f}s  idle {m['step/idle_fraction']:.2f}  "

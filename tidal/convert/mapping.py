@@ -97,7 +97,19 @@ def _placement(b: Builder, nodes: int, per_node: Any) -> None:
         b.take(prefix)   # raises if unresolved
         b.drop(prefix, f"value not supported: not a mapping of components to devices ({raw!r})")
         return
-    entries: list[tuple[str, str, list[str], Any]] = []   # (rlinf key, leaf key, kept names, spec)
+    entries = _placement_entries(b, raw, prefix)
+    if per_node is ABSENT:
+        per_node = _assumed_per_node(b, entries, nodes, prefix)
+    placement = _placement_mapping(b, entries, nodes * per_node, prefix)
+    placement = _inference_on_actor(b, placement)
+    if placement:
+        b.put(prefix, placement)
+
+
+def _placement_entries(b: Builder, raw: dict, prefix: str) -> list[tuple[str, str, list[str], Any]]:
+    """The entries Tidal can place, as (rlinf key, leaf key, kept names, spec); the rest, and the components Tidal
+    has no role for, dropped with the reason."""
+    entries: list[tuple[str, str, list[str], Any]] = []
     for key, spec in raw.items():
         leaf = f"{prefix}.{key}"
         names = [n.strip() for n in str(key).split(",") if n.strip()]
@@ -130,21 +142,32 @@ def _placement(b: Builder, nodes: int, per_node: Any) -> None:
             b.drop(leaf, "value not supported: node:process rank placement (Tidal places one worker per device)")
             continue
         entries.append((str(key), leaf, kept, spec))
-    if per_node is ABSENT:
-        highest = -1
-        for _, _, _, spec in entries:
-            if not (isinstance(spec, str) and spec.strip() == "all"):
-                try:
-                    highest = max(highest, *parse_device_ids(spec, prefix))
-                except ConfigError:
-                    pass
-        per_node = ClusterConfig.model_fields["num_devices_per_node"].default
-        if highest + 1 > nodes * per_node:
-            per_node = math.ceil((highest + 1) / nodes)
-        b.put("cluster.num_devices_per_node", per_node)
-        b.notes.append(f"cluster.num_devices_per_node: {per_node} assumed (RLinf detects the GPUs of each node; "
-                       "cluster.num_gpus_per_node was not set): set it to your nodes' GPU count")
-    total = nodes * per_node
+    return entries
+
+
+def _assumed_per_node(b: Builder, entries: list[tuple[str, str, list[str], Any]], nodes: int, prefix: str) -> int:
+    """Devices per node where RLinf's config leaves them to detection: Tidal's default, raised until the highest
+    placed id fits; put and noted."""
+    highest = -1
+    for _, _, _, spec in entries:
+        if not (isinstance(spec, str) and spec.strip() == "all"):
+            try:
+                highest = max(highest, *parse_device_ids(spec, prefix))
+            except ConfigError:
+                pass
+    per_node = ClusterConfig.model_fields["num_devices_per_node"].default
+    if highest + 1 > nodes * per_node:
+        per_node = math.ceil((highest + 1) / nodes)
+    b.put("cluster.num_devices_per_node", per_node)
+    b.notes.append(f"cluster.num_devices_per_node: {per_node} assumed (RLinf detects the GPUs of each node; "
+                   "cluster.num_gpus_per_node was not set): set it to your nodes' GPU count")
+    return per_node
+
+
+def _placement_mapping(b: Builder, entries: list[tuple[str, str, list[str], Any]], total: int,
+                       prefix: str) -> dict[str, Any]:
+    """Tidal's placement mapping from the kept entries: `all` spelled as the cluster's `total` devices, a key
+    that repeats once components are taken out dropped."""
     placement: dict[str, Any] = {}
     for key, leaf, kept, spec in entries:
         if isinstance(spec, str) and spec.strip() == "all":
@@ -156,6 +179,12 @@ def _placement(b: Builder, nodes: int, per_node: Any) -> None:
             continue
         placement[new_key] = spec
         b.carry(leaf, prefix)
+    return placement
+
+
+def _inference_on_actor(b: Builder, placement: dict[str, Any]) -> dict[str, Any]:
+    """`placement` with inference added to the actor's entry where no entry places it (RLinf computes log-probs
+    on the actor then)."""
     placed = {n for k in placement for n in k.split(",")}
     if placement and "inference" not in placed:
         actor_key = next((k for k in placement if "actor" in k.split(",")), None)
@@ -165,8 +194,7 @@ def _placement(b: Builder, nodes: int, per_node: Any) -> None:
             b.notes.append(f"placement: inference added to the actor's entry ({new_key!r}): with no inference "
                            "component RLinf computes log-probs on the actor; Tidal runs them on its inference "
                            "component, here on the actor's devices")
-    if placement:
-        b.put(prefix, placement)
+    return placement
 
 
 def _model(b: Builder) -> None:
@@ -200,6 +228,17 @@ def _model(b: Builder) -> None:
 
 def _actor(b: Builder) -> None:
     b.simple("actor.model.tensor_model_parallel_size", "actor.tensor_parallel_size", b.as_int, positive)
+    _actor_backend(b)
+    _actor_precision(b)
+    lr = _actor_optimizer(b)
+    _actor_lr_schedule(b, lr)
+    for kind in ("optimizer", "grad", "weight"):   # used where the actor shares devices with rollout
+        b.simple(f"actor.offload_{kind}", f"actor.offload_{kind}", b.as_bool)
+    _actor_micro_batch(b)
+
+
+def _actor_backend(b: Builder) -> None:
+    """RLinf's training backend: megatron and native carry, FSDP converts to Tidal's own engine."""
     backend = b.take("actor.training_backend")
     if backend not in (ABSENT, None):
         name = b.as_str(backend, "actor.training_backend").lower()
@@ -211,6 +250,10 @@ def _actor(b: Builder) -> None:
         else:
             raise b.err("actor.training_backend", backend, "is not an actor backend Tidal knows",
                         "use megatron (actor.backend: megatron) or fsdp (converted to actor.backend: native)")
+
+
+def _actor_precision(b: Builder) -> None:
+    """The training dtype: bf16 or fp32 carry, anything else leaves actor.dtype at auto."""
     prec = b.take("actor.model.precision")
     if prec not in (ABSENT, None):
         dtype = _PRECISION.get(prec if isinstance(prec, int) else str(prec).lower())
@@ -219,6 +262,11 @@ def _actor(b: Builder) -> None:
         else:
             b.drop("actor.model.precision", f"value not supported: Tidal trains in bf16 or fp32 ({prec!r}; fp16 "
                                             "loss scaling is not implemented); actor.dtype left at auto")
+
+
+def _actor_optimizer(b: Builder) -> Any:
+    """Adam's settings (a beta given alone takes Tidal's default for the other). Returns the LR as carried, or
+    ABSENT."""
     lr = b.simple("actor.optim.lr", "actor.lr", b.as_float, lambda v: None if v > 0 else "must be > 0")
     beta1 = b.take("actor.optim.adam_beta1")
     beta2 = b.take("actor.optim.adam_beta2")
@@ -234,7 +282,12 @@ def _actor(b: Builder) -> None:
     b.simple("actor.optim.weight_decay", "actor.weight_decay", b.as_float)
     b.simple("actor.optim.clip_grad", "actor.grad_clip", b.as_float,
              lambda v: None if v > 0 else "Tidal always clips (actor.grad_clip > 0)")
-    # LR schedule: Tidal warms up linearly, then decays by cosine to lr x min_lr_ratio.
+    return lr
+
+
+def _actor_lr_schedule(b: Builder, lr: Any) -> None:
+    """LR schedule: Tidal warms up linearly, then decays by cosine to lr x min_lr_ratio; `lr` is the carried
+    peak (or ABSENT)."""
     b.simple("actor.lr_sched.lr_warmup_iters", "actor.warmup_iters", b.as_int,
              lambda v: None if v >= 0 else "must be >= 0")
     style = b.take("actor.lr_sched.lr_decay_style")
@@ -263,8 +316,11 @@ def _actor(b: Builder) -> None:
         else:
             b.drop("actor.lr_sched.max_lr", "differs from actor.optim.lr; Tidal has one peak LR (actor.lr, "
                                             "from actor.optim.lr)")
-    for kind in ("optimizer", "grad", "weight"):   # used where the actor shares devices with rollout
-        b.simple(f"actor.offload_{kind}", f"actor.offload_{kind}", b.as_bool)
+
+
+def _actor_micro_batch(b: Builder) -> None:
+    """The micro batch: algorithm.training_batch_size_per_gpu, or actor.micro_batch_size where that is absent;
+    the two must agree where both are given."""
     micro = b.simple("algorithm.training_batch_size_per_gpu", "actor.micro_batch_size", b.as_int, positive)
     other = b.take("actor.micro_batch_size")
     if other not in (ABSENT, None):

@@ -581,7 +581,23 @@ class TidalConfig(Section):
 
 
 def _check_cross_fields(cfg: TidalConfig) -> None:
-    """Constraints that span sections. Raises ConfigError."""
+    """Constraints that span sections, checked in this order (the first broken one is reported). Raises
+    ConfigError."""
+    _check_parallel_sizes(cfg)
+    _check_model_source(cfg)
+    _check_lengths(cfg)
+    _check_data_files(cfg)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if budget is not None and budget < cfg.max_seq_len:
+        raise ConfigError("actor.max_tokens_per_micro_batch", budget,
+                          f"cannot hold one sequence of model.max_seq_len={cfg.max_seq_len} tokens",
+                          f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
+    _check_actor_backend(cfg)
+    _check_run_policies(cfg)
+
+
+def _check_parallel_sizes(cfg: TidalConfig) -> None:
+    """Each component's TP size against its devices and the model's heads; the minibatch count against the step."""
     p = cfg.placement
     m = cfg.model
     for comp in COMPONENTS:
@@ -600,6 +616,11 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("algorithm.n_minibatches", cfg.algorithm.n_minibatches,
                           f"does not divide the step's {total} sequences (rollout_batch_size x group_size)",
                           "use a divisor so every iter has the same global batch")
+
+
+def _check_model_source(cfg: TidalConfig) -> None:
+    """A checkpoint directory gives the architecture: exports need one, and the config may not restate it."""
+    m = cfg.model
     if cfg.run.save_hf and m.path is None:
         raise ConfigError("run.save_hf", True, "exports need model.path: its config.json names the architecture "
                           "and its tokenizer travels with the model", "set model.path, or drop run.save_hf")
@@ -609,6 +630,10 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
             raise ConfigError(f"model.{clash[0]}", getattr(m, clash[0]),
                               f"contradicts model.path={m.path!r}, whose config.json gives the architecture",
                               f"drop model.{', model.'.join(clash)} (or model.path to build Tidal's own model)")
+
+
+def _check_lengths(cfg: TidalConfig) -> None:
+    """One response cap, and room for a prompt next to it within model.max_seq_len."""
     d = cfg.data
     if d.max_response_length is not None and "max_new_tokens" in cfg.rollout.model_fields_set \
             and cfg.rollout.max_new_tokens != d.max_response_length:
@@ -619,6 +644,12 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("rollout.max_new_tokens", cfg.response_length,
                           f"leaves no room for the prompt within model.max_seq_len={cfg.max_seq_len}",
                           "lower max_new_tokens or raise model.max_seq_len")
+
+
+def _check_data_files(cfg: TidalConfig) -> None:
+    """Local paths only; text data comes as a train and a held-out split, with a real tokenizer and room for a
+    response."""
+    d = cfg.data
     for name, paths in (("model.path", [cfg.model.path] if cfg.model.path else []),
                         ("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         url = next((p for p in paths if _URL.match(p)), None)
@@ -641,12 +672,10 @@ def _check_cross_fields(cfg: TidalConfig) -> None:
         raise ConfigError("data.max_prompt_length", d.max_prompt_length,
                           f"leaves no room for a response within model.max_seq_len={cfg.max_seq_len}",
                           "lower data.max_prompt_length or raise model.max_seq_len")
-    budget = cfg.actor.max_tokens_per_micro_batch
-    if budget is not None and budget < cfg.max_seq_len:
-        raise ConfigError("actor.max_tokens_per_micro_batch", budget,
-                          f"cannot hold one sequence of model.max_seq_len={cfg.max_seq_len} tokens",
-                          f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
-    _check_actor_backend(cfg)
+
+
+def _check_run_policies(cfg: TidalConfig) -> None:
+    """Flags read only by a restarting run or by dynamic scheduling, refused where nothing would read them."""
     if cfg.actor.redundancy != "none" and cfg.run.max_restarts < 1:
         raise ConfigError("actor.redundancy", cfg.actor.redundancy, "is read only by a run that restarts itself, and "
                           "run.max_restarts is 0", "set run.max_restarts >= 1, or actor.redundancy: none")

@@ -98,6 +98,18 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
     if not isinstance(raw, dict) or not raw:
         raise ConfigError(field, raw, "must map component names to devices",
                           'e.g. {actor: "0-1", rollout: "2-5", inference: "6-7"}')
+    sets = _read_entries(raw, num_devices, auto_scheduler, field)
+    _check_complete(sets, num_devices, field)
+    mode = _mode(sets, auto_scheduler)
+    if auto_scheduler:
+        _check_auto(sets, mode, field)
+    return Placement(actor=sets["actor"], rollout=sets["rollout"], inference=sets["inference"],
+                     num_devices=num_devices, mode=mode)
+
+
+def _read_entries(raw: dict, num_devices: int, auto_scheduler: bool, field: str) -> dict[str, tuple[int, ...]]:
+    """component -> device ids, entry by entry; an entry's devices are its own unless its key names several
+    components."""
     sets: dict[str, tuple[int, ...]] = {}
     taken: dict[int, str] = {}  # device -> entry key: entries are disjoint; sharing is said with "a,b" keys
     for key, spec in raw.items():
@@ -106,20 +118,7 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
         ids = tuple(range(num_devices)) if isinstance(spec, str) and spec.strip() == "all" else \
             parse_device_ids(spec, f"{field}.{key}")
         for name in names:
-            if name in AUTO_REFUSED:
-                if auto_scheduler:
-                    raise ConfigError(f"{field}.{key}", spec,
-                                      f"a {name} placement cannot be scheduled dynamically (RLinf silently "
-                                      f"falls back to static; Tidal refuses)",
-                                      f"remove the {name} entry or set cluster.auto_scheduler: false")
-                raise ConfigError(f"{field}.{key}", spec, f"component {name!r} is not part of Tidal's pipeline",
-                                  "use actor, rollout and inference (GRPO needs no critic)")
-            if name not in COMPONENTS:
-                near = difflib.get_close_matches(name, COMPONENTS, n=1)
-                hint = f"did you mean {near[0]!r}?" if near else f"use one of {', '.join(COMPONENTS)}"
-                raise ConfigError(f"{field}.{key}", name, "unknown component", hint)
-            if name in sets:
-                raise ConfigError(f"{field}.{key}", name, "component placed twice", "give each component one entry")
+            _check_name(name, key, spec, sets, auto_scheduler, field)
             sets[name] = ids
         clash = sorted(d for d in ids if d in taken)
         if clash:
@@ -128,6 +127,30 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
                               f'give each entry its own devices, or share them with one key such as '
                               f'"{other},{key}"')
         taken.update({d: str(key) for d in ids})
+    return sets
+
+
+def _check_name(name: str, key: object, spec: object, sets: dict[str, tuple[int, ...]], auto_scheduler: bool,
+                field: str) -> None:
+    """`name`, read from entry `key`, is one of Tidal's components and not placed by an earlier entry."""
+    if name in AUTO_REFUSED:
+        if auto_scheduler:
+            raise ConfigError(f"{field}.{key}", spec,
+                              f"a {name} placement cannot be scheduled dynamically (RLinf silently "
+                              f"falls back to static; Tidal refuses)",
+                              f"remove the {name} entry or set cluster.auto_scheduler: false")
+        raise ConfigError(f"{field}.{key}", spec, f"component {name!r} is not part of Tidal's pipeline",
+                          "use actor, rollout and inference (GRPO needs no critic)")
+    if name not in COMPONENTS:
+        near = difflib.get_close_matches(name, COMPONENTS, n=1)
+        hint = f"did you mean {near[0]!r}?" if near else f"use one of {', '.join(COMPONENTS)}"
+        raise ConfigError(f"{field}.{key}", name, "unknown component", hint)
+    if name in sets:
+        raise ConfigError(f"{field}.{key}", name, "component placed twice", "give each component one entry")
+
+
+def _check_complete(sets: dict[str, tuple[int, ...]], num_devices: int, field: str) -> None:
+    """Every component is placed, on devices of this cluster."""
     for name in COMPONENTS:
         if name not in sets:
             raise ConfigError(field, sorted(sets), f"no placement for {name}", f"add a `{name}:` entry")
@@ -137,29 +160,34 @@ def parse_placement(raw: dict, num_devices: int, auto_scheduler: bool,
             raise ConfigError(f"{field}.{name}", bad, f"device ids beyond the cluster's {num_devices} devices "
                               f"(ids 0-{num_devices - 1})",
                               "lower the ids or raise cluster.num_nodes / cluster.num_devices_per_node")
+
+
+def _mode(sets: dict[str, tuple[int, ...]], auto_scheduler: bool) -> Mode:
+    """The mode that follows from which components share devices (see module doc)."""
     a, r, i = (set(sets[c]) for c in COMPONENTS)
     if a == r == i:
-        mode = Mode.COLLOCATED
-    elif not (a & r or a & i or r & i):
-        mode = Mode.AUTO if auto_scheduler else Mode.DISAGGREGATED
-    else:
-        mode = Mode.HYBRID
-    if auto_scheduler:
-        if mode is not Mode.AUTO:
-            shared = sorted((a & r) | (a & i) | (r & i))
-            raise ConfigError(field, shared, "auto_scheduler moves devices between components at run time, so "
-                              "each device must start in exactly one (these are shared)",
-                              "give actor, rollout and inference separate ranges, or set auto_scheduler: false "
-                              "(the shared placement then runs static, its components taking turns)")
-        order = list(sets["actor"]) + list(sets["rollout"]) + list(sets["inference"])
-        if order != list(range(len(order))):
-            raise ConfigError(field, {c: sets[c] for c in COMPONENTS},
-                              "auto_scheduler needs contiguous devices in the order actor -> rollout -> "
-                              "inference, the actor starting at device 0 (the actor grows into devices "
-                              "rollout releases next to it)",
-                              f'e.g. actor: "0-{len(sets["actor"]) - 1}", rollout: next ids, inference: the last')
-    return Placement(actor=sets["actor"], rollout=sets["rollout"], inference=sets["inference"],
-                     num_devices=num_devices, mode=mode)
+        return Mode.COLLOCATED
+    if not (a & r or a & i or r & i):
+        return Mode.AUTO if auto_scheduler else Mode.DISAGGREGATED
+    return Mode.HYBRID
+
+
+def _check_auto(sets: dict[str, tuple[int, ...]], mode: Mode, field: str) -> None:
+    """auto_scheduler's layout: disjoint sets, contiguous in the order actor -> rollout -> inference from 0."""
+    if mode is not Mode.AUTO:
+        a, r, i = (set(sets[c]) for c in COMPONENTS)
+        shared = sorted((a & r) | (a & i) | (r & i))
+        raise ConfigError(field, shared, "auto_scheduler moves devices between components at run time, so "
+                          "each device must start in exactly one (these are shared)",
+                          "give actor, rollout and inference separate ranges, or set auto_scheduler: false "
+                          "(the shared placement then runs static, its components taking turns)")
+    order = list(sets["actor"]) + list(sets["rollout"]) + list(sets["inference"])
+    if order != list(range(len(order))):
+        raise ConfigError(field, {c: sets[c] for c in COMPONENTS},
+                          "auto_scheduler needs contiguous devices in the order actor -> rollout -> "
+                          "inference, the actor starting at device 0 (the actor grows into devices "
+                          "rollout releases next to it)",
+                          f'e.g. actor: "0-{len(sets["actor"]) - 1}", rollout: next ids, inference: the last')
 
 
 def format_ids(ids: tuple[int, ...] | list[int]) -> str:

@@ -135,6 +135,36 @@ def nll_loss(model: Transformer, ids_BT: torch.Tensor, num_tokens_in_iter: int) 
     return -model.token_logprobs(ids_BT).sum() / num_tokens_in_iter
 
 
+def claim_microbatch(source, layout: Layout, coord: Coord, tp_group, device: torch.device) -> tuple[int, Any] | None:
+    """The next (index, micro-batch) of the iter's queue for the rank at `coord` of `layout`, or None when it is
+    empty. From a dynamic source at TP > 1 only TP rank 0 claims and broadcasts the index over its TP group
+    (`tp_group`), so the TP ranks of a DP group run the same micro-batch."""
+    t, d = coord
+    dynamic = getattr(source, "dynamic", False) and tp_group is not None
+    got = source.claim(d, layout.dp) if (t == 0 or not dynamic) else None
+    if not dynamic:
+        return got
+    idx = torch.tensor([got[0] if got is not None else -1], dtype=torch.int64, device=device)
+    dist.broadcast(idx, src=layout.device(0, d), group=tp_group)
+    i = int(idx.item())
+    if i < 0:
+        return None
+    return got if got is not None else (i, source.items[i])
+
+
+def check_local_reshard(groups: GroupCache, layout: Layout, new_layout: Layout, rank: int) -> None:
+    """A member-local reshard `layout` -> `new_layout` may run on `rank`: every group it needs exists already
+    (`reshard_rank_sets`: made by an earlier world-wide reshard between the same layouts' rank sets) and the rank
+    is in either layout; else LayoutError naming the way out, and nothing moves."""
+    missing = [r for r in reshard_rank_sets(layout, new_layout) if not groups.has(r)]
+    if missing:
+        raise LayoutError("reshard", f"{layout} -> {new_layout}", f"a member-local reshard needs "
+                          f"groups not made yet: {missing[:3]}", "reshard world-wide once (local=False)")
+    if rank not in new_layout.devices and rank not in layout.devices:
+        raise LayoutError("reshard", f"{layout} -> {new_layout}", f"rank {rank} is in neither "
+                          "layout of a member-local reshard", "call it on the ranks of either layout only")
+
+
 def _overlappable(source) -> bool:
     """The claim order is known before the iter (a static `SharedQueue`: DP rank d takes d, d + dp, ...) and the
     backend lets receives wait while sends are issued (gloo: matched by tag). NCCL runs a pair's P2P operations in
@@ -277,58 +307,14 @@ class ActorShard:
         return self._grad
 
     # ---- training ------------------------------------------------------------------------------------
-    def _claim(self, source, g) -> tuple[int, Any] | None:
-        t, d = cast(Coord, self.coord)
-        dynamic = getattr(source, "dynamic", False) and g.tp is not None
-        got = source.claim(d, self.layout.dp) if (t == 0 or not dynamic) else None
-        if not dynamic:
-            return got
-        idx = torch.tensor([got[0] if got is not None else -1], dtype=torch.int64, device=self.device)
-        dist.broadcast(idx, src=self.layout.device(0, d), group=g.tp)
-        i = int(idx.item())
-        if i < 0:
-            return None
-        return got if got is not None else (i, source.items[i])
-
     def train_iter(self, source: MicrobatchSource, loss_fn: LossFn, num_tokens_in_iter: int) -> IterReport | None:
         """One optimizer step over the iter's queue (collective over the layout). None on ranks outside it."""
         if self.state is None:
             return None
         self._require_resident("train_iter")
         start = time.perf_counter()
-        st, g, lay = self.state, self.groups.get(self.layout), self.layout
-        grad = self._grad_buffer()
-        ordered = lay.dp > 1 and self.grad_sum == "ordered"
-        early = _OverlappedSum(self, len(cast(Sized, source))) \
-            if ordered and self.overlap_grad_sum and _overlappable(source) else None
-        acc32 = torch.zeros(st.shape.param_total, device=self.device) if self.dtype != torch.float32 else None
-        mine: list[tuple[int, torch.Tensor]] = []
-        losses = []
-        while (item := self._claim(source, g)) is not None:
-            idx, mb = item
-            loss = loss_fn(cast(Transformer, self.model), mb, num_tokens_in_iter)
-            loss.backward()
-            losses.append(loss.detach().double())
-            if early is not None:
-                early.add(idx, grad)
-                grad.zero_()
-            elif ordered:
-                mine.append((idx, grad.clone()))
-                grad.zero_()
-            elif acc32 is not None:
-                acc32.add_(grad.float())
-                grad.zero_()
-        full = acc32 if acc32 is not None else grad
-        t_compute = time.perf_counter()
-        if lay.dp == 1:
-            owned = full.float()
-        elif early is not None:
-            owned = early.finish()
-        elif ordered:
-            owned = self._ordered_sum(mine, g)
-        else:
-            dist.all_reduce(full, group=g.dp)
-            owned = self._pack(full.float(), st.shape)
+        st, g = self.state, self.groups.get(self.layout)
+        owned, losses, t_compute = self._owned_grads(source, loss_fn, num_tokens_in_iter, g)
         t_sync = time.perf_counter()
         sumsq = self._sumsq(owned)
         loss_t = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, dtype=torch.float64)
@@ -364,6 +350,45 @@ class ActorShard:
         phases = {p: b - a for p, a, b in zip(ITER_PHASES, marks, marks[1:])}
         return IterReport(loss_sum, sumsq ** 0.5, lr, coef is not None, len(losses), end - start, phases,
                           skipped=not finite)
+
+    def _owned_grads(self, source: MicrobatchSource, loss_fn: LossFn, num_tokens_in_iter: int, g
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], float]:
+        """Run the iter's micro-batches and sum their grads over DP: (this rank's owned ranges of the summed
+        grad in fp32, the micro-batches' losses, the time the last backward ended)."""
+        st, lay = cast(ShardState, self.state), self.layout
+        grad = self._grad_buffer()
+        ordered = lay.dp > 1 and self.grad_sum == "ordered"
+        early = _OverlappedSum(self, len(cast(Sized, source))) \
+            if ordered and self.overlap_grad_sum and _overlappable(source) else None
+        acc32 = torch.zeros(st.shape.param_total, device=self.device) if self.dtype != torch.float32 else None
+        mine: list[tuple[int, torch.Tensor]] = []
+        losses = []
+        while (item := claim_microbatch(source, lay, cast(Coord, self.coord), g.tp, self.device)) is not None:
+            idx, mb = item
+            loss = loss_fn(cast(Transformer, self.model), mb, num_tokens_in_iter)
+            loss.backward()
+            losses.append(loss.detach().double())
+            if early is not None:
+                early.add(idx, grad)
+                grad.zero_()
+            elif ordered:
+                mine.append((idx, grad.clone()))
+                grad.zero_()
+            elif acc32 is not None:
+                acc32.add_(grad.float())
+                grad.zero_()
+        full = acc32 if acc32 is not None else grad
+        t_compute = time.perf_counter()
+        if lay.dp == 1:
+            owned = full.float()
+        elif early is not None:
+            owned = early.finish()
+        elif ordered:
+            owned = self._ordered_sum(mine, g)
+        else:
+            dist.all_reduce(full, group=g.dp)
+            owned = self._pack(full.float(), st.shape)
+        return owned, losses, t_compute
 
     def _pack(self, flat: torch.Tensor, shape: ZeroShape) -> torch.Tensor:
         """The owned ranges of `shape` out of a TP-local flat tensor, in optimizer order."""
@@ -459,13 +484,7 @@ class ActorShard:
         self._require_resident("reshard")
         self.sync_layout(old_layout)
         if local:
-            missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
-            if missing:
-                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"a member-local reshard needs "
-                                  f"groups not made yet: {missing[:3]}", "reshard world-wide once (local=False)")
-            if self.rank not in new_layout.devices and self.rank not in self.layout.devices:
-                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"rank {self.rank} is in neither "
-                                  "layout of a member-local reshard", "call it on the ranks of either layout only")
+            check_local_reshard(self.groups, self.layout, new_layout, self.rank)
         self.groups.get(new_layout)
         union = self.groups.union(self.layout, new_layout)
         new_state, report = reshard_state(self.state, self.layout, new_layout, self.specs, rank=self.rank,

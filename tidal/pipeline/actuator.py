@@ -5,15 +5,17 @@ Ownership rules (tidal.core.devices): a device leaves its role as MOVING and bec
 freed it; a device joins a role only from FREE. A failed action leaves the cluster as it was before it
 (migration is two-phase, resharding rolls back inside the engine) and its ledger moves are undone.
 
-State owned here: which devices host which component (`Cluster.rollout / inference / lent`, `inf_lent`), the
-process groups every worker has made (`rank_sets`), and the calls not waited for (`notes`: layout notes to
-workers outside a member-local reshard, a migration wave's commits), checked at the step end. The step's work
-bookkeeping (`StepState.given`, the instances' last reports) is the driver's; a migration carries it along.
+State owned here: the placement (`tidal.pipeline.placement.LivePlacement`: which devices host which component,
+what is lent, the homes each step starts on), handed out as a frozen snapshot and replaced only by this class's
+methods; the process groups every worker has made (`rank_sets`); and the calls not waited for (`notes`: layout
+notes to workers outside a member-local reshard, a migration wave's commits), checked at the step end. The
+step's work bookkeeping (`StepState.given`, the instances' last reports) is the driver's; a migration carries it
+along.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -36,27 +38,11 @@ from tidal.engine.groups import layout_rank_sets, reshard_rank_sets
 from tidal.engine.layout import Layout
 from tidal.engine.reshard.commit import prepare_programs
 from tidal.pipeline.cluster import Cluster, StepState
-from tidal.workers import roles
-from tidal.workers.messages import MoveResult, MoveSummary, ReshardReport, RolloutReport
+from tidal.pipeline.placement import Homes, LivePlacement
+from tidal.workers.messages import MoveResult, ReshardReport
+from tidal.workers.roles import EngineWeights
 
 Move = tuple[int, int, int | None]   # (source instance, target instance, groups: None = all)
-
-
-def move_reported(reports: dict[int, RolloutReport], src: int, dst: int, moved: MoveSummary) -> None:
-    """Carry a migration's work from `src`'s last report to `dst`'s: its open groups and their sequences in the
-    engine (running or waiting, with the tokens they generated). Queued groups need nothing: the reports count
-    them as given minus in progress. Without both reports, both go and the estimate falls back to the given
-    groups until the next reports."""
-    a, b = reports.get(src), reports.get(dst)
-    if a is None or b is None:
-        reports.pop(src, None)
-        reports.pop(dst, None)
-        return
-    reports[src] = replace(a, running=max(0, a.started - moved.requests), waiting=0,
-                           progress=max(0, a.progress - moved.tokens),
-                           groups_in_progress=max(0, a.groups_in_progress - moved.open))
-    reports[dst] = replace(b, running=b.running + moved.requests, progress=b.progress + moved.tokens,
-                           groups_in_progress=b.groups_in_progress + moved.open)
 
 
 def migration_waves(moves: list[Move]) -> list[list[Move]]:
@@ -79,23 +65,36 @@ def migration_waves(moves: list[Move]) -> list[list[Move]]:
 
 
 class RayActuator:
-    """Applies actions to the workers of `cluster`. `drain(devices)` waits for the calls in flight on `devices`
-    and hands their results to the driver; `engine_load(device)` is the keyword arguments of `rollout_start` for
-    an engine started there mid-step (its weights and their version); `program_inputs` lets reshard programs be
-    planned here rather than on (capped) workers."""
+    """Applies actions to the workers of `cluster` and owns the placement (module doc). `drain(devices)` waits
+    for the calls in flight on `devices` and hands their results to the driver; `engine_load(device)` is what
+    an engine started there mid-step loads (its weights and their version).
+    Reshard programs are planned here rather than on (capped) workers once `plan_reshards_with` gave the actor's
+    inputs."""
 
     def __init__(self, cluster: Cluster, drain: Callable[[set[int]], None],
-                 engine_load: Callable[[int], dict[str, Any]], initial_layout: Layout,
-                 program_inputs: ProgramInputs | None):
-        self.c, self.group, self.ledger = cluster, cluster.group, cluster.ledger
+                 engine_load: Callable[[int], tuple[EngineWeights, int]], homes: Homes):
+        self.c, self.group, self.ledger, self.calls = cluster, cluster.group, cluster.ledger, cluster.endpoints
         self.drain, self.engine_load = drain, engine_load
-        self.program_inputs = program_inputs
-        self.inf_lent: list[int] = []     # inference devices now hosting rollout instances (LendInference)
+        self.program_inputs: ProgramInputs | None = None
+        self._placement = LivePlacement.at_home(homes)
         # rank sets whose process groups every worker has made (mirrors engine.groups.GroupCache)
-        self.rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(initial_layout)
+        self.rank_sets: set[tuple[int, ...]] = {tuple(sorted(r)) for r in layout_rank_sets(homes.actor)
                                                 if len(r) >= 2}
-        self.notes: list = []
+        self.notes: list[Any] = []
         self.st: StepState | None = None
+
+    @property
+    def placement(self) -> LivePlacement:
+        """Where each component is now (a frozen snapshot: the next change makes a new one)."""
+        return self._placement
+
+    def _place(self, **changes: Any) -> None:
+        """The one writer of the placement."""
+        self._placement = replace(self._placement, **changes)
+
+    def plan_reshards_with(self, inputs: ProgramInputs | None) -> None:
+        """The actor's specs etc., to plan reshard programs here (None: the actor's backend plans them)."""
+        self.program_inputs = inputs
 
     def begin_step(self, st: StepState) -> None:
         self.st = st
@@ -105,9 +104,9 @@ class RayActuator:
         """The step in progress: actions are applied only after its `begin_step`."""
         return cast(StepState, self.st)
 
-    def known_rank_sets(self, sets) -> None:
+    def known_rank_sets(self, sets: Iterable[Iterable[int]]) -> None:
         """Rank sets whose groups every worker has made (outside a reshard, e.g. at start)."""
-        self.rank_sets.update(tuple(sorted(r)) for r in sets if len(r) >= 2)
+        self.rank_sets.update(ranks for r in sets if len(ranks := tuple(sorted(r))) >= 2)
 
     def settle_notes(self) -> None:
         """Every call not waited for has run: a failed note or commit is a bug, raised here, not later."""
@@ -118,69 +117,66 @@ class RayActuator:
     def wait(self, a: Wait) -> None:
         pass   # the driver asks again at its next boundary pass
 
-    def migrate_requests(self, a: MigrateRequests) -> dict:
+    def migrate_requests(self, a: MigrateRequests) -> dict[str, Any]:
         return self.migrate([(a.src, a.dst, a.count)])
 
-    def migrate_batch(self, a: MigrateBatch) -> dict:
+    def migrate_batch(self, a: MigrateBatch) -> dict[str, Any]:
         return self.migrate(list(a.moves))
 
-    def release_rollout(self, a: ReleaseRollout) -> dict:
+    def release_rollout(self, a: ReleaseRollout) -> dict[str, Any]:
         return self.finish_instances(a.instance_ids, a.migrate_to)
 
-    def return_from_rollout(self, a: ReturnFromRollout) -> dict:
+    def return_from_rollout(self, a: ReturnFromRollout) -> dict[str, Any]:
         out = self.finish_instances(a.instance_ids, a.migrate_to, back_to=Owner.ACTOR)
-        self.c.lent -= set(a.instance_ids)
+        self._place(lent=self._placement.lent - set(a.instance_ids))
         return out
 
-    def release_inference(self, a: ReleaseInference) -> dict:
-        c, st, devices = self.c, self._st, list(a.devices)
+    def release_inference(self, a: ReleaseInference) -> dict[str, Any]:
+        st, devices, inference = self._st, list(a.devices), self._placement.inference
         self.drain(set(devices))
         for d in devices:
-            if d not in c.inference:
-                raise ValueError(f"device {d} is not an inference device ({c.inference})")
-        if len(devices) == len(c.inference) and (st.to_score or st.scoring):
+            if d not in inference:
+                raise ValueError(f"device {d} is not an inference device ({list(inference)})")
+        if len(devices) == len(inference) and (st.to_score or st.scoring):
             raise RuntimeError("inference still has groups to score; release it when done")
         self.ledger.release(devices, "inference released")
-        self.group.gather([self.group.submit(d, roles.inference_release) for d in devices])
-        for d in devices:
-            c.inference.remove(d)
+        self.group.gather([self.calls.inference.release(d) for d in devices])
+        self._place(inference=_without(self._placement.inference, devices))
         self.ledger.free(devices, "inference freed its memory")
         return {"devices": devices}
 
-    def reshard_actor(self, a: ReshardActor) -> dict:
+    def reshard_actor(self, a: ReshardActor) -> dict[str, Any]:
         t = a.to_layout
         return self.reshard(Layout(t.tp, t.dp, tuple(t.devices)))
 
-    def lend_to_rollout(self, a: LendToRollout) -> dict:
+    def lend_to_rollout(self, a: LendToRollout) -> dict[str, Any]:
         return self.start_instances(a.devices, lent=True)
 
-    def start_rollout(self, a: StartRollout) -> dict:
+    def start_rollout(self, a: StartRollout) -> dict[str, Any]:
         return self.start_instances(a.devices, lent=False)
 
-    def lend_inference(self, a: LendInference) -> dict:
+    def lend_inference(self, a: LendInference) -> dict[str, Any]:
         """Idle inference devices host rollout instances (groups wait for scoring until they return)."""
-        c, devices = self.c, list(a.devices)
+        devices, p = list(a.devices), self._placement
         self.drain(set(devices))
         self.ledger.release(devices, "inference lent to rollout")
         self.ledger.land(devices, Owner.ROLLOUT, "inference lent to rollout")
         self._start_engines(devices)
-        for d in devices:
-            c.inference.remove(d)
-            c.rollout.append(d)
-            self.inf_lent.append(d)
+        self._place(inference=_without(p.inference, devices), rollout=(*p.rollout, *devices),
+                    inference_lent=(*p.inference_lent, *devices))
         return {"devices": devices}
 
-    def return_to_inference(self, a: ReturnToInference) -> dict:
+    def return_to_inference(self, a: ReturnToInference) -> dict[str, Any]:
         return self.return_inference(list(a.instance_ids))
 
     # ---- mechanisms ---------------------------------------------------------------------------------------------
-    def migrate(self, moves: list[Move]) -> dict:
+    def migrate(self, moves: list[Move]) -> dict[str, Any]:
         """Apply `moves` with the result of applying them one by one, in waves of concurrent calls (see
         `migration_waves`). Per wave: every export at once, then every import (targets take their packages in
         move order), then commit the exports whose import succeeded and cancel the others (two-phase per move: a
         failed import leaves that move's groups on its source). A failure is raised after the whole wave is
         settled; earlier waves stay applied."""
-        out = {"groups": 0, "kv_bytes": 0}
+        out: dict[str, Any] = {"groups": 0, "kv_bytes": 0}
         for wave in migration_waves(moves):
             self._migrate_wave(wave, out)
         return out
@@ -195,10 +191,10 @@ class RayActuator:
         for k, (s, t, _) in enumerate(wave):
             by_src.setdefault(s, []).append(k)
             by_dst.setdefault(t, []).append(k)
-        exports = {s: g.submit(s, roles.rollout_export_many, counts=[wave[k][2] for k in ks])
-                   for s, ks in by_src.items()}
+        rollout = self.calls.rollout
+        exports = {s: rollout.export_many(s, [wave[k][2] for k in ks]) for s, ks in by_src.items()}
         where = {k: (exports[s].ref, i) for s, ks in by_src.items() for i, k in enumerate(ks)}
-        hs = [g.submit(t, roles.rollout_import_from, sources=[where[k] for k in ks]) for t, ks in by_dst.items()]
+        hs = [rollout.import_from(t, [where[k] for k in ks]) for t, ks in by_dst.items()]
         res: list[MoveResult] = [MoveResult(False)] * len(wave)
         for ks, h in zip(by_dst.values(), hs):
             try:
@@ -217,7 +213,7 @@ class RayActuator:
                     pass
         return res, by_src
 
-    def _migrate_wave(self, wave: list[Move], out: dict) -> None:
+    def _migrate_wave(self, wave: list[Move], out: dict[str, Any]) -> None:
         c, st = self.c, self._st
         t_idle = c.clock()
         self.drain({d for s, t, _ in wave for d in (s, t)})
@@ -225,9 +221,8 @@ class RayActuator:
         res, by_src = self._exchange(wave)
         failed = [(k, r.error) for k, r in enumerate(res) if not r.ok]
         # each source settles its exports: commit, or cancel where the import failed
-        settles = [self.group.submit(s, roles.rollout_settle_exports,
-                                     receipts=[res[k].receipt for k in ks if res[k].receipt is not None],
-                                     commit=[res[k].ok for k in ks if res[k].receipt is not None])
+        settles = [self.calls.rollout.settle_exports(s, [rec for k in ks if (rec := res[k].receipt) is not None],
+                                                     [res[k].ok for k in ks if res[k].receipt is not None])
                    for s, ks in by_src.items()]
         if failed:
             self.group.gather(settles)   # a cancel must be done before the failure is reported
@@ -243,9 +238,7 @@ class RayActuator:
             if not r.ok or r.summary is None:
                 continue
             m = r.summary
-            st.given[src] = max(0, st.given.get(src, 0) - m.groups)
-            st.given[dst] = st.given.get(dst, 0) + m.groups
-            move_reported(st.reports, src, dst, m)
+            st.moved(src, dst, m)
             c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
                      kv_bytes=m.kv_bytes, mode="kv", seconds=t1 - t0, wave=len(wave), wave_first=first,
                      phases_s={name: round(sec, 4) for name, sec in phases.items()})
@@ -258,12 +251,12 @@ class RayActuator:
             raise RuntimeError(f"{len(failed)} of {len(wave)} moves failed (rolled back on their sources); first: "
                                f"{wave[k][0]} -> {wave[k][1]}: {err}")
 
-    def finish_instances(self, instance_ids, migrate_to=(), back_to: Owner = Owner.FREE) -> dict:
+    def finish_instances(self, instance_ids: Iterable[int], migrate_to: Iterable[int] = (),
+                         back_to: Owner = Owner.FREE) -> dict[str, Any]:
         """Stop rollout instances `instance_ids` (their work migrates to `migrate_to`, or to any other instance);
         their devices go to `back_to` (FREE, or straight back to the actor / inference)."""
-        c, st, ids = self.c, self._st, list(instance_ids)
-        targets = [t for t in migrate_to if t in c.rollout and t not in ids] or \
-            [t for t in c.rollout if t not in ids]
+        st, ids, rollout = self._st, list(instance_ids), self._placement.rollout
+        targets = [t for t in migrate_to if t in rollout and t not in ids] or [t for t in rollout if t not in ids]
         self.drain(set(ids))
         moves: list[Move] = [(inst, targets[k % len(targets)], None) for k, inst in enumerate(ids)
                              if st.given.get(inst, 0) and targets]
@@ -274,7 +267,7 @@ class RayActuator:
                 raise RuntimeError(f"instance {inst} still holds {st.given[inst]} groups and no survivor can "
                                    "take them")
         self.ledger.release(ids, "rollout instance released")
-        handles = [self.group.submit(inst, roles.rollout_release) for inst in ids]   # all at once
+        handles = [self.calls.rollout.release(inst) for inst in ids]   # all at once
         refused = None
         for inst, h in zip(ids, handles):
             try:
@@ -283,7 +276,7 @@ class RayActuator:
                 self.ledger.land([inst], Owner.ROLLOUT, "release refused: rolled back")
                 refused = refused or err
                 continue
-            c.rollout.remove(inst)
+            self._place(rollout=_without(self._placement.rollout, [inst]))
             if back_to is Owner.FREE:
                 self.ledger.free([inst], "rollout freed its memory")
             else:
@@ -293,14 +286,13 @@ class RayActuator:
         return {"devices": ids}
 
     def _start_engines(self, devices: list[int]) -> None:
-        g = self.group
-        g.gather([g.submit(d, roles.rollout_start, instance_id=str(d), step=self._st.step,
-                           **self.engine_load(d)) for d in devices])
+        start = self.calls.rollout.start
+        self.group.gather([start(d, *self.engine_load(d), step=self._st.step) for d in devices])
 
-    def start_instances(self, devices, lent: bool) -> dict:
+    def start_instances(self, devices: Iterable[int], lent: bool) -> dict[str, Any]:
         """Rollout instances on `devices`: the actor's, lent for a while (the actor cannot train until they
         return), or FREE devices as ordinary instances (`lent=False`)."""
-        c, devices = self.c, list(devices)
+        devices = list(devices)
         self.drain(set(devices))
         if lent:
             self.ledger.release(devices, "lent to rollout")
@@ -308,23 +300,19 @@ class RayActuator:
         else:
             self.ledger.assign(devices, Owner.ROLLOUT, "rollout instance started")
         self._start_engines(devices)
-        for d in devices:
-            c.rollout.append(d)
-            if lent:
-                c.lent.add(d)
+        p = self._placement
+        self._place(rollout=(*p.rollout, *devices), lent=p.lent | set(devices) if lent else p.lent)
         return {"devices": devices}
 
-    def return_inference(self, instance_ids: list[int]) -> dict:
+    def return_inference(self, instance_ids: list[int]) -> dict[str, Any]:
         """Lent inference devices score again (their work was migrated away first; their model is kept)."""
-        c = self.c
         self.finish_instances(instance_ids, back_to=Owner.INFERENCE)
-        for d in instance_ids:
-            self.inf_lent.remove(d)
-            c.inference.append(d)
-        c.inference.sort()
+        p = self._placement
+        self._place(inference_lent=_without(p.inference_lent, instance_ids),
+                    inference=tuple(sorted((*p.inference, *instance_ids))))
         return {"devices": list(instance_ids)}
 
-    def _prepare(self, old: Layout, new: Layout, ranks) -> dict:
+    def _prepare(self, old: Layout, new: Layout, ranks: list[int]) -> dict[int, Any]:
         """Every rank's reshard program, made here (`engine.reshard.commit.prepare_programs`, cached per pair
         shape): the driver's core is not capped, while a capped CPU worker plans a new pair in seconds. Empty
         when the actor gives no inputs (a backend that plans its own moves): the ranks plan."""
@@ -333,13 +321,13 @@ class RayActuator:
             return {}
         return prepare_programs(old, new, inputs.specs, ranks, inputs.param_bytes, inputs.bucket_bytes)
 
-    def reshard(self, layout: Layout) -> dict:
+    def reshard(self, layout: Layout) -> dict[str, Any]:
         """Move the actor. The first time a move needs a process group that does not exist yet it is collective
         over the world (every worker idle first: group creation); later moves between known rank sets involve
         only the devices of either layout, and every other worker keeps generating or scoring meanwhile (it
         learns the new layout by a call queued behind its current one)."""
         c, g, ledger = self.c, self.group, self.ledger
-        old = c.actor_layout
+        old = self._placement.actor
         if layout == old:
             return {}
         outside = sorted(set(layout.devices) - set(g.world_ids))
@@ -360,8 +348,7 @@ class RayActuator:
             ranks = members if local else list(g.world_ids)
             prepared = self._prepare(old, layout, ranks)
             prepare_s = c.clock() - t0
-            handles = [g.submit(d, roles.actor_reshard, layout=layout, current=old, local=local,
-                                prepared=prepared.get(d)) for d in ranks]
+            handles = [self.calls.actor.reshard(d, layout, old, local, prepared.get(d)) for d in ranks]
             reports: list[ReshardReport] = [r for r in g.gather(handles) if r is not None]
         except Exception:
             ledger.release(joining, "reshard failed: rolled back")
@@ -370,8 +357,8 @@ class RayActuator:
         self.rank_sets.update(sets)
         if local:   # the others learn the layout in order, without waiting for them now
             others = [d for d in g.world_ids if d not in members]
-            self.notes += g.submit_all(roles.actor_set_layout, device_ids=others, layout=layout)
-        c.actor_layout = layout
+            self.notes += self.calls.actor.set_layout(others, layout)
+        self._place(actor=layout)
         if leaving:
             ledger.release(leaving, f"actor shrinks to {layout}")
             ledger.free(leaving, "actor freed its shards")
@@ -397,29 +384,56 @@ class RayActuator:
     # ---- end of step ---------------------------------------------------------------------------------------
     def return_lent(self, why: str) -> None:
         """Every instance on lent actor devices goes back to the actor (their work, if any, migrates first)."""
-        c = self.c
-        if c.lent:
-            lent = sorted(c.lent)
+        if self._placement.lent:
+            lent = sorted(self._placement.lent)
             self.finish_instances(lent, back_to=Owner.ACTOR)
-            c.lent.clear()
-            c.record("return_lent", step=self._st.step, devices=lent, reason=why)
+            self._place(lent=frozenset())
+            self.c.record("return_lent", step=self._st.step, devices=lent, reason=why)
 
-    def restore(self, initial_layout: Layout, rollout: tuple[int, ...], inference: tuple[int, ...]) -> None:
-        """Back to the initial placement for the next step's rollout (RLinf does the same)."""
-        c, ledger = self.c, self.ledger
+    def restore(self) -> None:
+        """Back to the homes for the next step's rollout (RLinf does the same)."""
+        ledger, homes = self.ledger, self._placement.homes
         self.return_lent("step end")
-        if self.inf_lent:
-            self.return_inference(list(self.inf_lent))
-        started = [d for d in c.rollout if d not in rollout]   # instances started mid-step (StartRollout): their
-        if started:                                            # devices go FREE, the actor or placement takes them
+        if self._placement.inference_lent:
+            self.return_inference(list(self._placement.inference_lent))
+        # instances started mid-step (StartRollout): their devices go FREE, the actor or a home takes them
+        started = [d for d in self._placement.rollout if d not in homes.rollout]
+        if started:
             self.finish_instances(started)
-        if c.actor_layout != initial_layout:
-            self.reshard(initial_layout)
+        if self._placement.actor != homes.actor:
+            self.reshard(homes.actor)
         failed = set(ledger.owned(Owner.FAILED))   # lost devices stay out (`tidal.pipeline.faults`)
-        back_r = [d for d in rollout if d not in c.rollout and d not in failed]
-        back_i = [d for d in inference if d not in c.inference and d not in failed]
+        p = self._placement
+        back_r = [d for d in homes.rollout if d not in p.rollout and d not in failed]
+        back_i = [d for d in homes.inference if d not in p.inference and d not in failed]
         ledger.assign_many({Owner.ROLLOUT: back_r, Owner.INFERENCE: back_i}, "step end: placement restored")
-        c.rollout = sorted(c.rollout + back_r)
-        c.inference = sorted(c.inference + back_i)
+        self._place(rollout=tuple(sorted((*p.rollout, *back_r))), inference=tuple(sorted((*p.inference, *back_i))))
         if back_r or back_i:
-            c.record("restore", step=self._st.step, rollout=back_r, inference=back_i)
+            self.c.record("restore", step=self._st.step, rollout=back_r, inference=back_i)
+
+    # ---- losses ----------------------------------------------------------------------------------------------
+    def lose(self, device: int) -> None:
+        """A rollout or inference device lost mid-step leaves its component (`tidal.pipeline.faults`: the ledger
+        already says FAILED, its work goes to the survivors)."""
+        p = self._placement
+        self._place(rollout=_without(p.rollout, [device]), inference=_without(p.inference, [device]))
+
+    def abandon_step(self) -> None:
+        """The step in progress is abandoned (`tidal.pipeline.survivors`: every worker's calls ended, every engine
+        dropped): the calls not waited for are not wanted, and nothing is lent any more."""
+        self.notes = []
+        self._place(lent=frozenset(), inference_lent=())
+
+    def continue_on(self, homes: Homes, why: str) -> None:
+        """The placement after a loss beyond a step: every live device out of its role, then each to its new
+        home; later steps start there and their ends restore it."""
+        live = [d for d in self.group.live_ids if self.ledger.owner(d) not in (Owner.FREE, Owner.FAILED)]
+        self.ledger.free(live, "step abandoned: a device was lost")
+        self.ledger.assign_many({Owner.ACTOR: homes.actor.devices, Owner.ROLLOUT: homes.rollout,
+                                 Owner.INFERENCE: homes.inference}, why)
+        self._placement = LivePlacement.at_home(homes)
+
+
+def _without(devices: tuple[int, ...], gone: Iterable[int]) -> tuple[int, ...]:
+    drop = set(gone)
+    return tuple(d for d in devices if d not in drop)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.engine.checkpoint import (
     MARKER,
@@ -38,31 +39,32 @@ from tidal.engine.checkpoint import (
     verify,
 )
 from tidal.engine.datasets import DataPosition
-from tidal.engine.model import param_specs
-from tidal.workers import roles_ckpt
+from tidal.engine.model import ModelArgs, param_specs
+
+if TYPE_CHECKING:
+    from tidal.pipeline.driver import Pipeline
 
 log = logging.getLogger("tidal.checkpoint")
 
 
-def _idle(pipe, what: str) -> None:
+def _idle(pipe: Pipeline, what: str) -> None:
     busy = sorted({f.device for f in pipe.cluster.inflight.values()})
     if busy:
         raise RuntimeError(f"{what} between steps only: calls still in flight on devices {busy}")
 
 
-def save(pipe, dir: str | Path, step: int, keep_last: int = 2) -> Path:
+def save(pipe: Pipeline, dir: str | Path, step: int, keep_last: int = 2) -> Path:
     """Checkpoint the pipeline after `step` completed RL steps (between steps); see module doc."""
     _idle(pipe, "checkpoint")
     dir = Path(dir)
-    layout = pipe.cluster.actor_layout
+    layout = pipe.placement.actor
     meta = CheckpointMeta(step=step, data_pos=pipe.data_pos.offset, policy_version=pipe.version,
                           data_epoch=pipe.data_pos.epoch)
     t0 = pipe.clock()
     tmp = begin(dir, step)
     g = pipe.group
     try:
-        g.gather(g.submit_all(roles_ckpt.actor_save, device_ids=layout.devices, dir=str(dir), gen=step,
-                              meta=meta))
+        g.gather(pipe.calls.actor.save(layout.devices, str(dir), step, meta))
         final = commit(dir, step, keep_last)
     except BaseException:   # a partial generation is never loadable: do not leave it filling the disk
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,7 +97,7 @@ def saved_step(dir: str | Path) -> tuple[Path, int]:
     return gen, read_manifest(gen).meta.step
 
 
-def check_resumable(dir: str | Path, args) -> tuple[Path, Manifest]:
+def check_resumable(dir: str | Path, args: ModelArgs) -> tuple[Path, Manifest]:
     """The generation to resume and its manifest: marker, checksums and model checked (reads, writes nothing)."""
     gen = find_generation(dir)
     m = verify(gen)
@@ -103,21 +105,19 @@ def check_resumable(dir: str | Path, args) -> tuple[Path, Manifest]:
     return gen, m
 
 
-def resume(pipe, dir: str | Path) -> int:
+def resume(pipe: Pipeline, dir: str | Path) -> int:
     """Load a checkpoint into a started pipeline; returns the next step to run (see module doc)."""
-    import ray
     _idle(pipe, "resume")
     gen, m = check_resumable(dir, pipe.spec.args)
-    layout = pipe.cluster.actor_layout
+    layout = pipe.placement.actor
     t0 = pipe.clock()
     g = pipe.group
     # every rank of the world takes part; a world that lost ranks (tidal.pipeline.survivors) votes over its live ones
     ranks = g.world_ids
     holes = len(ranks) < len(g.device_ids)
-    g.gather(g.submit_all(roles_ckpt.actor_load, device_ids=ranks, dir=str(gen), layout=layout,
-                          ranks=ranks if holes else None))
-    pipe.version, pipe.data_pos = m.meta.policy_version, DataPosition(m.meta.data_epoch, m.meta.data_pos)
-    pipe._load_generation(ray.put(pipe.global_weights()), m.meta.step)
+    g.gather(pipe.calls.actor.load(ranks, str(gen), layout, ranks if holes else None))
+    pipe.data_pos = DataPosition(m.meta.data_epoch, m.meta.data_pos)
+    pipe.generations.resumed(m.meta.policy_version, m.meta.step)
     pipe.cluster.record("resume", step=m.meta.step, path=str(gen), saved_layout=str(m.layout),
                         layout=str(layout), version=pipe.version, data_pos=pipe.data_pos.to_json(),
                         seconds=pipe.clock() - t0)

@@ -1,9 +1,10 @@
 """One RL training run on device workers: stream prompt groups rollout -> inference -> actor, step by step.
 
-The driver owns the step's shared work queue and the event loop; workers own the state (see
-`tidal.workers.roles`). Everything the scheduler decides goes through the control loop
-(`tidal.pipeline.control`: observe -> decide -> reconcile through `RayActuator`), so a static run is simply a
-run whose policy never acts.
+The driver owns the step's work (`StepState`, what it measured in `StepMeasurements`) and the event loop; workers
+own the state (see `tidal.workers.roles`), reached through their typed endpoints (`tidal.workers.endpoints`).
+The actuator owns the placement (`placement`: a frozen snapshot). Everything the scheduler decides goes through
+the control loop (`tidal.pipeline.control`: observe -> decide -> reconcile through `RayActuator`), so a static
+run is simply a run whose policy never acts. The middle of a run, drawn: docs/middle.md.
 
 Who waits on whom, within a step::
 
@@ -12,7 +13,7 @@ Who waits on whom, within a step::
     actor_train_iter(k) ◄──iter k's samples (whole groups, group-id order)── inference_score (what arrived)
           │ at every iter boundary: observe -> policy -> reconcile (migrate, release, reshard)
           v after the last iter
-    weights -> rollout + inference (version + 1); actor back to its initial layout; evaluate
+    weights -> rollout + inference (version + 1: `tidal.pipeline.generations`); actor back to its homes; evaluate
 
 Determinism: iter k always trains on the sequences [k*S/n, (k+1)*S/n) of the step in group-id order, and the
 actor sums micro-batch gradients in index order, so a dynamic run updates exactly like a static one; only
@@ -27,35 +28,42 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+
+from scheduler.loop import Policy
+from scheduler.state import SchedState
+from tidal.core.config import TidalConfig
 from tidal.core.devices import DeviceLedger, Owner
 from tidal.engine.actor import ITER_PHASES
-from tidal.engine.backends.protocol import ProgramInputs
 from tidal.engine.datasets import DataPosition
-from tidal.engine.generation.weights import rollout_shard
+from tidal.engine.evaluation import EvalItem
 from tidal.engine.groups import growth_rank_sets
 from tidal.engine.grpo import count_response_tokens, flatten_groups, group_width, step_metrics
 from tidal.engine.hf_checkpoint import HFWeights
 from tidal.engine.layout import Layout
+from tidal.engine.prompt_source import PromptSource
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
-from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
+from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepResult, StepState, StepTrace
 from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.faults import Recovery, overdue
+from tidal.pipeline.generations import Generations
+from tidal.pipeline.placement import Homes, LivePlacement
 from tidal.pipeline.rejoin import Rejoin
 from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.timeline import Timeline
-from tidal.workers import roles
+from tidal.workers.endpoints import Endpoints
 from tidal.workers.errors import WorkerDied
 from tidal.workers.gc_pauses import GcPauses
-from tidal.workers.messages import BroadcastWeights, KeptWeights, RolloutModel, RolloutReport
+from tidal.workers.messages import RolloutReport
+from tidal.workers.roles import RunSpec, actor_micro_batches
 from tidal.workers.rollout_instance import PromptGroup
-from tidal.workers.runtime import WorkerGroup
+from tidal.workers.runtime import CallHandle, WorkerGroup
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
+    pass
 
 log = logging.getLogger("tidal.pipeline")
 #: the actor's per-iter metrics that are counts (summed over the step's iters); the others (`grpo/pg_loss`,
@@ -63,29 +71,6 @@ log = logging.getLogger("tidal.pipeline")
 STEP_SUMS = frozenset({"grpo/tokens"})
 #: how often the step's loop looks for dead workers that have no call in flight (local workers: a look at /proc)
 CHECK_EVERY_S = 0.5
-
-
-@dataclass(frozen=True)
-class StepTrace:
-    """What a step generated and when its phases ended (seconds from the step's start): what `tidal plan
-    --from-run` predicts the step from and holds its prediction against."""
-
-    step: int
-    seconds: float
-    rollout_end_s: float                  #: the last group came back generated
-    scoring_end_s: float                  #: the last group came back scored
-    response_lengths: list[list[int]]     #: per group, in id order: each sample's response tokens
-    prompt_lengths: list[int]             #: per group, in id order
-
-
-@dataclass
-class StepResult:
-    step: int
-    seconds: float
-    metrics: dict[str, float]
-    phase_seconds: dict[str, float]
-    events: list[dict]
-    trace: StepTrace | None = None
 
 
 def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], reserve: bool) -> list[int]:
@@ -116,45 +101,48 @@ def scoring_calls(queue: list[int], idle: int, busy: int, urgent: set[int], rese
 class Pipeline:
     """A training run's driver. `policy(state, signals, now) -> actions` is consulted at actor iter boundaries."""
 
-    def __init__(self, cfg, group: WorkerGroup, spec, weights: dict | HFWeights, policy, sched_state, source,
-                 clock: Callable[[], float] | None = None, on_event: Callable[[dict], None] | None = None):
+    def __init__(self, cfg: TidalConfig, group: WorkerGroup, spec: RunSpec,
+                 weights: dict[str, torch.Tensor] | HFWeights, policy: Policy, sched_state: SchedState,
+                 source: PromptSource, clock: Callable[[], float] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None):
         t0 = time.monotonic()
         self.clock = clock or (lambda: time.monotonic() - t0)
         self.cfg, self.group, self.spec = cfg, group, spec
+        self.calls = Endpoints.on(group)   # every role's typed calls
         self.policy, self.sched_state = policy, sched_state
         self.on_event = on_event or (lambda ev: None)
         self.source = source   # engine.prompt_source: the RL stream and the held-out prompts
         self.actor_build = ""   # what the actor's ranks built (`ActorBackend.build`), set by `start`
         p = cfg.placement
         tp = cfg.actor.tensor_parallel_size
-        self.initial_layout = Layout(tp, len(p.actor) // tp, p.actor)
         self.ledger = DeviceLedger(range(p.num_devices), self.clock)
         self.timeline = Timeline()
-        self.cluster = Cluster(group, self.ledger, self.timeline, self.clock, self.initial_layout, p.rollout,
-                               p.inference)
+        self.cluster = Cluster(group, self.ledger, self.timeline, self.clock)
+        c = self.cluster
+        #: the owner of the placement (`placement`): every move, restore and loss goes through it
+        self.actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
+                                    lambda d: (self.generations.weights_for(d), self.generations.version),
+                                    Homes(Layout(tp, len(p.actor) // tp, p.actor), p.rollout, p.inference))
         #: static placements whose components share devices: who waits for whom there (tidal.pipeline.sharing)
         self.sharing = Sharing.of(p, cfg.actor)
-        self.version = 0
         self.data_pos = DataPosition()
         #: the initial weights until start() has sent them: global tensors, or a checkpoint each worker reads itself
-        self._weights: dict | HFWeights | None = weights
-        #: devices whose worker kept a copy of the current generation weights (`sync_weights`), and the step-end
-        #: calls that keep the next ones
-        self.kept: frozenset[int] = frozenset()
-        self._keeping: list = []
-        self.weights_ref: ObjectRef | None = None
+        self._weights: dict[str, torch.Tensor] | HFWeights | None = weights
+        #: the policy versions the engines run (`tidal.pipeline.generations`)
+        self.generations = Generations(cfg, spec, c, self.actuator, self.sharing, self.clock)
         self.control: ControlLoop | None = None  # set by start(): observe -> decide -> reconcile
-        #: set by start(): the actor's specs etc., to plan reshards here (None: the actor's backend plans them)
-        self.program_inputs: ProgramInputs | None = None
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
         self._next_check = 0.0         # when the step's loop next looks for dead workers
         #: a lost rollout or inference device's work to the survivors (`tidal.pipeline.faults`)
-        self._recovery = Recovery(self.cluster, self.ledger, self._on_result,
-                                  lambda: self.cluster.actor_layout.devices,
-                                  lambda: self.control.actuator.inf_lent if self.control else ())
+        self._recovery = Recovery(self.cluster, self.ledger, self._on_result, self.actuator)
         #: replacement workers for failed devices, back to the free pool once they answer (`cluster.replace_failed`)
         self.rejoin = Rejoin(self.cluster, self.ledger, spec)
+
+    @property
+    def placement(self) -> LivePlacement:
+        """Where each component is now (the actuator's snapshot)."""
+        return self.actuator.placement
 
     @property
     def _control(self) -> ControlLoop:
@@ -163,88 +151,48 @@ class Pipeline:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
-        import ray
-        c, g = self.cluster, self.group
-        g.gather(g.submit_all(roles.setup, spec=self.spec))
-        ref = self._weights if isinstance(self._weights, HFWeights) else ray.put(self._weights)
-        built = g.gather(g.submit_all(roles.actor_init, layout=self.initial_layout, weights=ref))
+        c, g, calls = self.cluster, self.group, self.calls
+        g.gather(calls.worker.setup(g.device_ids, self.spec))
+        weights = self._weights
+        assert weights is not None, "start() runs once"
+        ref = weights if isinstance(weights, HFWeights) else g.put(weights)
+        home = self.placement.homes.actor
+        built = g.gather(calls.actor.init(g.device_ids, home, ref))
         self.actor_build = built[0]   # every rank builds alike (a backend's choices depend on config and machine)
         log.info("actor: %s", self.actor_build)
         # what the actuator needs to plan reshards here rather than on (capped) workers
-        self.program_inputs = g.call(self.initial_layout.devices[0], roles.actor_program_inputs)
+        self.actuator.plan_reshards_with(g.gather([calls.actor.program_inputs(home.devices[0])])[0])
         self._assign_placement()
-        self._load_generation(ref, step=0)
-        actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
-                               lambda d: {"weights": self.weights_for(d), "version": self.version},
-                               self.initial_layout, self.program_inputs)
-        self.control = ControlLoop(self.cfg, self.policy, self.sched_state, c, self.ledger, actuator,
-                                   self.initial_layout)
+        self.generations.load(ref, step=0)
+        actuator = self.actuator
+        self.control = ControlLoop(self.cfg, self.policy, self.sched_state, c, self.ledger, actuator)
         if self.cfg.cluster.auto_scheduler:   # groups of every layout the actor can grow to: reshards stay local
-            sets = growth_rank_sets(self.initial_layout, g.world_ids)
+            sets = growth_rank_sets(home, g.world_ids)
             if sets:
-                secs = max(g.gather(g.submit_all(roles.actor_make_groups, rank_sets=sets)))
+                secs = max(g.gather(calls.actor.make_groups(g.device_ids, sets)))
                 actuator.known_rank_sets(sets)
                 c.record("groups", step=0, rank_sets=len(sets), seconds=secs)
         self._weights = None
         # on every worker what exists now (model, actor state, engine, Ray's and the modules' objects) is not
         # scanned by later collections (`GcPauses`). Not here: the driver may share its process with other runs
         # (a sweep's trials), whose frozen cycles would never be freed. Its pauses are reported per step
-        g.gather(g.submit_all(roles.freeze_gc))
+        g.gather(calls.worker.freeze_gc(g.device_ids))
         self.gc.take()
 
     def _assign_placement(self) -> None:
         """The ledger at start: each device to its component, or SHARED where a static placement puts several."""
-        c, owners = self.cluster, {}
-        for role, devices in ((Owner.ACTOR, self.initial_layout.devices), (Owner.ROLLOUT, c.rollout),
-                              (Owner.INFERENCE, c.inference)):
+        p, owners = self.placement, {}
+        for role, devices in ((Owner.ACTOR, p.actor.devices), (Owner.ROLLOUT, p.rollout),
+                              (Owner.INFERENCE, p.inference)):
             for d in devices:
                 owners[d] = Owner.SHARED if d in owners else role
         by_role = {role: [d for d, o in owners.items() if o is role]
                    for role in (Owner.ACTOR, Owner.ROLLOUT, Owner.INFERENCE, Owner.SHARED)}
         self.ledger.assign_many({r: ds for r, ds in by_role.items() if ds}, "placement")
 
-    def _load_generation(self, weights_ref, step: int) -> None:
-        """Rollout and inference engines of `self.version`: from the worker's kept copy where it has one, else
-        from `weights_ref` (None only when every engine's device kept a copy). On devices the actor shares with
-        rollout the actor first hands the device over (`actor.offload_*`), so the engines find the memory free;
-        where rollout and inference share a device inference scores with the rollout engine's model."""
-        c, g, share = self.cluster, self.group, self.sharing
-        self.weights_ref = weights_ref  # kept: instances started mid-step (lend, StartRollout) load these weights
-
-        def w(d):
-            return KeptWeights(self.version) if d in self.kept else weights_ref
-
-        hs = []
-        if isinstance(weights_ref, BroadcastWeights):   # before any hand-over offloads the actor's weights
-            self.weights_ref = None
-            lay = c.actor_layout   # at TP > 1 the layout gathers a replica first (collective over it)
-            hs = g.submit_all(roles.actor_broadcast_weights, device_ids=[weights_ref.src] if lay.tp == 1
-                              else list(lay.devices), plan=weights_ref)
-        hand = self._to_generation()
-        hs += [g.submit(d, roles.rollout_start, instance_id=str(d), weights=w(d),
-                        version=self.version, step=step) for d in c.rollout]
-        hs += [g.submit(d, roles.inference_load, version=self.version,
-                        weights=RolloutModel(self.version) if share.rollout_inference and d in c.rollout
-                        else w(d)) for d in c.inference]
-        if share.any and not self.cfg.cluster.auto_scheduler and self.kept:   # no engine starts mid-step
-            hs += g.submit_all(roles.drop_kept, device_ids=sorted(self.kept))
-        g.gather(hs)
-        self._record_handover("to_generation", hand, step)
 
     # ---- shared devices: hand-overs between generation and training -------------------------------------------
-    def _shared_actor_devices(self) -> list[int]:
-        """Actor devices that also generate (their hand-overs run each step)."""
-        return sorted(set(self.initial_layout.devices) & set(self.cluster.rollout)) \
-            if self.sharing.actor_rollout else []
 
-    def _to_generation(self) -> list:
-        """The actor's devices that generate next: its state to host memory as `actor.offload_*` say (calls
-        queued before the engines' loads, not waited for here)."""
-        devices = self._shared_actor_devices()
-        if not devices:
-            return []
-        off = self.sharing.offloads
-        return [(d, self.group.submit(d, roles.actor_offload, **off)) for d in devices]
 
     def _to_training(self, st: StepState) -> None:
         """Once per step, before the first iter on devices the actor shares with rollout: the engines there are
@@ -253,20 +201,20 @@ class Pipeline:
         if st.handed_over:
             return
         st.handed_over = True
-        devices = self._shared_actor_devices()
+        devices = self.generations.shared_actor_devices()
         if not devices:
             return
         c, g = self.cluster, self.group
         c.drain(self._on_result, set(devices))   # the instances' last (empty) slices
         t0 = self.clock()
-        hs = []
+        hs: list[CallHandle[object]] = []
         for d in devices:
-            if d in c.inference and self.sharing.train_waits_for_scoring():
-                hs.append(g.submit(d, roles.inference_release))
-            hs.append(g.submit(d, roles.rollout_release))
-        hand = [(d, g.submit(d, roles.actor_onload)) for d in devices]
+            if d in self.placement.inference and self.sharing.train_waits_for_scoring():
+                hs.append(self.calls.inference.release(d))
+            hs.append(self.calls.rollout.release(d))
+        hand = [(d, self.calls.actor.onload(d)) for d in devices]
         g.gather(hs)
-        self._record_handover("to_training", hand, st.step)
+        self.generations.record_handover("to_training", hand, st.step)
         c.timeline.add_busy(devices, "moving", "hand-over", t0, self.clock())
 
     def _free_kv(self, st: StepState) -> None:
@@ -275,38 +223,12 @@ class Pipeline:
             return
         st.kv_freed = True
         c, g = self.cluster, self.group
-        devices = sorted(set(c.rollout) & set(c.inference))
+        devices = sorted(set(self.placement.rollout) & set(self.placement.inference))
         c.drain(self._on_result, set(devices))
-        g.gather(g.submit_all(roles.rollout_free_kv, device_ids=devices))
+        g.gather(self.calls.rollout.free_kv(devices))
 
-    def _record_handover(self, direction: str, calls: list, step: int) -> None:
-        """One `handover` event per hand-over: bytes and seconds (slowest device), the actor's bytes left on its
-        devices, and on CUDA the phase's peak device memory that it ends."""
-        if not calls:
-            return
-        reports = self.group.gather([h for _, h in calls])
-        keys = sorted({k for r in reports for k in r})
-        agg = {k: max(r.get(k, 0.0) for r in reports) for k in keys}
-        self.cluster.record("handover", step=step, direction=direction, devices=[d for d, _ in calls],
-                            offload=self.sharing.offloads, **agg)
 
-    def weights_for(self, device: int):
-        """What an engine started on `device` mid-step (a lend, `StartRollout`) loads: the copy its worker kept,
-        or the step's weights through the object store, fetched once from a device that kept them."""
-        import ray
-        if device in self.kept:
-            return KeptWeights(self.version)
-        if self.weights_ref is None:   # every engine loaded a kept copy: `kept` is not empty
-            self.weights_ref = ray.put(self.group.call(min(self.kept), roles.kept_weights,
-                                                       version=self.version))
-        return self.weights_ref
 
-    def abandon_step(self) -> None:
-        """Forget the step in progress and the weights its end would have kept (`tidal.pipeline.survivors`: every
-        worker's calls have ended, their results are not wanted)."""
-        self._keeping = []
-        self.kept = frozenset()
-        self.weights_ref = None
 
     # ---- one RL step ---------------------------------------------------------------------------------------
     def run_step(self, step: int, sync: bool = True) -> StepResult:
@@ -315,7 +237,7 @@ class Pipeline:
         t_start = self.clock()
         prompts, next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
         groups = [PromptGroup(i, ids, label) for i, (ids, label) in enumerate(prompts)]
-        if self._keeping:   # our invariant: the caller of run_step(sync=False) syncs before the next step
+        if self.generations.unsynced:   # our invariant: the caller of run_step(sync=False) syncs before the next step
             raise RuntimeError("run_step: the previous step's weights were never synced (call sync_weights after "
                                "run_step(sync=False))")
         st = StepState(step, deque(groups), len(groups), {g.group_id: g for g in groups}, t_start=t_start)
@@ -330,18 +252,18 @@ class Pipeline:
             self._check_overdue(st)
         c.drain(self._on_result)
         self.rejoin.poll(step)   # a device back by now takes its place in the next step (the restore below)
-        self._keep_weights()
+        self.generations.keep_at_step_end()
         self._control.end_step(st)
         if sync:
-            self.sync_weights(step)
+            self.generations.sync(step)
         self.data_pos = next_pos
         metrics = step_metrics(list(st.scored.values()))
-        for m in st.actor_metrics:
+        for m in st.measured.actor_metrics:
             for k, v in m.items():
                 if k.startswith("mem/"):     # peaks: the largest
                     metrics[k] = max(metrics.get(k, 0.0), v)
                 elif k.startswith("actor/"):  # per-rank figures: the mean over ranks and iters
-                    metrics[k] = metrics.get(k, 0.0) + v / max(len(st.actor_metrics), 1)
+                    metrics[k] = metrics.get(k, 0.0) + v / max(len(st.measured.actor_metrics), 1)
                 elif k in STEP_SUMS:         # counts: each rank's share of the iter's, the step's total
                     metrics[k] = metrics.get(k, 0.0) + v
                 else:                        # each rank's share of the iter's mean: the mean over the iters
@@ -349,16 +271,16 @@ class Pipeline:
         seconds = self.clock() - t_start
         metrics["step/time_s"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
-        if st.pump_samples:
-            metrics["rollout/pump_s_median"] = statistics.median(st.pump_samples)
+        if st.measured.pump_samples:
+            metrics["rollout/pump_s_median"] = statistics.median(st.measured.pump_samples)
         # where rollout instances holding work spent their time: generating, in call overhead, waiting for a call
         # (seconds summed over the instances: `_instance_s`)
-        metrics["rollout/busy_instance_s"] = st.rollout_busy_s
-        metrics["rollout/call_overhead_instance_s"] = st.rollout_call_s - st.rollout_busy_s
-        metrics["rollout/gap_instance_s"] = st.rollout_gap_s
-        metrics["rollout/gc_instance_s"] = st.rollout_gc_s
-        metrics["reward/timeouts"] = float(st.reward_timeouts)
-        metrics.update(st.work)
+        metrics["rollout/busy_instance_s"] = st.measured.rollout_busy_s
+        metrics["rollout/call_overhead_instance_s"] = st.measured.rollout_call_s - st.measured.rollout_busy_s
+        metrics["rollout/gap_instance_s"] = st.measured.rollout_gap_s
+        metrics["rollout/gc_instance_s"] = st.measured.rollout_gc_s
+        metrics["reward/timeouts"] = float(st.measured.reward_timeouts)
+        metrics.update(st.measured.work)
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
@@ -462,11 +384,12 @@ class Pipeline:
         the moment the current one returns, instead of after the result's round trip through the driver and
         whatever the driver does meanwhile (applying a scheduler action: 0.1-0.7 s per step, instances stalled)."""
         st, c = self.step_state, self.cluster
-        share = -(-len(st.queue) // max(1, len(c.rollout)))
+        rollout = self.placement.rollout
+        share = -(-len(st.queue) // max(1, len(rollout)))
         ahead = self.cfg.rollout.slices_ahead
-        room = {inst: ahead - c.calls(inst, CallKind.ROLLOUT) for inst in c.rollout}
-        open_ = [inst for inst in c.rollout if room[inst] > 0]
-        give: dict[int, list] = {inst: [] for inst in open_}
+        room = {inst: ahead - c.calls(inst, CallKind.ROLLOUT) for inst in rollout}
+        open_ = [inst for inst in rollout if room[inst] > 0]
+        give: dict[int, list[PromptGroup]] = {inst: [] for inst in open_}
         cap = self._capacity_groups()
         dealt = True
         while st.queue and dealt:
@@ -483,7 +406,7 @@ class Pipeline:
             st.total_given[inst] = st.total_given.get(inst, 0) + len(give[inst]) * self.cfg.algorithm.group_size
             if inst in st.waiting_since:
                 gap = now - st.waiting_since.pop(inst)
-                st.rollout_gap_s += gap
+                st.measured.rollout_gap_s += gap
                 if gap > 0.25:
                     log.info("instance %d held %d groups with no slice for %.2fs", inst, st.given.get(inst, 0), gap)
             c.submit_slice(inst, give[inst], self.slice_s)
@@ -494,18 +417,19 @@ class Pipeline:
             if st.generated < st.num_groups:
                 return
             self._free_kv(st)
-        idle = [d for d in c.inference if not c.busy(d)]
+        inference = self.placement.inference
+        idle = [d for d in inference if not c.busy(d)]
         if not st.to_score or not idle:
             return
         st.to_score.sort(key=lambda g: g.group_id)  # lowest ids first: the actor's next mini-batch is a prefix
         k = st.iters_done + (1 if st.iter_running else 0)
         nxt = set(self._iter_groups(k)) if k < self.cfg.algorithm.n_minibatches else set()
-        takes = scoring_calls([g.group_id for g in st.to_score], len(idle), len(c.inference) - len(idle), nxt,
-                              reserve=len(c.inference) > 1 and any(gid not in st.gen_time for gid in nxt))
+        takes = scoring_calls([g.group_id for g in st.to_score], len(idle), len(inference) - len(idle), nxt,
+                              reserve=len(inference) > 1 and any(gid not in st.gen_time for gid in nxt))
         for d, take in zip(idle, takes):
             batch, st.to_score = st.to_score[:take], st.to_score[take:]
             st.scoring += len(batch)
-            c.submit(CallKind.INFERENCE, d, roles.inference_score, payload=batch, groups=batch)
+            c.track(CallKind.INFERENCE, self.calls.inference.score(d, batch), payload=batch)
 
     def _iter_groups(self, k: int) -> list[int]:
         g, n = self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
@@ -518,7 +442,6 @@ class Pipeline:
         return all(gid in st.scored for gid in self._iter_groups(st.iters_done))
 
     def _maybe_train(self) -> None:
-        import ray
         st = self.step_state
         ready = self.iter_ready()
         # generated, not yet scored: the policy may move devices now, while its last groups are scored
@@ -534,7 +457,7 @@ class Pipeline:
                 share.train_waits_for_scoring() and len(st.scored) < st.num_groups)):
             return   # its devices generate (and score) first: the step's phases run in turn there
         self._to_training(st)
-        if self.cluster.lent & set(self.cluster.actor_layout.devices):
+        if self.placement.actor_lent_out:
             if st.generated < st.num_groups:
                 return   # its devices host rollout instances: the actor trains once the policy takes them back
             self._control.return_lent("rollout is done: lent devices go back to the actor")
@@ -545,14 +468,13 @@ class Pipeline:
         seqs = st.num_groups * g
         lo, hi = k * seqs // n - gids[0] * g, (k + 1) * seqs // n - gids[0] * g
         samples = samples[lo:hi]
-        ref = ray.put(samples)
+        ref = self.group.put(samples)
         st.iter_running = True
         st.iter_tokens = float(sum(len(x.prompt_ids) + len(x.response_ids) for x in samples))
-        _add(st.work, "work/actor_tokens", sum(len(idx) * width for idx, width in
-                                               roles.actor_micro_batches(self.spec, samples)))
-        for d in self.cluster.actor_layout.devices:
-            self.cluster.submit(CallKind.ACTOR, d, roles.actor_train_iter, payload=k, samples=ref,
-                                num_tokens=count_response_tokens(samples))
+        st.measured.add_work("work/actor_tokens", sum(len(idx) * width for idx, width in
+                                                      actor_micro_batches(self.spec, samples)))
+        for h in self.calls.actor.train_iter(self.placement.actor.devices, ref, count_response_tokens(samples)):
+            self.cluster.track(CallKind.ACTOR, h, payload=k)
 
     # ---- results ------------------------------------------------------------------------------------------
     def _on_result(self, f: Flight, res: Any) -> None:
@@ -572,18 +494,18 @@ class Pipeline:
         st.last_result[f.device] = now
         if report.call_tokens > 0:   # seconds per decode step as the driver sees it: call overhead,
             b = report.mean_batch    # admissions and the machine's contention included
-            st.decode_samples.append((b, (now - t0) * b / report.call_tokens))
+            st.measured.decode_samples.append((b, (now - t0) * b / report.call_tokens))
         if report.pumps > 0:
-            st.pump_samples.append(report.busy_s / report.pumps)
+            st.measured.pump_samples.append(report.busy_s / report.pumps)
         c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
         st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
-        st.rollout_busy_s += report.busy_s
-        st.rollout_gc_s += report.gc_s
-        st.reward_timeouts += report.reward_timeouts
-        _add(st.work, "work/rollout_kv_read_tokens", report.call_keys_read)
-        _add(st.work, "work/rollout_prefill_tokens", report.call_prefill_tokens)
-        _add(st.work, "work/rollout_preemptions", report.call_preemptions)
-        st.rollout_call_s += now - t0
+        st.measured.rollout_busy_s += report.busy_s
+        st.measured.rollout_gc_s += report.gc_s
+        st.measured.reward_timeouts += report.reward_timeouts
+        st.measured.add_work("work/rollout_kv_read_tokens", report.call_keys_read)
+        st.measured.add_work("work/rollout_prefill_tokens", report.call_prefill_tokens)
+        st.measured.add_work("work/rollout_preemptions", report.call_preemptions)
+        st.measured.rollout_call_s += now - t0
         if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):
             st.waiting_since[f.device] = now
         st.generated += len(records)
@@ -595,10 +517,10 @@ class Pipeline:
         st, now = self.step_state, self.clock()
         self.cluster.timeline.add_busy([f.device], "inference", "score", f.t0, now)
         st.scoring -= len(f.payload)
-        st.score_samples.append((len(scored), float(sum(len(g.prompt_ids) * len(g.response_ids)
+        st.measured.score_samples.append((len(scored), float(sum(len(g.prompt_ids) * len(g.response_ids)
                                                         + sum(len(r) for r in g.response_ids) for g in scored)),
                                  now - f.t0))
-        _add(st.work, "work/inference_tokens",
+        st.measured.add_work("work/inference_tokens",
              sum(len(g.response_ids) * group_width(g, self.spec.args.max_seq_len) for g in scored))
         for g in scored:
             assert g.group_id not in st.scored, f"group {g.group_id} scored twice"
@@ -606,19 +528,19 @@ class Pipeline:
             st.score_time[g.group_id] = now
         self._recovery.scored(scored, st.step)
 
-    def _on_actor_rank(self, f: Flight, metrics: dict | None) -> None:
+    def _on_actor_rank(self, f: Flight, metrics: dict[str, float] | None) -> None:
         st, c, now = self.step_state, self.cluster, self.clock()
         c.timeline.add_busy([f.device], "actor", f"iter {f.payload}", f.t0, now)
         if metrics is not None:
-            st.actor_metrics.append(metrics)
+            st.measured.actor_metrics.append(metrics)
             st.iter_ranks.append(metrics)
         if any(x.kind is CallKind.ACTOR for x in c.inflight.values()):
             return   # the iter ends with its last rank
         st.iter_running = False
         st.iters_done += 1
         st.last_iter_s = now - f.t0
-        lay = c.actor_layout
-        st.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
+        lay = self.placement.actor
+        st.measured.iter_samples.append((lay.tp, lay.dp, st.iter_tokens, st.last_iter_s))
         # where the iter went, slowest rank per phase (compute / sync / update / publish: tidal/engine/actor.py)
         phases = {p: max(r[f"actor/iter_{p}_s"] for r in st.iter_ranks if f"actor/iter_{p}_s" in r)
                   for p in ITER_PHASES if any(f"actor/iter_{p}_s" in r for r in st.iter_ranks)}
@@ -636,83 +558,25 @@ class Pipeline:
         st.iter_ranks = []
 
     # ---- end of step ----------------------------------------------------------------------------------------
-    def _keep_weights(self) -> None:
-        """Step end, before the placement is restored (the actor shrinks back to its initial devices then): where
-        each of the actor's ranks keeps a whole replica for the next version, so the engines that run there next
-        load it in place (`sync_weights`). Asked of every device, so the others drop an older copy (it could never
-        be loaded again: its version is past). Not waited for: each worker runs it before the reshard queued behind
-        it. With the scheduler on at TP 1 (TP > 1 would gather every step for the few lends that use it), and on
-        static placements where the actor shares devices with an engine (any TP: the TP shards are all-gathered
-        on the actor's devices)."""
-        shares = self.sharing.actor_rollout or self.sharing.actor_inference
-        if not shares and (not self.cfg.cluster.auto_scheduler or self.cluster.actor_layout.tp != 1):
-            self._keeping = []
-            return
-        self._keeping = [(d, self.group.submit(d, roles.actor_keep_weights, version=self.version + 1))
-                         for d in self.group.world_ids]
+
+
+
+
+    @property
+    def version(self) -> int:
+        """The policy version the engines run."""
+        return self.generations.version
 
     def sync_weights(self, step: int) -> None:
-        """The actor's weights to every rollout and inference engine (the next policy version). An engine whose
-        device kept a copy at the step end (`_keep_weights`) loads that one in place, with no trip through the
-        driver; the others get the weights gathered from the actor through the object store. With the actor
-        spread over every device at the step end (the tidal policy's usual last iter) nothing travels (CPU e2e
-        workload: 0.16-0.21 s gathered, 0.01 s from kept copies)."""
-        import ray
-        c, g = self.cluster, self.group
-        t0 = self.clock()
-        keeping, self._keeping = self._keeping, []
-        self.kept = frozenset(d for (d, _), ok in zip(keeping, g.gather([h for _, h in keeping])) if ok)
-        self.version += 1
-        remote = self._receivers(self.kept)
-        plan = self._broadcast_plan(remote)
-        self._load_generation(plan or (ray.put(self.global_weights()) if remote else None), step + 1)
-        if plan is not None and self.cfg.cluster.auto_scheduler:
-            # for instances started mid-step on devices that kept no copy: a kept copy's bytes in the object store,
-            # by a call not waited for (its result is the reference `weights_for` hands out)
-            self.weights_ref = g.submit(min(self.kept), roles.kept_weights, version=self.version).ref
-        c.timeline.add_busy(c.rollout + c.inference, "moving", "weight sync", t0, self.clock())
-        c.record("weight_sync", step=step, version=self.version, seconds=self.clock() - t0,
-                 local=sorted(set(c.rollout + c.inference) & self.kept), remote=remote,
-                 path="broadcast" if plan else "driver" if remote else "kept")
+        """The actor's weights to every engine (the next policy version): `Generations.sync`."""
+        self.generations.sync(step)
 
-    def _receivers(self, kept) -> list[int]:
-        """Devices whose engine loads the step's weights from outside (`_load_generation`'s `weights_ref`): rollout
-        devices without a kept copy, and inference devices without one that do not score with a rollout model."""
-        c, share = self.cluster, self.sharing
-        inference = [d for d in c.inference if not (share.rollout_inference and d in c.rollout)]
-        return sorted({d for d in c.rollout + inference if d not in kept})
-
-    def _broadcast_plan(self, remote: list[int]) -> BroadcastWeights | None:
-        """The engines of `remote` receive the weights by a broadcast from the actor's first device, over the group
-        of those ranks (made world-wide the first time: every worker is between steps here). None, and the weights
-        go through the object store, where a rank is not in the world (a replacement worker), or where a dynamic
-        placement kept no copy at the step end: an instance the scheduler starts mid-step on another device loads
-        the weights from a kept copy (`weights_for`)."""
-        g = self.group
-        if not remote or (self.cfg.cluster.auto_scheduler and not self.kept):
-            return None
-        src = self.cluster.actor_layout.devices[0]
-        ranks = tuple(sorted({src, *remote}))
-        if not set(ranks) <= set(g.world_ids):
-            return None
-        actuator = self._control.actuator
-        if ranks not in actuator.rank_sets:
-            g.gather(g.submit_all(roles.actor_make_groups, device_ids=g.world_ids, rank_sets=[ranks]))
-            actuator.known_rank_sets([ranks])
-        return BroadcastWeights(self.version, src, ranks)
-
-    def evaluate(self, items: list) -> float:
-        """Greedy held-out accuracy of `items` (`EvalItem`s) under the weights inference holds."""
-        return float(self.group.call(self.cluster.inference[0], roles.evaluate, items=items))
-
-    def global_weights(self) -> dict:
+    def global_weights(self) -> dict[str, torch.Tensor]:
         """Current actor weights in global coordinates (for checks and checkpoints of the driver)."""
-        c, g = self.cluster, self.group
-        shards = [w for w in g.gather(g.submit_all(roles.actor_weights, device_ids=c.actor_layout.devices))
-                  if w is not None]
-        shards.sort(key=lambda w: int(w["__tp__"][1]))
-        return rollout_shard(self.spec.args, [{k: v for k, v in s.items() if k != "__tp__"} for s in shards], 1, 0)
+        return self.generations.global_weights()
+
+    def evaluate(self, items: list[EvalItem]) -> float:
+        """Greedy held-out accuracy of `items` under the weights inference holds."""
+        return float(self.group.gather([self.calls.inference.evaluate(self.placement.inference[0], items)])[0])
 
 
-def _add(counters: dict[str, float], key: str, value: float) -> None:
-    counters[key] = counters.get(key, 0.0) + float(value)

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.core.devices import DeviceFailure, DeviceLedger, Owner
+from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
-from tidal.workers import roles
 from tidal.workers.errors import WorkerDied
 
 log = logging.getLogger("tidal.pipeline")
@@ -91,21 +91,20 @@ class Recovery:
     the work is done again (`generated`, `scored`: the driver hands it what comes back)."""
 
     def __init__(self, c: Cluster, ledger: DeviceLedger, handle: Callable[[Flight, Any], None],
-                 actor_devices: Callable[[], Iterable[int]], inference_lent: Callable[[], Iterable[int]]):
-        self.c, self.ledger, self.handle = c, ledger, handle
-        self._actor_devices, self._inference_lent = actor_devices, inference_lent
+                 actuator: RayActuator):
+        self.c, self.ledger, self.handle, self.actuator = c, ledger, handle, actuator
         self.redoing: list[Redo] = []   # recoveries whose redone groups are not all back
 
     def recoverable(self, device: int) -> bool:
         """A rollout or inference device of its own (not the actor's, not lent, not shared), with a survivor of
         its component to take its work."""
-        c, owner = self.c, self.ledger.owner(device)
-        if device in c.lent or device in set(self._actor_devices()) or device in set(self._inference_lent()):
+        p, owner = self.actuator.placement, self.ledger.owner(device)
+        if device in p.lent or device in p.actor.devices or device in p.inference_lent:
             return False
-        if owner is Owner.ROLLOUT and device in c.rollout:
-            return len(c.rollout) > 1
-        if owner is Owner.INFERENCE and device in c.inference:
-            return len(c.inference) > 1
+        if owner is Owner.ROLLOUT and device in p.rollout:
+            return len(p.rollout) > 1
+        if owner is Owner.INFERENCE and device in p.inference:
+            return len(p.inference) > 1
         return False
 
     def recover(self, died: WorkerDied, st: StepState, overdue_s: float | None = None) -> DeviceFailure:
@@ -126,7 +125,7 @@ class Recovery:
                  calls_lost=len(lost_calls), overdue_s=overdue_s, seconds=seconds, groups=len(redone), bytes=sent,
                  **detail)
         log.warning("device %d (%s) failed: %s; %s redone on %s in %.2fs", d, failure.role.value, failure.reason,
-                    detail, c.rollout if rollout else c.inference, seconds)
+                    detail, self.actuator.placement.rollout if rollout else self.actuator.placement.inference, seconds)
         self.redoing.append(Redo(d, failure.role.value, st.step, failure.time, set(redone), len(redone)))
         self._close(st.step)
         return failure
@@ -160,14 +159,14 @@ class Recovery:
             c.record("device_recovered", step=step, device=r.device, role=r.role, seconds=seconds, groups=r.groups,
                      tokens=r.tokens, failed_step=r.step, reason=f"its {r.groups} groups done again on the survivors")
 
-    def _rollout_lost(self, d: int, st: StepState) -> dict:
+    def _rollout_lost(self, d: int, st: StepState) -> dict[str, Any]:
         c = self.c
-        c.rollout.remove(d)
+        self.actuator.lose(d)
         for per_instance in (st.given, st.reports, st.waiting_since, st.last_result):
             per_instance.pop(d, None)
-        survivors = list(c.rollout)
+        survivors = list(self.actuator.placement.rollout)
         c.drain(self.handle, set(survivors))   # their slices end; what they finished reaches the driver first
-        held = c.group.gather(c.group.submit_all(roles.rollout_holding, device_ids=survivors))
+        held = c.group.gather(c.endpoints.rollout.holding(survivors))
         lost = lost_groups(st.num_groups, st.gen_time, (g.group_id for g in st.queue), (i for h in held for i in h))
         # back to the front of the shared queue, which stays in group-id order
         st.queue.extend(st.groups[i] for i in lost)
@@ -176,9 +175,8 @@ class Recovery:
         st.queue.extend(ordered)
         return {"groups_regenerated": lost, "bytes": payload_bytes(st.groups[i] for i in lost)}
 
-    def _inference_lost(self, d: int, st: StepState, lost_calls: list[Flight]) -> dict:
-        c = self.c
-        c.inference.remove(d)
+    def _inference_lost(self, d: int, st: StepState, lost_calls: list[Flight]) -> dict[str, Any]:
+        self.actuator.lose(d)
         again = [g for f in lost_calls if f.kind is CallKind.INFERENCE for g in f.payload]
         st.scoring -= len(again)
         st.to_score.extend(again)

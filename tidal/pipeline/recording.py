@@ -6,15 +6,24 @@ them into rows (via `db.repository`, in one transaction per step).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
 from db import repository as repo
 from db.session import session_scope
+from tidal.core.devices import Transition
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from tidal.pipeline.driver import StepResult
 
 #: pipeline event kind -> `fault_events.kind` (tidal.pipeline.faults, tidal.pipeline.rejoin)
 FAULTS = {"device_failed": "failed", "device_recovered": "recovered", "device_rejoined": "rejoined"}
 
 
-def _layout(text: str) -> dict:
-    out = {}
+def _layout(text: str) -> dict[str, int | str]:
+    out: dict[str, int | str] = {}
     for part in text.split(","):
         if "=" in part:
             k, v = part.split("=", 1)
@@ -23,11 +32,11 @@ def _layout(text: str) -> dict:
 
 
 class DbRecorder:
-    def __init__(self, engine, run_id: int, policy: str):
+    def __init__(self, engine: Engine, run_id: int, policy: str):
         self.engine, self.run_id, self.policy = engine, run_id, policy
         self._moves_written = 0   # rows of the current ledger's (append-only) history already recorded
 
-    def step(self, step: int, res, metrics: dict) -> None:
+    def step(self, step: int, res: StepResult, metrics: Mapping[str, float]) -> None:
         with session_scope(self.engine) as s:
             repo.add_step(s, self.run_id, step=step, step_seconds=res.seconds, phase_seconds=res.phase_seconds,
                           reward=metrics.get("grpo/reward_mean"), eval_accuracy=metrics.get("eval/heldout_accuracy"),
@@ -59,14 +68,15 @@ class DbRecorder:
                         outcome=None if kind == "decision"
                         else ("ok" if ev.get("ok") else f"failed: {ev.get('error')}"))
 
-    def transitions(self, history) -> None:
+    def transitions(self, history: Iterable[Transition]) -> None:
         """The ledger's moves not recorded yet."""
         new = list(history)[self._moves_written:]
         self._moves_written += len(new)
         with session_scope(self.engine) as s:
             repo.record_transitions(s, self.run_id, new)
 
-    def restart(self, failed: dict, restarted: dict, history, new_ledger: bool) -> None:
+    def restart(self, failed: dict[str, Any], restarted: dict[str, Any], history: Iterable[Transition],
+                new_ledger: bool) -> None:
         """A run resumed from a checkpoint in process: the ledger's moves so far (with `new_ledger`, the lost
         pipeline's whole history: the next pipeline's ledger starts anew), the failure and the recovery as fault
         rows (`failed`, `recovered`), and the steps it will run again forgotten."""

@@ -8,7 +8,7 @@
                         a health answer
           └─► roles.setup(spec) submitted ─► done? ─► ledger.rejoin(d): FAILED -> FREE, a `device_rejoined` event
     a FREE device is what the policies hand out (StartRollout) and what the step end's restore puts back in its
-    initial role; its engine then loads the current weights (the weight sync, or `Pipeline.weights_for`)
+    initial role; its engine then loads the current weights (the weight sync, or `Generations.weights_for`)
 
 A replacement is in no world (torch's world has a fixed size; `DeviceWorker.init_alone`), so it serves rollout and
 inference, never the actor: actor calls go to `WorkerGroup.world_ids`, and a reshard onto a device outside the
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from tidal.core.devices import DeviceFailure, DeviceLedger
 from tidal.pipeline.cluster import Cluster
-from tidal.workers import roles
 from tidal.workers.errors import WorkerDied
+from tidal.workers.roles import RunSpec
 from tidal.workers.runtime import CallHandle
 
 log = logging.getLogger("tidal.pipeline")
@@ -44,13 +44,13 @@ class Replacement:
     started_at: float
     up_at: float | None = None
     pid: int | None = None
-    setup: CallHandle | None = None
+    setup: CallHandle[int] | None = None
 
 
 class Rejoin:
     """Replacement workers for FAILED devices, from start to the free pool."""
 
-    def __init__(self, c: Cluster, ledger: DeviceLedger, spec):
+    def __init__(self, c: Cluster, ledger: DeviceLedger, spec: RunSpec):
         self.c, self.ledger, self.spec = c, ledger, spec
         self.pending: dict[int, Replacement] = {}
 
@@ -70,7 +70,7 @@ class Rejoin:
                     if info is None:
                         continue
                     r.up_at, r.pid = c.clock(), info.pid
-                    r.setup = g.submit(d, roles.setup, spec=self.spec)
+                    r.setup = c.endpoints.worker.setup([d], self.spec)[0]
                 if not g.done(r.setup):
                     continue
                 g.gather([r.setup])

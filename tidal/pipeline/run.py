@@ -4,7 +4,8 @@
       1. tokenizer + task + model args (checked against each other)
       2. warm start (cached by its settings under <output_dir>/.warmstart/) or a given checkpoint
       3. one worker per device (Ray; CPU virtual devices unless enough GPUs), the pipeline on top
-      4. for each step: run_step -> metrics, events -> MLflow sink + database rows; evaluate every N steps
+      4. the steps (`tidal.pipeline.run_loop`: run_step, sync_weights, evaluate when due, record -> MLflow sink +
+         database rows, a checkpoint when due or the host copy), a lost device recovered in process
       5. timeline.png, summary.json in the run's folder; the run's totals (`run/...`) to the sink
 """
 
@@ -19,46 +20,49 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from scheduler.costs_cpu import cpu_e2e
-from scheduler.policies import get_policy
+from scheduler.policies import Policy, get_policy
 from scheduler.state import PolicyParams, SchedState
 from tidal.core.config import TidalConfig, flatten
+from tidal.core.devices import Transition
 from tidal.core.errors import ConfigError, TidalError, TrainingError
 from tidal.engine.checkpoint import latest
 from tidal.engine.evaluation import greedy_accuracy
 from tidal.engine.generation.requests import SamplingParams
 from tidal.engine.hf_checkpoint import HFWeights, save_hf
-from tidal.engine.model import Transformer, init_global_weights, param_specs
+from tidal.engine.hf_tokenizer import CharPromptTokenizer
+from tidal.engine.model import ModelArgs, Transformer, init_global_weights, param_specs
 from tidal.engine.optim import OptimConfig
 from tidal.engine.prompt_source import TaskSource
+from tidal.engine.rl_tasks import Task
 from tidal.engine.verifier import Verifier
-from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
+from tidal.engine.warmstart import EvalPoint, WarmStartSpec, plateaued, task_examples, warm_start
 from tidal.pipeline.checkpointing import resume, save, saved_step
 from tidal.pipeline.driver import Pipeline, StepTrace
+from tidal.pipeline.inputs import RunInputs
 from tidal.pipeline.preflight import Preflight, host_copy_root, preflight
+from tidal.pipeline.run_loop import LoopSettings, StepPlan, evaluation_due, run_loop, run_phases
 from tidal.pipeline.run_metrics import placement_changes, run_figures, step_event_metrics, table_fields
 from tidal.pipeline.run_warnings import RunWarning, RunWarnings
 from tidal.pipeline.survivors import NoSurvivors, continue_on_survivors, refusal
 from tidal.pipeline.timeline import timeline_title
-from tidal.tracking import NullSink
+from tidal.tracking import MetricsSink, NullSink
 from tidal.workers.errors import WorkerDied, WorkerError, WorkerTimeout
 from tidal.workers.roles import RunSpec
 from tidal.workers.runtime import WorkerGroup
 
-if TYPE_CHECKING:   # imported where used (the driver, the workers' runtime): not at import time
+if TYPE_CHECKING:
     from tidal.engine.hf_checkpoint import HFModel
-    from tidal.engine.prompt_source import TaskSource
-    from tidal.pipeline.driver import Pipeline
-    from tidal.workers.runtime import WorkerGroup
+    from tidal.pipeline.recording import DbRecorder
 
 log = logging.getLogger("tidal.run")
-#: the failures `TrainingRun.recover` answers: a device lost beyond what a step absorbs, or a call hung past its limit
-RECOVERABLE: tuple[type[WorkerError], ...] = (WorkerDied, WorkerTimeout)
+#: a warm start's progress, each evaluation of it (`tidal.engine.warmstart.warm_start`'s `log`)
+WarmStartLog = Callable[[EvalPoint], None]
 #: the stages of `TrainingRun.open`, in order: the weights (warm start, cached, or a checkpoint), Ray and one worker
 #: per device, the pipeline on them (the weights placed), the held-out evaluation of the starting weights
 OPEN_STAGES = ("model", "workers", "pipeline", "evaluation")
@@ -82,18 +86,18 @@ class RunSummary:
     output_dir: str
     reshards: int = 0
     migrations: int = 0
-    warm_start: dict = field(default_factory=dict)
+    warm_start: dict[str, Any] = field(default_factory=dict)
     final_weights_sha: str = ""
-    data: dict = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
     """Where the prompts came from; for data files, prompts kept and filtered as too long (train and val)."""
-    warnings: list[dict] = field(default_factory=list)
+    warnings: list[dict[str, str]] = field(default_factory=list)
     """`tidal.pipeline.run_warnings`: what the run raised, each kind once ({kind, message})."""
-    restarts: list[dict] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
     """`TrainingRun.restart`: each restart from a checkpoint (the failure, the step resumed, seconds, steps redone)."""
     figures: dict[str, float] = field(default_factory=dict)
     """`tidal.pipeline.run_metrics.run_figures`: the run's totals as the MLflow run holds them (`run/...`)."""
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -105,7 +109,8 @@ def weights_sha(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=None) -> tuple[dict, dict]:
+def prepare_weights(cfg: TidalConfig, args: ModelArgs, task: Task, tok: CharPromptTokenizer, cache_dir: Path,
+                    log_fn: WarmStartLog | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Warm-start weights (global, fp32) of Tidal's own model on a built-in task and a description of how they were
     made. `tok`: the task's `CharPromptTokenizer`."""
 
@@ -154,7 +159,7 @@ def prepare_weights(cfg: TidalConfig, args, task, tok, cache_dir: Path, log_fn=N
     return weights, meta
 
 
-def run_spec(cfg: TidalConfig, inputs):
+def run_spec(cfg: TidalConfig, inputs: RunInputs) -> RunSpec:
     total_iters = cfg.run.num_steps * cfg.algorithm.n_minibatches
     r = cfg.rollout
     return RunSpec(args=inputs.args, optim=OptimConfig.from_actor(cfg.actor, total_iters),
@@ -174,7 +179,8 @@ def run_spec(cfg: TidalConfig, inputs):
 class TrainingRun:
     """A run as verbs (what flows and tasks call): `open`, `step`, `evaluate`, `finish`. Holds the workers."""
 
-    def __init__(self, cfg: TidalConfig, out_dir: Path, sink=None, recorder=None, log_fn=None):
+    def __init__(self, cfg: TidalConfig, out_dir: Path, sink: MetricsSink | None = None,
+                 recorder: DbRecorder | None = None, log_fn: WarmStartLog | None = None):
         if sink is None:
             sink = NullSink()
             sink.start_run(cfg.run.name, flatten(cfg))
@@ -193,7 +199,7 @@ class TrainingRun:
         self.next_step = 0
         self.first_step = 0   # the step this process started at (a resume's), the index of `rewards[0]`
         self.n_moves_logged = 0   # placement changes (`placement_changes`) already sent to the sink
-        self.restarts: list[dict] = []
+        self.restarts: list[dict[str, Any]] = []
         self.host_copy: Path | None = None   # actor.redundancy: host: the folder of the newest copy (keep_host_copy)
 
     def open(self, resume_from: str | Path | None = None, checked: Preflight | None = None,
@@ -206,17 +212,16 @@ class TrainingRun:
         # every check `tidal validate` runs too, before any worker starts (tidal/pipeline/preflight.py)
         inputs, self.kind = checked or preflight(cfg, tracked=False, resume_from=resume_from)
         self.inputs = inputs
-        args = inputs.args
-        # Tidal's own model: the built-in task's (its source is a TaskSource)
-        task = cast("TaskSource", inputs.source).task if inputs.hf is None else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.t_run = time.monotonic()
         stage("model")
-        weights: dict | HFWeights | None = inputs.initial_weights()   # a checkpoint: read by each worker itself
+        weights: dict[str, torch.Tensor] | HFWeights | None = inputs.initial_weights()   # read by each worker itself
+        self.ws_meta: dict[str, Any]
         if weights is not None:
             self.ws_meta = {"source": str(cfg.model.path)}
-        else:
-            weights, self.ws_meta = prepare_weights(cfg, args, task, inputs.tok,
+        else:   # Tidal's own model on a built-in task: its source is a TaskSource, its tokenizer the task's
+            task, tok = cast(TaskSource, inputs.source).task, cast(CharPromptTokenizer, inputs.tok)
+            weights, self.ws_meta = prepare_weights(cfg, inputs.args, task, tok,
                                                     Path(cfg.run.output_dir) / ".warmstart", self.log_fn)
             self._warn(self.run_warnings.after_warm_start(self.ws_meta, cfg.warm_start.stop_at_accuracy))
         self.heldout = inputs.source.heldout(cfg.data.eval_size)
@@ -245,23 +250,25 @@ class TrainingRun:
         stage("open")
         return self
 
-    policy = None  # a test or sweep may set a policy callable before `open`
+    policy: Policy | None = None  # a test or sweep may set a policy callable before `open`
 
     @property
     def _pipe(self) -> Pipeline:
         """The driver, for the verbs after `open` (which sets it)."""
         return cast("Pipeline", self.pipe)
 
-    def step(self) -> dict:
-        """One RL step; returns its metrics (also sent to the sink and the database)."""
+    def step(self) -> dict[str, float]:
+        """One RL step in one call, the weight sync inside the stream, and its evaluation when due (no checkpoint,
+        no host copy); returns its metrics (also sent to the sink and the database). A whole run goes through
+        `tidal.pipeline.run_loop` instead, its phases one verb each."""
         self.run_step(sync=True)
         if self.eval_due():
             self.evaluate()
         return self.record()
 
-    # The verbs of one step, for callers that run them as separate tasks (flows):
-    #   run_step(sync=False) -> sync_weights -> evaluate (if eval_due) -> record; then `checkpoint` (between steps)
-    def run_step(self, sync: bool = True) -> dict:
+    # The verbs of one step (`tidal.pipeline.run_loop.run_phases` calls them in its plan's order):
+    #   run_step(sync=False) -> sync_weights -> evaluate (if due) -> record; then `checkpoint` or `keep_host_copy`
+    def run_step(self, sync: bool = True) -> dict[str, float]:
         """Stream the next step (generate, score, train iters: concurrently on the workers); with `sync` the
         new weights also reach rollout and inference. Its metrics are written by `record`."""
         self._pipe.timeline.mark_step(self.next_step, self._pipe.clock())
@@ -275,7 +282,7 @@ class TrainingRun:
         self._extra: dict[str, float] = {}
         return dict(self._res.metrics)
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self) -> dict[str, float]:
         """Actor weights -> rollout and inference (policy version + 1), after `run_step(sync=False)`."""
         n_events, t0 = len(self._pipe.cluster.events), time.monotonic()
         self._pipe.sync_weights(self.next_step)
@@ -285,8 +292,8 @@ class TrainingRun:
         return m
 
     def eval_due(self) -> bool:
-        step = self.next_step
-        return (step + 1) % self.cfg.run.eval_every == 0 or step == self.cfg.run.num_steps - 1
+        """Whether the step under way is evaluated (`tidal.pipeline.run_loop.evaluation_due`)."""
+        return evaluation_due(LoopSettings.from_config(self.cfg), self.next_step)
 
     def evaluate(self) -> float:
         """Held-out accuracy of the weights rollout and inference now hold."""
@@ -295,7 +302,7 @@ class TrainingRun:
         self._extra["eval/heldout_accuracy"] = acc
         return acc
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, float]:
         """Close the step: its metrics and events to the sink, its rows to the database."""
         step, res = self.next_step, self._res
         m = {**res.metrics, **self._extra}
@@ -418,6 +425,7 @@ class TrainingRun:
             self._pending_warnings.append(w)
 
     def drain_warnings(self) -> list[RunWarning]:
+        """The warnings raised since the last call (each is also in the summary)."""
         out, self._pending_warnings = self._pending_warnings, []
         return out
 
@@ -430,7 +438,7 @@ class TrainingRun:
         ckpt = max(kept, key=lambda g: saved_step(g)[1])   # a tie: the checkpoint (listed first)
         return ckpt, "host copy" if self.host_copy is not None and ckpt.parent == self.host_copy else "checkpoint"
 
-    def recover(self, failure: WorkerError) -> dict:
+    def recover(self, failure: WorkerError) -> dict[str, Any]:
         """Continue after a failure the step could not absorb (an actor device lost, a device lost outside the
         step's streaming loop, the last device of a component, a hung call), from the newest state kept (the last
         checkpoint, or the host copy of `actor.redundancy: host` when newer), the steps since run again; bit for
@@ -461,7 +469,7 @@ class TrainingRun:
         log.warning("step %d: the survivors cannot carry on (%s): every worker is replaced", self.next_step, why)
         return self.restart(failure, ckpt, source)
 
-    def restart(self, failure: WorkerError, ckpt: Path, source: str) -> dict:
+    def restart(self, failure: WorkerError, ckpt: Path, source: str) -> dict[str, Any]:
         """Every worker replaced, the run reopened from generation `ckpt` (`recover` picks it), the steps since run
         again."""
         t0, now, failed_step = time.monotonic(), self._pipe.clock(), self.next_step
@@ -477,17 +485,19 @@ class TrainingRun:
                                history, new_ledger=True)
 
     def _restarted(self, failure: WorkerError, device: int, role: str, failed_step: int, now: float, t0: float,
-                   ckpt: Path, source: str, detail: dict, history: list, new_ledger: bool) -> dict:
+                   ckpt: Path, source: str, detail: dict[str, Any], history: list[Transition],
+                   new_ledger: bool) -> dict[str, Any]:
         """The bookkeeping of a recovery: per-step figures of the steps to run again dropped; the failure and the
         restart recorded (sink, database with the ledger's moves so far, summary)."""
         keep = self.next_step - self.first_step
         del self.rewards[keep:], self.step_s[keep:]
-        failed = {"kind": "device_failed", "step": failed_step, "time": now, "device": device, "role": role,
-                  "reason": str(failure), "seconds": 0.0}
-        record = {"kind": "restart", "step": failed_step, "time": now, "device": device, "role": role,
-                  "reason": f"restarted from the {source} {ckpt.name}", "source": source, "resumed_from": str(ckpt),
-                  "resumed_step": self.next_step, "steps_redone": failed_step - self.next_step,
-                  "seconds": time.monotonic() - t0, **detail}
+        failed: dict[str, Any] = {"kind": "device_failed", "step": failed_step, "time": now, "device": device,
+                                  "role": role, "reason": str(failure), "seconds": 0.0}
+        record: dict[str, Any] = {"kind": "restart", "step": failed_step, "time": now, "device": device, "role": role,
+                                  "reason": f"restarted from the {source} {ckpt.name}", "source": source,
+                                  "resumed_from": str(ckpt), "resumed_step": self.next_step,
+                                  "steps_redone": failed_step - self.next_step, "seconds": time.monotonic() - t0,
+                                  **detail}
         for ev in (failed, record):
             self.sink.log_event(ev["kind"], table_fields(ev))
         if self.recorder:
@@ -501,46 +511,79 @@ class TrainingRun:
             self.group = None
 
 
-def run_training(cfg: TidalConfig, out_dir: Path, sink=None, recorder=None,
-                 on_step: Callable[[int, dict], None] | None = None, log_fn=None, policy=None,
-                 resume_from: str | Path | None = None, checked: Preflight | None = None,
+class DirectRun:
+    """The run loop's verbs (`tidal.pipeline.run_loop.RunVerbs`, `StepVerbs`) as direct calls on an open
+    `TrainingRun`: what `run_training` drives. `on_step(step, metrics)` follows each step, `on_warning` gets each
+    warning the run raised as it is drained; `close` stops the workers and gives the host copy back (the caller
+    owns the tracking records and ends them with its own status)."""
+
+    def __init__(self, run: TrainingRun, on_step: Callable[[int, dict[str, float]], None] | None = None,
+                 on_warning: Callable[[RunWarning], None] | None = None):
+        self.run, self.on_step, self.on_warning = run, on_step, on_warning
+
+    def run_step(self, step: int) -> dict[str, float]:
+        assert self.run.next_step == step, (self.run.next_step, step)   # our invariant: steps run once, in order
+        return self.run.run_step(sync=False)
+
+    def sync_weights(self) -> dict[str, float]:
+        return self.run.sync_weights()
+
+    def evaluate(self) -> float:
+        return self.run.evaluate()
+
+    def record(self) -> dict[str, float]:
+        return self.run.record()
+
+    def checkpoint(self) -> Path:
+        return self.run.checkpoint()
+
+    def keep_host_copy(self) -> Path:
+        return self.run.keep_host_copy()
+
+    def step(self, plan: StepPlan) -> dict[str, float]:
+        return run_phases(plan, self)
+
+    def recover(self, failure: WorkerError) -> int:
+        self.run.recover(failure)
+        return self.run.next_step
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        if self.on_step:
+            self.on_step(step, metrics)
+        self._tell()
+
+    def finish(self) -> RunSummary:
+        summary = self.run.finish()
+        self._tell()
+        return summary
+
+    def close(self, status: str) -> None:
+        self.run.close()
+        self.run.drop_host_copy()
+
+    def _tell(self) -> None:
+        for w in self.run.drain_warnings():   # the run logs, tags and keeps every warning itself
+            if self.on_warning:
+                self.on_warning(w)
+
+
+def run_training(cfg: TidalConfig, out_dir: Path, sink: MetricsSink | None = None, recorder: DbRecorder | None = None,
+                 on_step: Callable[[int, dict[str, float]], None] | None = None, log_fn: WarmStartLog | None = None,
+                 policy: Policy | None = None, resume_from: str | Path | None = None, checked: Preflight | None = None,
                  on_warning: Callable[[RunWarning], None] | None = None) -> RunSummary:
-    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows.
-    Checkpoints every `run.checkpoint_every` steps (0: only at the end) under <out_dir>/checkpoints. A device lost
-    beyond what the step recovers (`WorkerDied`, `WorkerTimeout`) resumes the run in process from its newest
-    checkpoint (or the newer host copy of `actor.redundancy: host`, kept after every step), on the surviving workers
-    where they can carry on, up to `run.max_restarts` times (`TrainingRun.recover`); an error inside a worker's code
+    """Run `cfg` end to end; see module doc. `sink`: a MetricsSink (None: NullSink); `recorder`: db rows;
+    `resume_from`: a checkpoint folder, the run going on at the step its newest generation names. The steps are
+    `tidal.pipeline.run_loop.run_loop` over `DirectRun`: checkpoints every `run.checkpoint_every` steps and after
+    the last under <out_dir>/checkpoints. A device lost beyond what the step recovers (`WorkerDied`,
+    `WorkerTimeout`) resumes the run in process from its newest checkpoint (or the newer host copy of
+    `actor.redundancy: host`, kept after every step that takes no checkpoint), on the surviving workers where they
+    can carry on, up to `run.max_restarts` times (`TrainingRun.recover`); an error inside a worker's code
     (`WorkerCallError`) would only repeat, so it ends the run."""
     run = TrainingRun(cfg, out_dir, sink, recorder, log_fn)
     run.policy = policy
-    tell = on_warning or (lambda w: None)   # the run logs, tags and keeps every warning itself
     try:
         run.open(resume_from=resume_from, checked=checked)
-        every, host = cfg.run.checkpoint_every, cfg.actor.redundancy == "host"
-        if host:
-            run.keep_host_copy()   # the state before the first step: losing an actor device in it redoes that step
-        while run.next_step < cfg.run.num_steps:
-            try:
-                m = run.step()
-                if run.next_step < cfg.run.num_steps:
-                    if every and run.next_step % every == 0:
-                        run.checkpoint()
-                    elif host:
-                        run.keep_host_copy()
-            except RECOVERABLE as failure:
-                if len(run.restarts) >= cfg.run.max_restarts:
-                    raise
-                run.recover(failure)
-                continue
-            if on_step:
-                on_step(run.next_step - 1, m)
-            for w in run.drain_warnings():
-                tell(w)
-        run.checkpoint()
-        summary = run.finish()
-        for w in run.drain_warnings():
-            tell(w)
-        return summary
-    finally:
+    except BaseException:
         run.close()
-        run.drop_host_copy()
+        raise
+    return run_loop(DirectRun(run, on_step, on_warning), LoopSettings.from_config(cfg), run.next_step)

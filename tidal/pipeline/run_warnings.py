@@ -11,8 +11,9 @@ Pure: `RunWarnings` looks at the figures a run already has and returns the warni
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class RunWarnings:
         self.seen.add(kind)
         return [RunWarning(kind, message)]
 
-    def after_warm_start(self, meta: dict, stop_at: float | None) -> list[RunWarning]:
+    def after_warm_start(self, meta: dict[str, Any], stop_at: float | None) -> list[RunWarning]:
         """The warm start's own record (`prepare_weights`): did it reach the accuracy it was asked to stop at?"""
         acc = meta.get("heldout_accuracy")
         if stop_at is None or acc is None or acc >= stop_at:
@@ -42,7 +43,7 @@ class RunWarnings:
                                        f"accuracy {acc:.3f}, below warm_start.stop_at_accuracy={stop_at}: RL starts "
                                        "from a model that has not reached its plateau (raise warm_start.iters)")
 
-    def after_step(self, step: int, metrics: dict) -> list[RunWarning]:
+    def after_step(self, step: int, metrics: Mapping[str, float]) -> list[RunWarning]:
         if metrics.get("grpo/zero_adv_group_frac", 0.0) < 1.0:
             return []
         return self._new("zero_advantage", f"step {step}: every group has zero advantage (its responses were all "

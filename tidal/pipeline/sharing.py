@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal.core.config import ActorConfig
 from tidal.core.placement import Mode, Placement, format_ids
 
 
@@ -40,13 +41,13 @@ class Sharing:
     offload_weight: bool = False
 
     @staticmethod
-    def of(placement: Placement, actor_cfg=None) -> Sharing:
+    def of(placement: Placement, actor_cfg: ActorConfig | None = None) -> Sharing:
         a, r, i = set(placement.actor), set(placement.rollout), set(placement.inference)
         ar = bool(a & r)
         return Sharing(placement.mode, ar, bool(r & i), bool(a & i),
-                       offload_optimizer=ar and bool(getattr(actor_cfg, "offload_optimizer", False)),
-                       offload_grad=ar and bool(getattr(actor_cfg, "offload_grad", False)),
-                       offload_weight=ar and bool(getattr(actor_cfg, "offload_weight", False)))
+                       offload_optimizer=ar and actor_cfg is not None and actor_cfg.offload_optimizer,
+                       offload_grad=ar and actor_cfg is not None and actor_cfg.offload_grad,
+                       offload_weight=ar and actor_cfg is not None and actor_cfg.offload_weight)
 
     @property
     def any(self) -> bool:

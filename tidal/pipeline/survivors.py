@@ -36,15 +36,19 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tidal.core.devices import Owner
 from tidal.engine.groups import growth_rank_sets
 from tidal.engine.layout import Layout
-from tidal.engine.model import check_tp
+from tidal.engine.model import ModelArgs, check_tp
 from tidal.pipeline.checkpointing import resume
-from tidal.workers import roles
+from tidal.pipeline.placement import Homes
 from tidal.workers.errors import WorkerDied
 from tidal.workers.roles import ROLLOUT_INTERRUPT
+
+if TYPE_CHECKING:
+    from tidal.pipeline.driver import Pipeline
 
 log = logging.getLogger("tidal.pipeline")
 
@@ -109,7 +113,7 @@ def survivor_placement(layout: Layout, rollout: Sequence[int], inference: Sequen
                              tuple(d for d in inference_left if d not in borrowed), borrowed, freed)
 
 
-def refusal(pipe) -> str | None:
+def refusal(pipe: Pipeline) -> str | None:
     """Why this run cannot continue on its survivors (it restarts with new workers instead), or None."""
     if pipe.spec.backend != "native":
         return f"actor.backend={pipe.spec.backend}: its process groups span the whole world"
@@ -118,12 +122,12 @@ def refusal(pipe) -> str | None:
     return None
 
 
-def continue_on_survivors(pipe, died: WorkerDied, generation: Path) -> dict:
+def continue_on_survivors(pipe: Pipeline, died: WorkerDied, generation: Path) -> dict[str, Any]:
     """Steps 1-5 of the module doc on pipeline `pipe` for the loss `died`, from `generation` (a checkpoint
     generation or a host copy). Returns the placement, what was abandoned, and seconds; the caller runs the step
     `resumed_step` again. Raises NoSurvivors (nothing changed but the loss itself) when the survivors cannot hold
     every component."""
-    c, g, ledger, control = pipe.cluster, pipe.group, pipe.ledger, pipe.control
+    c, g, ledger, actuator = pipe.cluster, pipe.group, pipe.ledger, pipe.actuator
     cfg = pipe.cfg
     t0 = pipe.clock()
     failures = [ledger.fail(died.device_id, died.reason)] if ledger.owner(died.device_id) is not Owner.FAILED else []
@@ -137,28 +141,21 @@ def continue_on_survivors(pipe, died: WorkerDied, generation: Path) -> dict:
         failures.append(ledger.fail(d, "still busy after the step was abandoned"))
         g.retire(d)
     c.inflight.clear()
-    control.actuator.notes = []
-    control.actuator.inf_lent.clear()
-    c.lent.clear()
-    pipe.abandon_step()
-    g.gather(g.submit_all(roles.abandon_engines, device_ids=g.live_ids))
+    actuator.abandon_step()
+    pipe.generations.forget()
+    g.gather(c.endpoints.worker.abandon_engines(g.live_ids))
     abandon_s = pipe.clock() - t0
     # 3. the placement without the lost devices
     lost = set(ledger.owned(Owner.FAILED))
     world = set(g.world_ids)
-    homes = {*pipe.initial_layout.devices, *control.rollout_home, *control.inference_home}
-    free = [d for d in g.live_ids if d not in homes]
+    homes = actuator.placement.homes
+    free = [d for d in g.live_ids if d not in homes.devices]
     args = pipe.spec.args
-    old = pipe.initial_layout
-    place = survivor_placement(old, control.rollout_home, control.inference_home, lost, free,
+    old = homes.actor
+    place = survivor_placement(old, homes.rollout, homes.inference, lost, free,
                                lambda t: _splits(args, t), lambda d: d in world)
-    busy = [d for d in g.live_ids if ledger.owner(d) not in (Owner.FREE, Owner.FAILED)]
-    ledger.free(busy, "step abandoned: a device was lost")
-    ledger.assign_many({Owner.ACTOR: place.layout.devices, Owner.ROLLOUT: place.rollout,
-                        Owner.INFERENCE: place.inference}, f"placement without devices {sorted(lost)}")
-    pipe.initial_layout = control.initial_layout = c.actor_layout = place.layout
-    control.rollout_home, control.inference_home = place.rollout, place.inference
-    c.rollout, c.inference = list(place.rollout), list(place.inference)
+    actuator.continue_on(Homes(place.layout, place.rollout, place.inference),
+                         f"placement without devices {sorted(lost)}")
     # 4. the newest state, on the new layout; the engines on its weights
     t_load = pipe.clock()
     step = resume(pipe, generation)
@@ -166,9 +163,9 @@ def continue_on_survivors(pipe, died: WorkerDied, generation: Path) -> dict:
     if cfg.cluster.auto_scheduler:   # the groups the actor grows through from its new layout, as at start
         sets = growth_rank_sets(place.layout, g.world_ids)
         if sets:
-            g.gather(g.submit_all(roles.actor_make_groups, device_ids=g.world_ids, rank_sets=sets))
-            control.actuator.known_rank_sets(sets)
-    control.actuator.known_rank_sets([place.layout.devices])
+            g.gather(c.endpoints.actor.make_groups(g.world_ids, sets))
+            actuator.known_rank_sets(sets)
+    actuator.known_rank_sets([place.layout.devices])
     # 5. replacements
     if cfg.cluster.replace_failed:
         for f in failures:
@@ -187,7 +184,7 @@ def continue_on_survivors(pipe, died: WorkerDied, generation: Path) -> dict:
     return record
 
 
-def _splits(args, tp: int) -> bool:
+def _splits(args: ModelArgs, tp: int) -> bool:
     try:
         check_tp(args, tp)
     except Exception:  # noqa: BLE001 - a LayoutError: that TP size does not split the model

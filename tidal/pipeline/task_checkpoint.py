@@ -22,8 +22,10 @@ import argparse
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from tidal.core.config import TidalConfig, load_config
 from tidal.core.errors import ConfigError
@@ -32,9 +34,9 @@ from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, save_hf
 from tidal.engine.hf_tokenizer import HFTokenizer, train_bpe_tokenizer
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
-from tidal.engine.rl_tasks import get_task
+from tidal.engine.rl_tasks import Task, get_task
 from tidal.engine.verifier import Verifier
-from tidal.engine.warmstart import WarmStartSpec, plateaued, task_examples, warm_start
+from tidal.engine.warmstart import EvalPoint, WarmStartSpec, plateaued, task_examples, warm_start
 
 FORMAT = 2
 MARKER = "tidal_warm_start.json"
@@ -43,11 +45,11 @@ ARCHITECTURE = "Qwen2ForCausalLM"
 NUM_TRAIN_PROMPTS = 4096
 
 
-def _answer(task, prompt: str) -> str:
+def _answer(task: Task, prompt: str) -> str:
     return f"#### {task.answer(prompt)}"
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
@@ -59,7 +61,8 @@ def settings_key(cfg: TidalConfig) -> str:
                                      sort_keys=True).encode()).hexdigest()[:16]
 
 
-def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict:
+def make_task_checkpoint(cfg: TidalConfig, out: str | Path,
+                         log_fn: Callable[[EvalPoint], None] | None = None) -> dict[str, Any]:
     """Write (or find, if its settings match) the task's checkpoint and prompt files under `out`; returns the
     marker's content: settings key, warm-start history, held-out accuracy, paths."""
     out = Path(out)
@@ -115,7 +118,7 @@ def make_task_checkpoint(cfg: TidalConfig, out: str | Path, log_fn=None) -> dict
     return meta
 
 
-def _label(i: int, task, prompt: str) -> PromptLabel:
+def _label(i: int, task: Task, prompt: str) -> PromptLabel:
     return PromptLabel(f"val:{i}", _answer(task, prompt), "val")
 
 

@@ -29,6 +29,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:   # matplotlib loads where a picture is drawn, not with the run
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 ROLE_COLORS = {"actor": "#1f77b4", "rollout": "#2ca02c", "inference": "#ff7f0e", "moving": "#7f7f7f",
                "shared": "#9467bd"}
@@ -63,10 +69,10 @@ class Timeline:
     def add_step_window(self, step: int, t0: float, t1: float) -> None:
         self.step_windows.append((step, t0, max(t0, t1)))
 
-    def add_busy(self, devices, role: str, what: str, t0: float, t1: float) -> None:
+    def add_busy(self, devices: Iterable[int], role: str, what: str, t0: float, t1: float) -> None:
         self.busy.extend(Span(d, role, what, t0, t1) for d in devices if t1 > t0)
 
-    def add_owned(self, devices, role: str, t0: float, t1: float) -> None:
+    def add_owned(self, devices: Iterable[int], role: str, t0: float, t1: float) -> None:
         self.owned.extend(Span(d, role, "owned", t0, t1) for d in devices if t1 > t0)
 
     def add_down(self, device: int, reason: str, t0: float, t1: float, rejoined: bool) -> None:
@@ -115,20 +121,20 @@ class Timeline:
             out[s.role] = out.get(s.role, 0.0) + (s.t1 - s.t0)
         return out
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"busy": [s.__dict__ for s in self.busy], "owned": [s.__dict__ for s in self.owned],
                 "steps": [{"step": n, "t0": t} for n, t in self.steps],
                 "down": [s.__dict__ for s in self.down], "recovery": [s.__dict__ for s in self.recovery],
                 "step_windows": [{"step": n, "t0": t0, "t1": t1} for n, t0, t1 in self.step_windows]}
 
-    def draw(self, path, title: str = "", origin: float | None = None) -> None:
+    def draw(self, path: str | Path, title: str = "", origin: float | None = None) -> None:
         """The picture (`figure`) as a PNG at `path`."""
         import matplotlib.pyplot as plt
         fig = self.figure(title, origin)
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
-    def figure(self, title: str = "", origin: float | None = None):
+    def figure(self, title: str = "", origin: float | None = None) -> Figure:
         """The picture as a matplotlib Figure. `origin`: unix time of t = 0 (the run's start), named in the x
         axis' label."""
         import matplotlib
@@ -160,7 +166,7 @@ class Timeline:
         fig.tight_layout(rect=(0.0, 0.3 / fig.get_figheight(), 1.0, 1.0))
         return fig
 
-    def _draw_faults(self, ax) -> None:
+    def _draw_faults(self, ax: Axes) -> None:
         """On each failed device's lane: ✕ at the failure, the FAILED span hatched (its reason written where it
         fits), ▲ where it rejoined, and a bar under the lane from the failure to its work done again, labelled
         with the seconds."""

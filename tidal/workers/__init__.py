@@ -5,17 +5,21 @@ Entry points:
 - `runtime`: `WorkerGroup.start(devices, device_kind, compute_share, ray_address, cpu_cores=...)`, then
   `submit` / `submit_all` / `gather`, `call` / `call_all`, `interrupt`, `health`, `check`, `shutdown`; a call
   names a module-level function (`probes.allreduce_sum`, or its path `"tidal.workers.probes:allreduce_sum"`):
-  only its name crosses to the worker, which imports it and runs `fn(ctx, **kwargs)`; `start_from_config(cluster)`
-  starts the workers a `ClusterConfig` describes;
+  only its name crosses to the worker, which imports it and runs `fn(ctx, **kwargs)`; a call by function is
+  typed (its keywords checked against `fn`, a `CallHandle[R]` of its result); `put` / `get` / `wait_ready`: the
+  object store, so that no caller imports Ray; `start_from_config(cluster)` starts the workers a `ClusterConfig`
+  describes;
+- `endpoints`: `ActorCalls`, `RolloutCalls`, `InferenceCalls`, `WorkerCalls` (`Endpoints.on(group)`): each role
+  function the driver calls as a typed method returning typed `CallHandle`s;
 - `device_worker` (`DeviceWorker`, the actor body; `WorkerContext`: device id, rank, device, world group, the
   `state` dict kept between calls), `errors` (`WorkerDied`, `WorkerTimeout`, `WorkerCallError`), `ray_env`
   (`connect`, `ray_listeners`), `compute_share` (`ComputeShare.apply` / `release`, `pin_process`), `gc_pauses`;
 - role functions the driver calls: `roles` (setup, actor_*, rollout_*, inference_*, evaluate; a worker's role
   state is one typed `WorkerRoles`), `roles_ckpt` (`actor_save`, `actor_load`), `messages` (the typed records
   crossing the boundary: `RolloutReport`, `MigrationPackage`, `ExportReceipt`, `MoveResult`, `ReshardReport`,
-  `KeptWeights`), `cost_probes` (decode and prefill timings for the CPU cost model), over `rollout_instance`
-  (`RolloutInstance`, `GroupQueue`, `migrate_groups`: plain objects, no Ray); `probes` (small functions for tests
-  and cluster checks).
+  `HandoverReport`, `RankWeights`, `KeptWeights`), `cost_probes` (decode and prefill timings for the CPU cost
+  model), over `rollout_instance` (`RolloutInstance`, `GroupQueue`, `migrate_groups`: plain objects, no Ray);
+  `probes` (small functions for tests and cluster checks).
 
 Imports: `tidal.engine.*`, `tidal.core.errors` and itself; Ray and torch. Never `tidal.core.config` (a
 `ClusterConfig` is read by attribute), the scheduler, pipeline, db, flows, tasks or tracking. Importing a module

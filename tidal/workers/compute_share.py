@@ -203,7 +203,7 @@ class ComputeShare:
     backend: str
     _cgroup: Path | None = None
     _home: Path | None = None
-    _companion: subprocess.Popen | None = field(default=None, repr=False)
+    _companion: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     released: bool = False
 
     @classmethod

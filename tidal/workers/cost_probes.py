@@ -14,10 +14,12 @@ import torch
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import Request, SamplingParams
 from tidal.engine.model import Transformer, init_global_weights
+from tidal.workers.device_worker import WorkerContext
 from tidal.workers.roles import roles_of
 
 
-def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3) -> list[tuple[int, float]]:
+def measure_decode(ctx: WorkerContext, batches: Sequence[int], steps: int = 12,
+                   warmup: int = 3) -> list[tuple[int, float]]:
     """(batch, seconds per decode step) on this device's worker: a fresh NativeEngine with the run's model
     (random weights of the same shape), `batch` requests that cannot finish early (no stop token, a cap
     past the steps measured), median of `steps` timed `engine.step()` calls after `warmup`."""
@@ -46,7 +48,7 @@ def measure_decode(ctx, batches: Sequence[int], steps: int = 12, warmup: int = 3
     return out
 
 
-def measure_prefill(ctx, tokens: int = 32, reps: int = 5) -> float:
+def measure_prefill(ctx: WorkerContext, tokens: int = 32, reps: int = 5) -> float:
     """Seconds per prompt token of a prefill on this worker (one request of `tokens` prompt tokens)."""
 
     spec = roles_of(ctx).run

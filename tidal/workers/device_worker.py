@@ -189,13 +189,13 @@ class DeviceWorker:
         return self._device_id
 
     # --------------------------------------------------------------------------------------- calls
-    def call(self, fn_path: str, kwargs: dict[str, Any]) -> Any:
+    def call(self, fn_path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self._ctx is not None, "init_world must run before call"
         fn = resolve(fn_path)
         with self._lock:
             self._busy = (fn_path, time.monotonic())
         try:
-            return fn(self._ctx, **kwargs)
+            return fn(self._ctx, *args, **kwargs)
         finally:
             with self._lock:
                 self._busy = None

@@ -21,7 +21,7 @@ class WorkerDied(WorkerError):
         self.device_id, self.reason = device_id, reason
         super().__init__(f"worker of device {device_id} died: {reason}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerDied], tuple[int, str]]:
         return (type(self), (self.device_id, self.reason))
 
 
@@ -33,7 +33,7 @@ class WorkerTimeout(WorkerError, TimeoutError):
         super().__init__(f"{fn} still running on devices {list(self.device_ids)} after {timeout_s:.1f}s "
                          "(raise the timeout, or check the workers with group.health())")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerTimeout], tuple[tuple[int, ...], str, float]]:
         return (type(self), (self.device_ids, self.fn, self.timeout_s))
 
 
@@ -44,7 +44,7 @@ class WorkerCallError(WorkerError):
         self.device_id, self.fn, self.remote_traceback = device_id, fn, remote_traceback
         super().__init__(f"{fn} failed on device {device_id}:\n{remote_traceback}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerCallError], tuple[int, str, str]]:
         return (type(self), (self.device_id, self.fn, self.remote_traceback))
 
     @property

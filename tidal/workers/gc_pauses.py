@@ -38,7 +38,7 @@ class GcPauses:
             gc.callbacks.append(cls._installed._callback)
         return cls._installed
 
-    def _callback(self, phase: str, info: dict) -> None:
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:

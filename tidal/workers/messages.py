@@ -10,15 +10,20 @@
 - `MigrationPackage`: the work an export froze (queued groups, open groups with their finished samples, engine
   states with their KV caches); `ExportReceipt`: what its source needs to commit or cancel it, without the KV
   caches; `MoveResult`: one move of a migration wave as its target saw it.
-- `ReshardReport`: one rank's account of an actor reshard.
+- `ReshardReport`: one rank's account of an actor reshard; `HandoverReport`: one device's account of handing it
+  between training and generation (`roles.actor_offload`, `roles.actor_onload`).
+- `RankWeights`: one TP rank's weights of the actor, as `roles.actor_weights` exports them.
 
 All are frozen dataclasses of plain values, tensors and engine records; Ray carries them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -149,3 +154,40 @@ class ReshardReport:
     groups_s: float            #: creating the layout's process groups (first use: collective over the world)
     call_s: float              #: the whole call (layout sync, groups, reshard)
     phase_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HandoverReport:
+    """One device handed between training and generation: the bytes the actor's state moved and the seconds it
+    took, the actor's bytes still on the device after, and (CUDA only, None on CPU) the device's memory at the end
+    of the phase the hand-over ends: allocated then, and its peak since the previous hand-over."""
+
+    bytes: float
+    seconds: float
+    actor_resident: float
+    phase_allocated: float | None = None
+    phase_peak: float | None = None
+
+    def measured(self) -> dict[str, float]:
+        """The fields this device measured, by name (the phase's memory on CUDA only)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @staticmethod
+    def slowest(reports: Sequence[HandoverReport]) -> HandoverReport:
+        """One hand-over over several devices: each field's largest value (the slowest device, the fullest)."""
+        def top(values: list[float | None]) -> float | None:
+            got = [v for v in values if v is not None]
+            return max(got) if got else None
+
+        return HandoverReport(max(r.bytes for r in reports), max(r.seconds for r in reports),
+                              max(r.actor_resident for r in reports), top([r.phase_allocated for r in reports]),
+                              top([r.phase_peak for r in reports]))
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """The actor's weights held by TP rank `tp_rank` (its DP rank 0): CPU copies in the compute dtype, keyed by
+    parameter name, TP-local shapes. The TP ranks' shards together make the global weights."""
+
+    tp_rank: int
+    tensors: dict[str, torch.Tensor]

@@ -100,14 +100,14 @@ def seeded_tensor(seed: int, numel: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (numel,), generator=g).to(torch.float64)
 
 
-def probe_model():
+def probe_model() -> Transformer:
     """The e2e benchmark's decoder shape (hidden 128, 4 layers), seeded weights, eval mode."""
 
     torch.manual_seed(0)
     return Transformer(ModelArgs(vocab_size=32, max_seq_len=64)).eval()
 
 
-def forwards_per_second(model, seconds: float, batch: int = 16, seq: int = 24) -> float:
+def forwards_per_second(model: torch.nn.Module, seconds: float, batch: int = 16, seq: int = 24) -> float:
     """Forwards of `model` on a [batch, seq] input per wall second, over `seconds`, on one intra-op thread
     (set on the calling thread: under OpenMP the setting is per thread, as roles.setup does)."""
     torch.set_num_threads(1)

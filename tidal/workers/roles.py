@@ -1,9 +1,10 @@
 """Worker-side role functions of the RL pipeline: what a device does as actor, rollout or inference.
 
-The driver (`tidal.pipeline`) calls these through `WorkerGroup.submit(device, roles.fn, ...)` (the worker
-resolves the function by its module path; no code travels); each runs inside the device's worker process with
-its `WorkerContext`. One call runs at a time per worker, so a role never races with itself. A worker's role
-state is one typed object, `WorkerRoles` (`roles_of(ctx)`), kept between calls:
+The driver (`tidal.pipeline`) calls these through `WorkerGroup.submit(device, roles.fn, ...)`, or the typed
+methods of `tidal.workers.endpoints` (the worker resolves the function by its module path; no code travels); each
+runs inside the device's worker process with its `WorkerContext`. One call runs at a time per worker, so a role
+never races with itself. A worker's role state is one typed object, `WorkerRoles` (`roles_of(ctx)`), kept between
+calls:
 
     run        RunSpec: model args, optimizer config, sampling, task, seeds (set once by `setup`)
     actor      ActorBackend (`actor.backend`: native or megatron, built by the registry; every worker has one:
@@ -16,14 +17,16 @@ state is one typed object, `WorkerRoles` (`roles_of(ctx)`), kept between calls:
                then held a whole replica (`actor_keep_weights`); the next version's engines on this device load
                them in place (`weights=KeptWeights(version)`)
 
-Values crossing the driver are records (`tidal.engine.records`, `tidal.workers.messages`) or dicts of tensors.
+Values crossing the driver are records (`tidal.engine.records`, `tidal.workers.messages`) or dicts of tensors
+(global weights by parameter name), never dicts with reserved keys.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -44,24 +47,38 @@ from tidal.engine.grpo import (
     unpack_response_logprobs,
 )
 from tidal.engine.hf_checkpoint import HFWeights
-from tidal.engine.hf_tokenizer import TokenizerSpec
+from tidal.engine.hf_tokenizer import Tokenizer, TokenizerSpec
 from tidal.engine.layout import Layout
 from tidal.engine.model import ModelArgs, Transformer, compute_dtype, param_specs
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.engine.reshard import PreparedProgram
 from tidal.engine.verifier import Verifier
+from tidal.workers.device_worker import WorkerContext
 from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import (
     BroadcastWeights,
     ExportReceipt,
+    HandoverReport,
     KeptWeights,
     MigrationPackage,
     MoveResult,
+    RankWeights,
     ReshardReport,
     RolloutModel,
     RolloutReport,
 )
 from tidal.workers.rollout_instance import GroupQueue, PromptGroup, RolloutInstance
+from tidal.workers.rollout_instance import RolloutGroup as FinishedGroup
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+#: global weights as the driver sends them: tensors by parameter name, their reference in the object store
+#: (`WorkerGroup.put`, or the `CallHandle.ref` of a call returning them), or a checkpoint each worker reads itself
+GlobalWeights: TypeAlias = "dict[str, torch.Tensor] | ObjectRef[dict[str, torch.Tensor]] | HFWeights"
+#: what an engine loads: global weights, the copy its worker kept (`KeptWeights`), or a broadcast from the actor
+EngineWeights: TypeAlias = "GlobalWeights | KeptWeights | BroadcastWeights"
 
 
 @dataclass(frozen=True)
@@ -104,7 +121,7 @@ class RolloutSlot:
     engine: NativeEngine
     queue: GroupQueue
     inst: RolloutInstance
-    out: list
+    out: list[FinishedGroup]
     version: int
     step: int
     exporting: set[int] = field(default_factory=set)
@@ -127,7 +144,7 @@ class WorkerRoles:
     """Everything a worker holds for the run's roles (one per worker, made by `setup`)."""
 
     run: RunSpec
-    tok: Any
+    tok: Tokenizer
     verifier: Verifier
     actor: ActorBackend | None = None
     rollout: RolloutSlot | None = None
@@ -135,17 +152,18 @@ class WorkerRoles:
     kept: KeptCopy | None = None
 
 
-def roles_of(ctx) -> WorkerRoles:
-    return ctx.state["roles"]
+def roles_of(ctx: WorkerContext) -> WorkerRoles:
+    roles: WorkerRoles = ctx.state["roles"]
+    return roles
 
 
-def actor_of(ctx) -> ActorBackend:
+def actor_of(ctx: WorkerContext) -> ActorBackend:
     actor = roles_of(ctx).actor
     assert actor is not None, "actor_init runs before any other actor call"
     return actor
 
 
-def _rollout(ctx) -> RolloutSlot:
+def _rollout(ctx: WorkerContext) -> RolloutSlot:
     slot = roles_of(ctx).rollout
     if slot is None:
         raise RuntimeError(f"device {ctx.device_id} is not a rollout instance")
@@ -166,7 +184,7 @@ def _resolve(value: Any) -> Any:
     return value
 
 
-def setup(ctx, spec: RunSpec) -> int:
+def setup(ctx: WorkerContext, spec: RunSpec) -> int:
     torch.set_num_threads(1)
     GcPauses.install()
     # a new driver numbers its slices from 0 again: interrupts left by an earlier one must not end them
@@ -179,15 +197,17 @@ def setup(ctx, spec: RunSpec) -> int:
     return ctx.device_id
 
 
-def freeze_gc(ctx) -> None:
+def freeze_gc(ctx: WorkerContext) -> None:
     """After setup (model, actor state, engine built): later collections skip what exists now (`GcPauses`)."""
     GcPauses.freeze()
 
 
 # ---- actor ------------------------------------------------------------------------------------------------
-def actor_init(ctx, layout: Layout, weights: Any) -> str:
+def actor_init(ctx: WorkerContext, layout: Layout,
+               weights: GlobalWeights | ObjectRef[dict[str, torch.Tensor] | None] | None) -> str:
     """Every worker: build its actor backend (`RunSpec.backend`; holding state only if in `layout`) from global
-    `weights` (the engines' names). Returns what it built (`ActorBackend.build`)."""
+    `weights` (the engines' names; None: the backend's seeded initialization). Returns what it built
+    (`ActorBackend.build`)."""
     roles = roles_of(ctx)
     spec = roles.run
     weights = _resolve(weights)
@@ -203,7 +223,7 @@ def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
     """The GRPO loss of one iter, and the list its calls append their micro-batch's metrics to."""
     collected: list[dict[str, float]] = []
 
-    def loss_fn(model, batch, num_tokens_in_iter):
+    def loss_fn(model: Transformer, batch: Any, num_tokens_in_iter: int) -> torch.Tensor:
         logprobs, entropy = model.token_logprobs_entropy(batch.input_ids_BT)
         loss, metrics = grpo_loss(logprobs, batch, num_tokens_in_iter, clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
         # the policy's entropy per response token (a sum-style share of the iter's mean, like grpo_loss's metrics)
@@ -219,7 +239,8 @@ def actor_micro_batches(spec: RunSpec, samples: list[ScoredSample]) -> list[tupl
                               cap=spec.args.max_seq_len)
 
 
-def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
+def actor_train_iter(ctx: WorkerContext, samples: list[ScoredSample] | ObjectRef[list[ScoredSample]],
+                     num_tokens: int) -> dict[str, float] | None:
     """Ranks of the actor's layout: one optimizer step on the iter's samples (micro-batches from one shared
     queue; static claim order, so the update is identical whatever the DP size). Others return None."""
     shard = actor_of(ctx)
@@ -249,7 +270,7 @@ def actor_train_iter(ctx, samples: Any, num_tokens: int) -> dict | None:
 
 
 @torch.no_grad()
-def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | None:
+def actor_score(ctx: WorkerContext, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | None:
     """The actor's own log-probs of each group's responses (collective over the layout; TP rank 0 of DP rank 0
     returns them), packed exactly as the training loss packs them. Used to check inference against the actor."""
     shard = actor_of(ctx)
@@ -268,14 +289,14 @@ def actor_score(ctx, groups: list[RolloutGroup]) -> list[list[torch.Tensor]] | N
     return out if shard.coord == (0, 0) else None
 
 
-def actor_program_inputs(ctx) -> ProgramInputs | None:
+def actor_program_inputs(ctx: WorkerContext) -> ProgramInputs | None:
     """Specs, parameter bytes and bucket size of this worker's actor: what the driver needs to prepare programs
     (None: the backend plans its own moves on the ranks)."""
     return actor_of(ctx).program_inputs()
 
 
-def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: bool = False,
-                  prepared=None) -> ReshardReport:
+def actor_reshard(ctx: WorkerContext, layout: Layout, current: Layout | None = None, local: bool = False,
+                  prepared: PreparedProgram | None = None) -> ReshardReport:
     """Move the actor from `current` to `layout`: on every worker (collective over the world), or with `local`
     only on the workers of either layout (every group it needs exists; see tidal/engine/groups.py)."""
     shard = actor_of(ctx)
@@ -291,7 +312,7 @@ def actor_reshard(ctx, layout: Layout, current: Layout | None = None, local: boo
                          dict(getattr(report, "phase_seconds", {})))
 
 
-def actor_make_groups(ctx, rank_sets: list) -> float:
+def actor_make_groups(ctx: WorkerContext, rank_sets: Sequence[Sequence[int]]) -> float:
     """Every worker (collective over the world, same order everywhere): make these rank sets' process groups now
     (engine.groups.growth_rank_sets), so later reshards among them are member-local. Returns seconds."""
     t0 = time.perf_counter()
@@ -299,23 +320,22 @@ def actor_make_groups(ctx, rank_sets: list) -> float:
     return time.perf_counter() - t0
 
 
-def actor_set_layout(ctx, layout: Layout) -> None:
+def actor_set_layout(ctx: WorkerContext, layout: Layout) -> None:
     """A worker outside a member-local reshard learns the actor's new layout (queued behind its current call)."""
     actor_of(ctx).sync_layout(layout)
 
 
-def actor_weights(ctx) -> dict[str, torch.Tensor] | None:
+def actor_weights(ctx: WorkerContext) -> RankWeights | None:
     """DP rank 0 of each TP rank: its TP-local weights (CPU copies in the compute dtype), keyed by parameter name;
     others None."""
     shard = actor_of(ctx)
     exported = shard.export_weights()
     if exported is None or cast(Coord, shard.coord)[1] != 0:   # exported: the shard is in its layout
         return None
-    return {"__tp__": torch.tensor([exported.tp, exported.t]),
-            **{k: v.detach().to("cpu", copy=True) for k, v in exported.tensors.items()}}
+    return RankWeights(exported.t, {k: v.detach().to("cpu", copy=True) for k, v in exported.tensors.items()})
 
 
-def actor_keep_weights(ctx, version: int) -> bool:
+def actor_keep_weights(ctx: WorkerContext, version: int) -> bool:
     """Step end, before the actor leaves this device: keep a whole replica of its weights for generation
     `version` on every rank of the layout (TP 1: a copy; TP > 1: the TP group's shards all-gathered, collective
     over the layout). The next step's rollout or inference engine on this device loads them in place instead of
@@ -330,53 +350,51 @@ def actor_keep_weights(ctx, version: int) -> bool:
     return True
 
 
-def drop_kept(ctx) -> None:
+def drop_kept(ctx: WorkerContext) -> None:
     """The engines on this device have loaded the kept copy: free it (static shared placements start no engine
     mid-step that would need it)."""
     roles_of(ctx).kept = None
 
 
-def actor_offload(ctx, optimizer: bool, grad: bool, weight: bool) -> dict[str, float]:
+def actor_offload(ctx: WorkerContext, optimizer: bool, grad: bool, weight: bool) -> HandoverReport:
     """Hand this device to generation: the actor's state as `ActorBackend.offload` says. Returns the bytes moved,
     the seconds, the actor's bytes still on the device, and (CUDA) the device's peak since the last hand-over:
     the training phase's."""
     return _hand_over(ctx, lambda shard: shard.offload(optimizer=optimizer, grad=grad, weight=weight))
 
 
-def actor_onload(ctx) -> dict[str, float]:
+def actor_onload(ctx: WorkerContext) -> HandoverReport:
     """Hand this device back to training: what `actor_offload` moved comes back (bit for bit). Returns as
     `actor_offload` does; the peak is the generation (and scoring) phase's."""
     return _hand_over(ctx, lambda actor: actor.onload())
 
 
-def _hand_over(ctx, move) -> dict[str, float]:
+def _hand_over(ctx: WorkerContext, move: Callable[[ActorBackend], int]) -> HandoverReport:
     """`move(shard) -> bytes`, timed, with the phase it ends measured first (`_device_memory`)."""
     shard = actor_of(ctx)
-    before = _device_memory(ctx)
+    allocated, peak = _device_memory(ctx)
     t0 = time.perf_counter()
     moved = move(shard)
-    return {"bytes": float(moved), "seconds": time.perf_counter() - t0,
-            "actor_resident": float(shard.resident_bytes()), **{f"phase_{k}": v for k, v in before.items()}}
+    return HandoverReport(float(moved), time.perf_counter() - t0, float(shard.resident_bytes()), allocated, peak)
 
 
-def _device_memory(ctx) -> dict[str, float]:
-    """This device's allocated bytes now and its peak since the last call, which starts a new peak (CUDA; empty
+def _device_memory(ctx: WorkerContext) -> tuple[float | None, float | None]:
+    """This device's allocated bytes now and its peak since the last call, which starts a new peak (CUDA; None
     on CPU)."""
     if ctx.device.type != "cuda":
-        return {}
-    out = {"allocated": float(torch.cuda.memory_allocated(ctx.device)),
-           "peak": float(torch.cuda.max_memory_allocated(ctx.device))}
+        return None, None
+    out = float(torch.cuda.memory_allocated(ctx.device)), float(torch.cuda.max_memory_allocated(ctx.device))
     torch.cuda.reset_peak_memory_stats(ctx.device)
     return out
 
 
-def kept_weights(ctx, version: int) -> dict[str, torch.Tensor]:
+def kept_weights(ctx: WorkerContext, version: int) -> dict[str, torch.Tensor]:
     """The kept copy of `version` as global CPU tensors in the compute dtype (what `Pipeline.global_weights`
     returns): for an instance started mid-step on a device that kept none."""
     return {k: v.to("cpu", copy=True) for k, v in _weights(ctx, KeptWeights(version)).items()}
 
 
-def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
+def _kv_budget(spec: RunSpec, model: Transformer, device: torch.device) -> int | None:
     """KV bytes a rollout engine on `device` may hold: `rollout.gpu_memory_utilization` of the GPU less the
     engine's weights, and no more than is free now. None on CPU (one slot per running request)."""
     if torch.device(device).type != "cuda":
@@ -392,7 +410,7 @@ def _kv_budget(spec: RunSpec, model: Transformer, device) -> int | None:
     return budget
 
 
-def actor_broadcast_weights(ctx, plan: BroadcastWeights) -> int:
+def actor_broadcast_weights(ctx: WorkerContext, plan: BroadcastWeights) -> int:
     """The actor's device `plan.src` (at TP > 1 every device of the layout: `gather_replica` is collective over it)
     broadcasts the whole weights to the engines of `plan.ranks` (they receive in `_weights`), one parameter at a
     time in `param_specs` order. Returns the bytes this device sent."""
@@ -415,7 +433,7 @@ def actor_broadcast_weights(ctx, plan: BroadcastWeights) -> int:
     return sent
 
 
-def _receive(ctx, plan: BroadcastWeights) -> dict[str, torch.Tensor]:
+def _receive(ctx: WorkerContext, plan: BroadcastWeights) -> dict[str, torch.Tensor]:
     """The weights `actor_broadcast_weights` sends, received on this device in the compute dtype."""
     spec = roles_of(ctx).run
     group = cast(dist.ProcessGroup, actor_of(ctx).groups.of_ranks(plan.ranks))
@@ -428,7 +446,7 @@ def _receive(ctx, plan: BroadcastWeights) -> dict[str, torch.Tensor]:
     return out
 
 
-def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
+def _weights(ctx: WorkerContext, weights: EngineWeights) -> dict[str, torch.Tensor]:
     """Global weights from a driver-side value (dict or object ref), `KeptWeights`: this worker's kept copy, or
     `BroadcastWeights`: received from the actor's device now."""
     if isinstance(weights, BroadcastWeights):
@@ -445,15 +463,16 @@ def _weights(ctx, weights: Any) -> dict[str, torch.Tensor]:
 
 
 # ---- rollout ----------------------------------------------------------------------------------------------
-def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device) -> Transformer:
+def _model_with(spec: RunSpec, weights: dict[str, torch.Tensor], device: torch.device) -> Transformer:
     """An engine's model in the actor's compute dtype (its log-probs then match the actor's at ratio 1)."""
     model = Transformer(spec.args, dtype=compute_dtype(spec.dtype, device), device=device)
-    model.load_global({k: v for k, v in weights.items() if not k.startswith("__")})
+    model.load_global(weights)
     model.eval()
     return model
 
 
-def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) -> str:
+def rollout_start(ctx: WorkerContext, instance_id: str, weights: EngineWeights | None, version: int,
+                  step: int) -> str:
     """Become (or stay) a rollout instance for `step` with weights `version` (`weights` None: keep the engine of
     that version this worker already has)."""
     roles = roles_of(ctx)
@@ -470,13 +489,13 @@ def rollout_start(ctx, instance_id: str, weights: Any, version: int, step: int) 
                                                   kv_budget_bytes=_kv_budget(spec, model, ctx.device),
                                                   vocab_limit=spec.vocab_limit), policy_version=version)
     queue = GroupQueue([])
-    out: list = []
+    out: list[FinishedGroup] = []
     inst = RolloutInstance(instance_id, engine, queue, out.append, spec.sampling, spec.group_size, spec.seed, step)
     roles.rollout = RolloutSlot(engine, queue, inst, out, version, step)
     return instance_id
 
 
-def _to_record(g, verifier: Verifier, tok, step: int) -> RolloutGroup:
+def _to_record(g: FinishedGroup, verifier: Verifier, tok: Tokenizer, step: int) -> RolloutGroup:
     rewards = tuple(verifier.score(g.label, tok.response_text(s.token_ids)) for s in g.samples)
     return RolloutGroup(g.group_id, step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
                         tuple(torch.tensor(s.logprobs, dtype=torch.float32) for s in g.samples), rewards,
@@ -487,7 +506,7 @@ def _to_record(g, verifier: Verifier, tok, step: int) -> RolloutGroup:
 ROLLOUT_INTERRUPT = "rollout_slice"
 
 
-def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tuple[list[RolloutGroup],
+def rollout_run(ctx: WorkerContext, groups: list[PromptGroup], budget_s: float, seq: int) -> tuple[list[RolloutGroup],
                                                                                      RolloutReport]:
     """Take `groups` into the local queue, generate for about `budget_s` (returning early once a group is
     done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver naming this call's number `seq` or a later one,
@@ -528,7 +547,7 @@ def rollout_run(ctx, groups: list[PromptGroup], budget_s: float, seq: int) -> tu
         call_preemptions=getattr(eng, "preemptions", 0) - preempted0)
 
 
-def rollout_holding(ctx) -> list[int]:
+def rollout_holding(ctx: WorkerContext) -> list[int]:
     """Ids of the groups this instance holds and has not returned: waiting in its queue, open in its engine,
     finished but not yet returned. The driver asks the survivors of a lost instance (their slices drained), so
     what no one holds is what the lost one took with it."""
@@ -536,7 +555,7 @@ def rollout_holding(ctx) -> list[int]:
     return sorted({*r.queue.group_ids(), *r.inst.group_ids(), *(g.group_id for g in r.out)})
 
 
-def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
+def rollout_export(ctx: WorkerContext, count: int | None = None) -> MigrationPackage:
     """Phase 1 of moving work away: freeze the last `count` unfinished groups (None: all) and return the package.
 
     Order (the scheduler's rule): groups not started go first (from the back of the local queue), then the most
@@ -559,7 +578,7 @@ def rollout_export(ctx, count: int | None = None) -> MigrationPackage:
     return MigrationPackage(tuple(queued), open_groups, tuple(states))
 
 
-def rollout_import(ctx, package: MigrationPackage) -> int:
+def rollout_import(ctx: WorkerContext, package: MigrationPackage) -> int:
     """Phase 2 on the target: take the package over (all or nothing); returns requests imported."""
     package = _resolve(package)
     r = _rollout(ctx)
@@ -573,7 +592,7 @@ def rollout_import(ctx, package: MigrationPackage) -> int:
     return len(states)
 
 
-def rollout_commit_export(ctx, receipt: ExportReceipt) -> None:
+def rollout_commit_export(ctx: WorkerContext, receipt: ExportReceipt) -> None:
     """Phase 2 on the source, after the target imported: forget the moved work."""
     r = _rollout(ctx)
     if receipt.request_ids:
@@ -583,7 +602,7 @@ def rollout_commit_export(ctx, receipt: ExportReceipt) -> None:
         r.exporting.discard(gid)
 
 
-def rollout_cancel_export(ctx, receipt: ExportReceipt) -> None:
+def rollout_cancel_export(ctx: WorkerContext, receipt: ExportReceipt) -> None:
     """The target failed: unfreeze everything here and put the queued groups back."""
     r = _rollout(ctx)
     if receipt.request_ids:
@@ -595,12 +614,13 @@ def rollout_cancel_export(ctx, receipt: ExportReceipt) -> None:
 
 # One call per device and phase of a migration wave, not one per move: on a machine where a call costs
 # milliseconds a wave of 10 moves from 4 sources to 2 targets makes 10 calls instead of 30.
-def rollout_export_many(ctx, counts: list) -> list[MigrationPackage]:
+def rollout_export_many(ctx: WorkerContext, counts: Sequence[int | None]) -> list[MigrationPackage]:
     """`rollout_export` for each count, in order (each takes the next groups: the same as separate calls)."""
     return [rollout_export(ctx, c) for c in counts]
 
 
-def rollout_import_from(ctx, sources: list) -> list[MoveResult]:
+def rollout_import_from(ctx: WorkerContext, sources: Sequence[tuple[ObjectRef[list[MigrationPackage]], int]]
+                        ) -> list[MoveResult]:
     """`rollout_import` of each package, in order, the packages still in the object store: `sources` is
     [(ref, k)], package k of the list a source's `rollout_export_many` returns (the ref of that call). The target
     fetches them itself, so the driver neither waits for the exports nor carries their KV caches. A failed
@@ -609,7 +629,7 @@ def rollout_import_from(ctx, sources: list) -> list[MoveResult]:
     receipt: nothing to settle)."""
     import ray
     t0 = time.perf_counter()
-    got: dict = {}
+    got: dict[ObjectRef[list[MigrationPackage]], list[MigrationPackage] | Exception] = {}
     for ref, _ in sources:
         if ref not in got:
             try:
@@ -619,10 +639,11 @@ def rollout_import_from(ctx, sources: list) -> list[MoveResult]:
     fetch_s = time.perf_counter() - t0   # waiting for the exports and fetching them (the driver sees only the sum)
     out = []
     for ref, k in sources:
-        if isinstance(got[ref], Exception):
-            out.append(MoveResult(False, exported=False, error=f"export: {type(got[ref]).__name__}: {got[ref]}"))
+        exported = got[ref]
+        if isinstance(exported, Exception):
+            out.append(MoveResult(False, exported=False, error=f"export: {type(exported).__name__}: {exported}"))
             continue
-        pkg: MigrationPackage = got[ref][k]
+        pkg = exported[k]
         summary, receipt = pkg.summary(), pkg.receipt()
         try:
             rollout_import(ctx, pkg)
@@ -633,13 +654,13 @@ def rollout_import_from(ctx, sources: list) -> list[MoveResult]:
     return [r.timed(fetch_s, import_s) for r in out]
 
 
-def rollout_settle_exports(ctx, receipts: list[ExportReceipt], commit: list[bool]) -> None:
+def rollout_settle_exports(ctx: WorkerContext, receipts: Sequence[ExportReceipt], commit: Sequence[bool]) -> None:
     """Commit (the target imported) or cancel (it failed) each export, in order."""
     for rec, ok in zip(receipts, commit, strict=True):
         (rollout_commit_export if ok else rollout_cancel_export)(ctx, rec)
 
 
-def rollout_release(ctx) -> int:
+def rollout_release(ctx: WorkerContext) -> int:
     """Stop being a rollout instance; free the engine (weights and KV). Returns bytes freed (approx)."""
     roles = roles_of(ctx)
     r, roles.rollout = roles.rollout, None
@@ -653,7 +674,7 @@ def rollout_release(ctx) -> int:
     return 0
 
 
-def abandon_engines(ctx) -> None:
+def abandon_engines(ctx: WorkerContext) -> None:
     """A step abandoned (a device lost beyond what the step absorbs, `tidal.pipeline.survivors`): drop this
     worker's rollout engine, its requests in flight included (their groups are generated again from their
     prompts), its scoring model and any kept weights copy. The actor's state is replaced by the load that
@@ -664,7 +685,7 @@ def abandon_engines(ctx) -> None:
         torch.cuda.empty_cache()
 
 
-def rollout_free_kv(ctx) -> None:
+def rollout_free_kv(ctx: WorkerContext) -> None:
     """Generation is done here and this device scores next: free the engine's KV cache, keep its weights (the
     scorer reads the same model). The instance stays, idle, until `rollout_release` or the next weight sync."""
     r = _rollout(ctx)
@@ -674,7 +695,7 @@ def rollout_free_kv(ctx) -> None:
 
 
 # ---- inference --------------------------------------------------------------------------------------------
-def inference_load(ctx, weights: Any, version: int) -> int:
+def inference_load(ctx: WorkerContext, weights: EngineWeights | RolloutModel, version: int) -> int:
     """Score with the weights of `version`: `weights` global weights (or an object ref), `KeptWeights` (this
     worker's kept copy), or `RolloutModel`: the model of this worker's rollout engine (a device rollout and
     inference share holds one copy of the weights)."""
@@ -692,7 +713,7 @@ def inference_load(ctx, weights: Any, version: int) -> int:
 
 
 @torch.no_grad()
-def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+def inference_score(ctx: WorkerContext, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Old-policy log-probs of each arriving group under the current weights.
 
     Each group is scored as its own [group_size, padded longest sequence] batch (`group_width`): the shapes,
@@ -711,13 +732,13 @@ def inference_score(ctx, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     return out
 
 
-def inference_release(ctx) -> None:
+def inference_release(ctx: WorkerContext) -> None:
     roles_of(ctx).inference = None
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def evaluate(ctx, items: list[EvalItem]) -> float:
+def evaluate(ctx: WorkerContext, items: list[EvalItem]) -> float:
     """Greedy held-out accuracy with this worker's inference weights."""
     roles = roles_of(ctx)
     assert roles.inference is not None, "inference_load runs before evaluate"

@@ -15,24 +15,23 @@ Only paths, layouts and small records cross the driver boundary; tensors stay on
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-from tidal.engine.checkpoint import CheckpointMeta, tmp_dir
+from tidal.engine.backends.protocol import CheckpointLoad
+from tidal.engine.checkpoint import CheckpointMeta, ShardRecord, tmp_dir
 from tidal.engine.layout import Layout
+from tidal.workers.device_worker import WorkerContext
 from tidal.workers.roles import actor_of
 
 
-def actor_save(ctx, dir: str, gen: int, meta: CheckpointMeta) -> dict | None:
+def actor_save(ctx: WorkerContext, dir: str, gen: int, meta: CheckpointMeta) -> ShardRecord | None:
     """Actor ranks: write this rank's shard into `<dir>/tmp-<gen>/` (the driver made it); the layout's first
     device also writes the manifest (`ActorBackend.save_checkpoint`, the native format for every backend).
     Collective over the layout. Returns this rank's record (None outside)."""
     assert meta.step == gen, (meta, gen)  # the generation is named by the step it was taken after
-    record = actor_of(ctx).save_checkpoint(tmp_dir(dir, gen), meta)
-    return asdict(record) if record is not None else None
+    return actor_of(ctx).save_checkpoint(tmp_dir(dir, gen), meta)
 
 
-def actor_load(ctx, dir: str, layout: Layout, ranks: tuple[int, ...] | None = None) -> dict:
+def actor_load(ctx: WorkerContext, dir: str, layout: Layout, ranks: tuple[int, ...] | None = None) -> CheckpointLoad:
     """Every worker (collective over the world; over `ranks`, the live ones, when the world lost some): replace
     the actor state by the generation at `dir`, resharded to `layout`. On any rank's failure every rank keeps its
     state and raises CheckpointError."""
-    return asdict(actor_of(ctx).load_checkpoint(dir, layout, ranks))
+    return actor_of(ctx).load_checkpoint(dir, layout, ranks)

@@ -26,6 +26,9 @@ Guarantees:
 * Waits log progress every `log_every_s` seconds naming the devices still running.
 * CPU virtual devices can get a fixed compute share (`compute_share`, fraction of this machine's cores per
   device, like `cluster.cpu_compute_share`): see `tidal.workers.compute_share`.
+* Calls are typed: `submit(d, fn, **kwargs)` checks the keywords against `fn(ctx: WorkerContext, ...)` and
+  returns a `CallHandle[R]` of its result type; `gather` returns a `list[R]` (a function named by its path is
+  unchecked: `CallHandle[Any]`). Ray stays in this package: `put` (the object store), `get`, `wait_ready`.
 
 Example::
 
@@ -43,21 +46,32 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
 from tidal.core.errors import PeerFailed, TidalError
 from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
-from tidal.workers.device_worker import CONTROL_GROUP, DeviceWorker, HealthReport, WorkerFn, WorkerInfo, fn_path
+from tidal.workers.device_worker import (
+    CONTROL_GROUP,
+    DeviceWorker,
+    HealthReport,
+    WorkerContext,
+    WorkerFn,
+    WorkerInfo,
+    fn_path,
+)
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.ray_env import RaySession, connect, disconnect
 
 if TYPE_CHECKING:
+    # Ray's object reference: a value in the object store (`WorkerGroup.put`) or a call's result (`CallHandle.ref`).
+    # Named here so that callers outside tidal.workers import no Ray.
+    from ray import ObjectRef
     from torch.distributed import TCPStore
 
 log = logging.getLogger("tidal.workers")
@@ -67,13 +81,23 @@ _DEATH_GRACE_S = 0.3
 CPU_WORKER_NUM_CPUS = 0.01
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+R_co = TypeVar("R_co", covariant=True)
+
+
 @dataclass(frozen=True)
-class CallHandle:
-    """A call in flight on one device; pass a list of them to `WorkerGroup.gather`."""
+class CallHandle(Generic[R_co]):
+    """A call in flight on one device, whose function returns `R_co`; pass a list of them to `WorkerGroup.gather`.
+    Covariant: handles of calls of different kinds gather together (their results as the join of their types)."""
 
     device_id: int
     fn: str
-    ref: Any  # ray.ObjectRef
+    """The function's path ("package.module:function"), or the runtime's own step ("start", "init_world")."""
+    ref: ObjectRef[R_co]
+    """The result in Ray's object store: `WorkerGroup.gather` reads it; a role function may take it as an argument
+    (the worker resolves it)."""
 
 
 @dataclass(frozen=True)
@@ -307,29 +331,47 @@ class WorkerGroup:
         except ValueError:   # not an actor handle any more (Ray already shut down)
             pass
 
-    def submit(self, device_id: int, fn: WorkerFn, /, **kwargs: Any) -> CallHandle:
-        """Start `fn(ctx, **kwargs)` on `device_id`'s worker; returns at once. `fn` is a module-level function
-        (or its "package.module:function" path): the worker imports it by name."""
+    # A call names a module-level function `fn(ctx: WorkerContext, ...)`: the overloads check each call's
+    # arguments against it and type its result. A function named by its path ("package.module:function") is
+    # checked by nobody before the worker runs it. `device_ids` and `timeout` precede the function's arguments
+    # (a ParamSpec takes no keyword-only parameter after it): pass the function's arguments by keyword.
+    @overload
+    def submit(self, device_id: int, fn: Callable[Concatenate[WorkerContext, P], R], /, *args: P.args,
+               **kwargs: P.kwargs) -> CallHandle[R]: ...
+    @overload
+    def submit(self, device_id: int, fn: str, /, *args: Any, **kwargs: Any) -> CallHandle[Any]: ...
+
+    def submit(self, device_id: int, fn: WorkerFn, /, *args: Any, **kwargs: Any) -> CallHandle[Any]:
+        """Start `fn(ctx, *args, **kwargs)` on `device_id`'s worker; returns at once. `fn` is a module-level
+        function (or its "package.module:function" path): the worker imports it by name."""
         self._usable(device_id)
         path = fn_path(fn)
-        handle = CallHandle(device_id, path, self._actors[device_id].call.remote(path, kwargs))
+        handle: CallHandle[Any] = CallHandle(device_id, path, self._actors[device_id].call.remote(path, args, kwargs))
         self._last[device_id] = handle.ref
         return handle
 
-    def submit_all(self, fn: WorkerFn, /, *, device_ids: Iterable[int] | None = None,
-                   **kwargs: Any) -> list[CallHandle]:
-        """`submit` on every device (or on `device_ids`), same kwargs; handles in the given order."""
+    @overload
+    def submit_all(self, fn: Callable[Concatenate[WorkerContext, P], R], /,
+                   device_ids: Iterable[int] | None = None, *args: P.args,
+                   **kwargs: P.kwargs) -> list[CallHandle[R]]: ...
+    @overload
+    def submit_all(self, fn: str, /, device_ids: Iterable[int] | None = None, *args: Any,
+                   **kwargs: Any) -> list[CallHandle[Any]]: ...
+
+    def submit_all(self, fn: WorkerFn, /, device_ids: Iterable[int] | None = None, *args: Any,
+                   **kwargs: Any) -> list[CallHandle[Any]]:
+        """`submit` on every device (or on `device_ids`), same arguments; handles in the given order."""
         ids = self.device_ids if device_ids is None else tuple(device_ids)
         for d in ids:
             self._usable(d)
-        return [self.submit(d, fn, **kwargs) for d in ids]
+        return [self.submit(d, fn, *args, **kwargs) for d in ids]
 
-    def gather(self, handles: Sequence[CallHandle], timeout: float | None = None) -> list[Any]:
+    def gather(self, handles: Sequence[CallHandle[R]], timeout: float | None = None) -> list[R]:
         """Results of `handles`, in order. Raises on the first death, failure, or at the deadline."""
         import ray
 
-        pending = {h.ref: h for h in handles}
-        results: dict[Any, Any] = {}
+        pending: dict[ObjectRef[R], CallHandle[R]] = {h.ref: h for h in handles}
+        results: dict[ObjectRef[R], R] = {}
         t0 = time.monotonic()
         next_log = t0 + self._log_every_s
         while pending:
@@ -355,7 +397,8 @@ class WorkerGroup:
                 next_log = now + self._log_every_s
         return [results[h.ref] for h in handles]
 
-    def _cause(self, follower: PeerFailed, pending: dict[Any, CallHandle], grace_s: float = 10.0) -> BaseException:
+    def _cause(self, follower: PeerFailed, pending: dict[ObjectRef[R], CallHandle[R]],
+               grace_s: float = 10.0) -> BaseException:
         """The first error among `pending` that is not itself a PeerFailed, waited for up to `grace_s` (the
         failing rank raises right after the collective its peers left); else `follower`."""
         import ray
@@ -372,14 +415,27 @@ class WorkerGroup:
                     return cause
         return follower
 
-    def call(self, device_id: int, fn: WorkerFn, /, *, timeout: float | None = None, **kwargs: Any) -> Any:
-        """`fn(ctx, **kwargs)` on one device, waited for."""
-        return self.gather([self.submit(device_id, fn, **kwargs)], timeout)[0]
+    @overload
+    def call(self, device_id: int, fn: Callable[Concatenate[WorkerContext, P], R], /,
+             timeout: float | None = None, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def call(self, device_id: int, fn: str, /, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any: ...
 
-    def call_all(self, fn: WorkerFn, /, *, timeout: float | None = None, device_ids: Iterable[int] | None = None,
-                 **kwargs: Any) -> dict[int, Any]:
-        """`fn(ctx, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
-        handles = self.submit_all(fn, device_ids=device_ids, **kwargs)
+    def call(self, device_id: int, fn: WorkerFn, /, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`fn(ctx, *args, **kwargs)` on one device, waited for."""
+        return self.gather([self.submit(device_id, fn, *args, **kwargs)], timeout)[0]
+
+    @overload
+    def call_all(self, fn: Callable[Concatenate[WorkerContext, P], R], /, timeout: float | None = None,
+                 device_ids: Iterable[int] | None = None, *args: P.args, **kwargs: P.kwargs) -> dict[int, R]: ...
+    @overload
+    def call_all(self, fn: str, /, timeout: float | None = None, device_ids: Iterable[int] | None = None,
+                 *args: Any, **kwargs: Any) -> dict[int, Any]: ...
+
+    def call_all(self, fn: WorkerFn, /, timeout: float | None = None, device_ids: Iterable[int] | None = None,
+                 *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """`fn(ctx, *args, **kwargs)` on every device (or `device_ids`) at once -> {device_id: result}."""
+        handles = self.submit_all(fn, device_ids, *args, **kwargs)
         return {h.device_id: r for h, r in zip(handles, self.gather(handles, timeout))}
 
     def quiesce(self, device_ids: Iterable[int], timeout_s: float) -> list[int]:
@@ -448,11 +504,39 @@ class WorkerGroup:
                 if st.state == "dead" and st.device_id not in self._retired:
                     raise WorkerDied(st.device_id, st.reason)
 
-    def done(self, handle: CallHandle) -> bool:
+    def done(self, handle: CallHandle[Any]) -> bool:
         """Whether `handle`'s call has ended (its result, or its error, is there for `gather`); never waits."""
         import ray
 
         return bool(ray.wait([handle.ref], timeout=0)[0])
+
+    def wait_ready(self, handles: Sequence[CallHandle[R]], timeout: float | None,
+                   num_returns: int = 1) -> list[CallHandle[R]]:
+        """Wait until `num_returns` of `handles` (all of them, if fewer) have ended, or `timeout` seconds (None: no
+        limit); returns the ended ones, up to `num_returns`, in the order given (a handle given twice, once). A call
+        that failed or whose worker died has ended too: `gather` raises its error; this never raises for it."""
+        import ray
+
+        by_ref = {h.ref: h for h in handles}
+        if not by_ref:
+            return []
+        ready, _ = ray.wait(list(by_ref), num_returns=min(num_returns, len(by_ref)), timeout=timeout)
+        ended = set(ready)
+        return [h for ref, h in by_ref.items() if ref in ended]
+
+    def put(self, value: T) -> ObjectRef[T]:
+        """`value` into the object store, once, for calls on many devices to take (the workers fetch it
+        themselves): pass the reference as a role function's argument."""
+        import ray
+
+        return ray.put(value)
+
+    def get(self, ref: ObjectRef[T], timeout: float | None = None) -> T:
+        """The value `put` stored, or the result of a call by its `CallHandle.ref` (a failed call raises Ray's
+        error here: `gather` names the device instead)."""
+        import ray
+
+        return ray.get(ref, timeout=timeout)
 
     def pid(self, device_id: int) -> int:
         return self.infos[device_id].pid
@@ -499,7 +583,7 @@ class WorkerGroup:
         if reason:
             raise WorkerDied(device_id, reason)
 
-    def _result(self, h: CallHandle) -> Any:
+    def _result(self, h: CallHandle[R]) -> R:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 

@@ -5,8 +5,10 @@ Entry points:
   `load_megatron`), the registry `register_backend`, `backend_names`, `make_backend(name, ...)`: "native" always,
   "megatron" when megatron-core is importable;
 - `native`: `NativeBackend`, a thin adapter over `ActorShard` (tidal/engine/actor.py);
-- `megatron_backend`: `MegatronBackend`, megatron-core's GPTModel + DDP + DistributedOptimizer;
+- `megatron_backend`: `MegatronBackend`, megatron-core's GPTModel + DDP + DistributedOptimizer; `megatron_stack`
+  (what one layout builds on one rank, its state views and memory hand-over);
 - `megatron_map` (names, fused QKV / fc1 layouts, vocab padding, `TransformerConfig` from `ModelArgs`),
+  `megatron_convert` (a full state, weights and optimizer, between our names and Megatron's),
   `megatron_ckpt` (`save_megatron`, `load_megatron`: dist_checkpointing from native weights, any TP),
   `megatron_reshard` / `megatron_state_reshard` (Megatron-layout weights and optimizer state through the reshard
   planner), `megatron_cpu` (the narrow workarounds that run megatron-core on CPU). See docs/megatron.md.

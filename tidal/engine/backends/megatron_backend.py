@@ -2,33 +2,11 @@
 
 One `MegatronBackend` per world rank, constructed like `ActorShard` (args, OptimConfig, layout, rank, seed,
 device, dtype, weights=...) on every world rank; the layout may be any subset of the world's ranks (e.g. devices
-2-5 of 6), ranks outside it hold nothing and return None from `train_iter` / `export_weights`. What a rank of
-layout (tp, dp) builds::
-
-    process groups      a `ProcessGroupCollection` of the layout's TP / DP / all-ranks groups
-                        (tidal/engine/backends/megatron_groups.py), passed to GPTModel, DDP and the optimizer;
-                        megatron-core's global parallel_state is never initialized for training
-    GPTModel            megatron-core's local layer spec, or its Transformer Engine spec (`transformer_engine`:
-                        auto | True | False, `layer_spec` says which and why; q/k_layernorm with qk_norm),
-                        TransformerConfig from our ModelArgs (`megatron_map.transformer_config`: head_dim,
-                        qkv_bias, qk_norm, RoPE scaling), calculate_per_token_loss=True (see grads below); built
-                        without megatron's init (perform_initialization=False), so the TP attributes its init would
-                        set on the split weights are set by `_set_tp_attributes` (the optimizer's grad norm reads
-                        them)
-    weights             our global weights (HF names) -> `to_megatron` (fused QKV, [gate; up], padded vocab) ->
-                        `megatron_tp_shard`; the fp32 main params are then set from the fp32 weights (not from the
-                        bf16-rounded params), as ActorShard initializes its masters
-    DDP                 DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                        overlap_grad_reduce=False): grads accumulate in an fp32 flat buffer over micro-batches and
-                        are reduce-scattered once per iter; with calculate_per_token_loss and
-                        average_in_collective=False the DP reduction is a plain sum (no 1/dp scaling), which is our
-                        loss convention: each micro-batch's loss is summed over its tokens / num_tokens_in_iter;
-                        at TP > 1 the q/k_layernorm grads are then summed over TP (each rank saw its heads only)
-    optimizer           get_megatron_optimizer(OptimizerConfig(optimizer="adam", ...)): DistributedOptimizer over
-                        torch AdamW (decoupled weight decay), fp32 main params, grad clip by global L2 norm
-    LR / weight decay   set on every param group before each step from our OptimConfig: `lr_at(hp, step)`
-                        (warmup + cosine, as ActorShard) and hp.weight_decay on *all* parameters (megatron-core
-                        would exempt norms; ActorShard does not)
+2-5 of 6), ranks outside it hold nothing and return None from `train_iter` / `export_weights`. A rank of the
+layout holds one `megatron_stack.Stack`: the layout's process groups, GPTModel, DDP and DistributedOptimizer
+(what each is built with, and why, is that module's doc). LR and weight decay are set on every param group before
+each step from our OptimConfig: `lr_at(hp, step)` (warmup + cosine, as ActorShard) and hp.weight_decay on *all*
+parameters (megatron-core would exempt norms; ActorShard does not).
 
 `train_iter(source, loss_fn, num_tokens_in_iter)` claims micro-batches from the same `MicrobatchSource` as
 ActorShard (TP ranks of a DP group agree on the index), calls `loss_fn(self.model, mb, num_tokens_in_iter)` and
@@ -48,7 +26,7 @@ checkpoint loads with the moments reset (or kept) and `CheckpointLoad.optimizer`
 reads the global parallel_state: they need the layout to be the whole world in rank order
 (`megatron_groups.parallel_state_for`).
 
-In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
+In the pipeline (tidal/workers/roles.py, through the protocol's verbs; conversions in megatron_convert.py):
 
     export_weights / gather_replica   the engines' names, TP split and compute dtype: the layout's TP shards are
                                       all-gathered (Megatron splits every tensor evenly, so the pieces are equal)
@@ -65,14 +43,8 @@ In the pipeline (tidal/workers/roles.py, through the protocol's verbs):
                                       state through `save_megatron`; a load at a world-wide layout reads that copy
                                       (`CheckpointLoad.source` "megatron"), any other load the native shards
     program_inputs                    None: the moves are planned on the ranks (`megatron_state_reshard`)
-    offload / onload                  `optimizer`: the fp32 main-param shards that are tensors of their own (bf16
-                                      params; fp32 params' shards are views of the param buffer and go with it)
-                                      and the Adam moments to host memory (pinned on CUDA), each tensor object
-                                      kept (its `.data` swapped), so the optimizer, our range index and the
-                                      reshard views stay bound; `grad`: DDP's grad buffers freed (storage resized
-                                      to 0, megatron-core's `offload_grad_buffers`; every `main_grad` view stays a
-                                      view and is zeroed on restore, as before every iter); `weight`: DDP's param
-                                      buffers copied out and freed the same way. `onload` restores each bit for bit
+    offload / onload                  the stack's optimizer state, grad and param buffers to host memory and back,
+                                      bit for bit (`Stack.offload`)
     held_bytes / resident_bytes       DDP's param and grad buffers, fp32 main params and moments on this rank
 
 CPU: megatron-core's DDP and optimizer run on gloo inside `megatron_cpu.optimizer_shim()` (its table lists the
@@ -91,207 +63,35 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tidal.core.errors import ConfigError, LayoutError, TrainingError
-from tidal.engine.actor import ActorShard, ExportedWeights, IterReport
+from tidal.engine.actor import ActorShard, ExportedWeights, IterReport, check_local_reshard, claim_microbatch
 from tidal.engine.backends import megatron_cpu as mc
-from tidal.engine.backends.megatron_groups import (
-    MegatronGroups,
-    init_process_state,
-    layout_gather,
-    require_whole_world,
-    spans_world,
-)
-from tidal.engine.backends.megatron_map import (
-    FC1,
-    choose_layer_spec,
-    from_megatron,
-    gpt_layer_spec,
-    gpt_model_kwargs,
-    local_param_name,
-    megatron_tp_shard,
-    padded_vocab_size,
-    te_importable,
-    to_megatron,
-    transformer_config,
-)
+from tidal.engine.backends.megatron_convert import fill_shard, fill_views, gather_ours, ours_from_state
+from tidal.engine.backends.megatron_groups import MegatronGroups, require_whole_world, spans_world
+from tidal.engine.backends.megatron_map import choose_layer_spec, padded_vocab_size, te_importable
 from tidal.engine.backends.megatron_reshard import check_layout, megatron_specs
+from tidal.engine.backends.megatron_stack import GPTAdapter, Stack
 from tidal.engine.backends.megatron_state_ckpt import StateLoad, load_state, save_state
 from tidal.engine.backends.megatron_state_reshard import (
-    OptView,
     StateViews,
     execute_state,
     gather_ranges,
     plan_state,
-    split_unit_range,
 )
 from tidal.engine.backends.native import save_shard
 from tidal.engine.backends.protocol import CheckpointLoad, register_backend
 from tidal.engine.checkpoint import CheckpointError, CheckpointMeta, ShardRecord, load_actor, read_manifest
-from tidal.engine.groups import GroupCache, reshard_rank_sets
+from tidal.engine.groups import GroupCache
 from tidal.engine.layout import Layout, ParamSpec, synced_layout
 from tidal.engine.model import ModelArgs, init_global_weights, param_specs
-from tidal.engine.optim import OPT_KINDS, OptimConfig, ShardState, lr_at
+from tidal.engine.optim import OptimConfig, ShardState, lr_at
 from tidal.engine.reshard import ReshardError, ReshardPlan, ReshardReport
-from tidal.engine.tp import vocab_parallel_logprobs
 
 log = logging.getLogger("tidal.megatron")
 
 #: the run-checkpoint generation's subfolder holding the megatron-format copy of the state
 MEGATRON_DIR = "megatron"
-
-
-class GPTAdapter(nn.Module):
-    """GPTModel (through its DDP wrapper) with our model's `token_logprobs` (see module doc)."""
-
-    def __init__(self, ddp, vocab_size: int, padded_vocab: int, tp: int, t: int, tp_group, device):
-        super().__init__()
-        self.ddp, self.vocab_size, self.tp_group = ddp, vocab_size, tp_group
-        self.vocab_lo = padded_vocab // tp * t
-        cols = torch.arange(self.vocab_lo, self.vocab_lo + padded_vocab // tp, device=device)
-        self.register_buffer("pad_cols", cols >= vocab_size, persistent=False)
-
-    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        """TP-local logits [B, T, Vp/tp] with the padded vocab columns at -1e30 (out of the softmax)."""
-        b, t = ids_BT.shape
-        pos = torch.arange(t, device=ids_BT.device).expand(b, t)
-        with mc.cpu_shim():
-            logits = self.ddp(ids_BT, pos, mc.causal_mask(t, ids_BT.device))
-        # finite, not -inf: a TP rank whose slice is all padding must still give 0 (not nan) when its picked logit
-        # is multiplied by 0 in vocab_parallel_logprobs; exp(-1e30 - max) is exactly 0 in fp32
-        return logits.masked_fill(self.pad_cols, -1e30)
-
-    def token_logprobs(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None) -> torch.Tensor:
-        """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1: [B, T-1], fp32 (causal attention, positions 0..T-1)."""
-        return self.token_logprobs_entropy(ids_BT, attn_mask_BTS, positions_BT, with_entropy=False)[0]
-
-    def token_logprobs_entropy(self, ids_BT: torch.Tensor, attn_mask_BTS=None, positions_BT=None,
-                               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs as `token_logprobs`, the entropy of p(. | ids[:, :t+1]) without grad, or None), as our
-        model's (the GRPO loss calls this); the [B, T-1, Vp/tp] logits are whole (our model chunks them)."""
-        if attn_mask_BTS is not None or positions_BT is not None:
-            raise NotImplementedError("the megatron backend runs causal attention over positions 0..T-1 only "
-                                      "(pass input ids without attn_mask_BTS / positions_BT)")
-        logits = self.forward(ids_BT)[:, :-1]
-        if not with_entropy:
-            return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo), None
-        return vocab_parallel_logprobs(logits, ids_BT[:, 1:], self.tp_group, self.vocab_lo, with_entropy=True)
-
-
-class _Stack:
-    """parallel_state + GPTModel + DDP + DistributedOptimizer of one layout on one rank."""
-
-    def __init__(self, args: ModelArgs, hp: OptimConfig, layout: Layout, rank: int, padded_vocab: int,
-                 dtype: torch.dtype, device: torch.device, seed: int, weights: dict[str, torch.Tensor] | None,
-                 pgc: Any, transformer_engine: bool = False):
-        mc.import_megatron()
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.tensor_parallel import random as mrandom
-
-        init_process_state()
-        self.layout, self.t, self.d = layout, *cast("tuple[int, int]", layout.coord(rank))  # a rank of the layout
-        if device.type == "cuda":
-            mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=self.t, ep_rank=0, etp_rank=0)
-        tp = layout.tp
-        cfg = transformer_config(args, tp, dtype, calculate_per_token_loss=True, perform_initialization=False)
-        with mc.cpu_shim():
-            from megatron.core.models.gpt.gpt_model import GPTModel
-
-            model = GPTModel(cfg, gpt_layer_spec(args, transformer_engine), **gpt_model_kwargs(args, padded_vocab),
-                             pg_collection=pgc)
-        model.to(device)
-        # GPTModel's params in the local spec's names (the TE spec fuses the pre-norms into the next linear)
-        self.params = {local_param_name(n, transformer_engine): p for n, p in model.named_parameters()}
-        _set_tp_attributes(self.params, args, padded_vocab)
-        local = None
-        if weights is not None:
-            local = megatron_tp_shard(to_megatron(weights, args, padded_vocab), args, tp, self.t)
-            if transformer_engine:
-                with torch.no_grad():
-                    for name, p in self.params.items():
-                        p.copy_(local[name])
-            else:
-                mc.load_gpt_weights(model, local)
-        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
-                                                overlap_grad_reduce=False, overlap_param_gather=False,
-                                                average_in_collective=False)
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=hp.lr, weight_decay=hp.weight_decay, adam_beta1=hp.betas[0],
-                                  adam_beta2=hp.betas[1], adam_eps=hp.eps, clip_grad=hp.grad_clip,
-                                  bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype,
-                                  use_distributed_optimizer=True)
-        with mc.optimizer_shim(), layout_gather(pgc.intra_dist_opt, dist.get_world_size()):
-            self.ddp = DistributedDataParallel(cfg, ddp_cfg, model, pg_collection=pgc)
-            self.opt = get_megatron_optimizer(opt_cfg, [self.ddp], use_gloo_process_groups=False, pg_collection=pgc)
-        self.model, self.cfg = model, cfg
-        self.dopts = list(getattr(self.opt, "chained_optimizers", [self.opt]))
-        tp_group = pgc.tp if tp > 1 else None
-        self.dp_group = pgc.dp if layout.dp > 1 else None
-        self.tp_group = tp_group
-        self.adapter = GPTAdapter(self.ddp, args.vocab_size, padded_vocab, tp, self.t, tp_group, device)
-        self._index_optimizer()
-        if local is not None:  # fp32 main params from the fp32 weights (ActorShard's masters), not the cast params
-            with torch.no_grad():
-                for name, (lo, hi, main) in self.main.items():
-                    main.copy_(local[name].reshape(-1)[lo:hi].to(main))
-
-    def _index_optimizer(self) -> None:
-        """name -> (lo, hi, fp32 main param shard) for every param this rank owns a range of."""
-        main_of: dict[int, torch.Tensor] = {}
-        self.inner_of: dict[int, Any] = {}
-        for dopt in self.dopts:
-            pairs = list(zip(dopt.model_float16_groups, dopt.shard_fp32_from_float16_groups)) + \
-                list(zip(dopt.model_fp32_groups, dopt.shard_fp32_groups))
-            for models, shards in pairs:
-                for p, s in zip(models, shards):
-                    main_of[id(p)] = s
-                    self.inner_of[id(p)] = dopt
-        self.main: dict[str, tuple[int, int, torch.Tensor]] = {}
-        for name, p in self.params.items():
-            if id(p) not in main_of:
-                continue
-            r = self.inner_of[id(p)]._get_model_param_range_map(p)["param"]
-            self.main[name] = (r.start, r.end, main_of[id(p)])
-
-    def moments(self, name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exp_avg, exp_avg_sq) of param `name`'s main shard; created as torch AdamW would (zeros, step) if the
-        optimizer has not stepped yet."""
-        main = self.main[name][2]
-        state = self.inner_of[id(self.params[name])].optimizer.state[main]
-        if not state:
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(main)
-            state["exp_avg_sq"] = torch.zeros_like(main)
-        return state["exp_avg"], state["exp_avg_sq"]
-
-    def set_step(self, step: int) -> None:
-        for name in self.main:
-            self.moments(name, step)
-            self.inner_of[id(self.params[name])].optimizer.state[self.main[name][2]]["step"].fill_(float(step))
-
-    @torch.no_grad()
-    def views(self, specs: tuple[ParamSpec, ...], step: int) -> StateViews:
-        params: list[torch.Tensor] = []
-        opt: list[OptView | None] = []
-        for spec in specs:
-            name, _, half = spec.name.partition("#")
-            p = self.params[name].data
-            n = p.shape[0] // 2
-            params.append(p if not half else (p[:n] if half == "gate" else p[n:]))
-            if name not in self.main:
-                opt.append(None)
-                continue
-            lo, hi, main = self.main[name]
-            m, v = self.moments(name, step)
-            a, b = split_unit_range(lo, hi, p.numel(), half)
-            if b <= a:
-                opt.append(None)
-                continue
-            base = 0 if half != "up" else p.numel() // 2
-            cut = slice(a + base - lo, b + base - lo)
-            opt.append((a, b, main[cut], m[cut], v[cut]))
-        return StateViews(specs, self.layout.tp, self.t, params, opt)
 
 
 class MegatronBackend:
@@ -331,23 +131,18 @@ class MegatronBackend:
         self._pgs = MegatronGroups(self.groups)
         self.step, self.data_cursor = 0, 0
         self._phases: dict[str, float] = {}   # the last forward_backward's compute and sync seconds
-        # what `offload` moved ("optimizer", "grad", "weight") until `onload`: each buffer's storage size and the
-        # host copy of its params
-        self.offloaded: set[str] = set()
-        self._sizes: dict[tuple[int, str], int] = {}
-        self._host: dict[int, torch.Tensor] = {}
         if layout.coord(rank) is not None and weights is None:
             weights = init_global_weights(args, seed)
         self.stack = self._build(layout, None if weights == "empty" else weights)
         self.layout = layout
 
-    def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | Literal["empty"] | None) -> _Stack | None:
+    def _build(self, layout: Layout, weights: dict[str, torch.Tensor] | Literal["empty"] | None) -> Stack | None:
         """The stack of `layout` on this rank (collective over the world: the layout's groups); None outside it."""
         pgc = self._pgs.collection(layout, self.rank)
         if pgc is None:
             return None
-        return _Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
-                      None if weights == "empty" else weights, pgc, self.layer_spec.transformer_engine)
+        return Stack(self.args, self.hp, layout, self.rank, self.padded_vocab, self.dtype, self.device, self.seed,
+                     None if weights == "empty" else weights, pgc, self.layer_spec.transformer_engine)
 
     @property
     def member(self) -> bool:
@@ -367,7 +162,7 @@ class MegatronBackend:
         """The policy on this rank; None outside the layout or while its weights are offloaded."""
         return self.stack.adapter if self.stack is not None and "weight" not in self.offloaded else None
 
-    def _stack(self) -> _Stack:
+    def _stack(self) -> Stack:
         if self.stack is None:
             raise RuntimeError(f"rank {self.rank} is not in the megatron actor's layout {self.layout}")
         return self.stack
@@ -376,19 +171,6 @@ class MegatronBackend:
         return self.specs
 
     # ---- training ------------------------------------------------------------------------------------
-    def _claim(self, source) -> tuple[int, Any] | None:
-        st, lay = self._stack(), self.layout
-        dynamic = getattr(source, "dynamic", False) and st.tp_group is not None
-        got = source.claim(st.d, lay.dp) if (st.t == 0 or not dynamic) else None
-        if not dynamic:
-            return got
-        idx = torch.tensor([got[0] if got is not None else -1], dtype=torch.int64, device=self.device)
-        dist.broadcast(idx, src=lay.device(0, st.d), group=st.tp_group)
-        i = int(idx.item())
-        if i < 0:
-            return None
-        return got if got is not None else (i, source.items[i])
-
     def forward_backward(self, source, loss_fn: Callable, num_tokens_in_iter: int) -> tuple[float, int]:
         """Zero the grad buffer, run the iter's micro-batches, sync grads over DP (reduce-scatter: each rank's
         owned ranges of `param.main_grad` hold the DP sum). Returns (this rank's loss sum, micro-batches run)."""
@@ -397,7 +179,7 @@ class MegatronBackend:
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
         losses = []
-        while (item := self._claim(source)) is not None:
+        while (item := claim_microbatch(source, self.layout, (st.t, st.d), st.tp_group, self.device)) is not None:
             loss = loss_fn(st.adapter, item[1], num_tokens_in_iter)
             loss.backward()
             losses.append(loss.detach().double())
@@ -459,50 +241,21 @@ class MegatronBackend:
         self._require_resident("reshard")
         self.sync_layout(old_layout)
         if local:
-            missing = [r for r in reshard_rank_sets(self.layout, new_layout) if not self.groups.has(r)]
-            if missing:
-                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"a member-local reshard needs "
-                                  f"groups not made yet: {missing[:3]}", "reshard world-wide once (local=False)")
-            if self.rank not in new_layout.devices and self.rank not in self.layout.devices:
-                raise LayoutError("reshard", f"{self.layout} -> {new_layout}", f"rank {self.rank} is in neither "
-                                  "layout of a member-local reshard", "call it on the ranks of either layout only")
+            check_local_reshard(self.groups, self.layout, new_layout, self.rank)
         # the collectives' group: the world, or the ranks of either layout (a one-rank union: that rank's own)
         group = (self.groups.union(self.layout, new_layout) or self._pgs.single[self.rank]) if local else None
-        old_layout, old = self.layout, self.stack
-        report = ReshardReport(old_layout, new_layout, ok=False)
+        report = ReshardReport(self.layout, new_layout, ok=False)
         t0 = time.perf_counter()
-        error = None
-
-        def phase(name: str) -> None:
-            nonlocal error
-            if fault is not None and error is None:
-                try:
-                    fault(name)
-                except Exception as e:
-                    error = f"{name}: {type(e).__name__}: {e}"
-
+        phase = _Phases(fault)
         phase("plan")
-        # step and data cursor advance on the layout's ranks only: the old layout's first rank tells the others
-        scalars = torch.tensor([self.step, self.data_cursor], dtype=torch.int64, device=self.device)
-        dist.broadcast(scalars, src=old_layout.devices[0], group=group)
-        self.step, self.data_cursor = (int(v) for v in scalars.tolist())
-        old_views = old.views(self.specs, self.step) if old is not None else None
-        old_ranges = gather_ranges(old_views.ranges() if old_views is not None else None, len(self.specs),
-                                   self.device, group)
-        new = self._build(new_layout, None)  # the layout's groups (made world-wide on first use); then voted on
-        new_views = None
-        if new is not None:
-            new.set_step(self.step)
-            new_views = new.views(self.specs, self.step)
-        new_ranges = gather_ranges(new_views.ranges() if new_views is not None else None, len(self.specs),
-                                   self.device, group)
+        new, old_views, new_views, ranges = self._prepare(new_layout, group)
         phase("allocate")
         plan = None
         try:
-            plan = plan_state(old_layout, new_layout, self.specs, old_ranges, new_ranges)
+            plan = plan_state(self.layout, new_layout, self.specs, *ranges)
         except Exception as e:
-            error = error or f"plan: {type(e).__name__}: {e}"
-        if _vote(error is None, self.device, group):
+            phase.error = phase.error or f"plan: {type(e).__name__}: {e}"
+        if _vote(phase.error is None, self.device, group):
             p_bytes = torch.empty((), dtype=self.dtype).element_size()
             plan = cast(ReshardPlan, plan)  # every rank planned (no error)
             report.bytes_moved = plan.bytes_moved(p_bytes)
@@ -510,14 +263,34 @@ class MegatronBackend:
                 plan, old_views, new_views, self.rank, self.dtype, self.device)
             phase("transfer")
             phase("commit")
-        ok = _vote(error is None, self.device, group)
+        ok = _vote(phase.error is None, self.device, group)
         report.seconds = time.perf_counter() - t0
         if not ok:  # the old stack is untouched (no global state to restore); the new one is dropped
-            report.error = error or "another rank voted to abort"
+            report.error = phase.error or "another rank voted to abort"
             raise ReshardError(report)
         self.stack, self.layout = new, new_layout
         report.ok = True
         return report
+
+    def _prepare(self, new_layout: Layout, group) -> tuple[Stack | None, StateViews | None, StateViews | None,
+                                                           tuple[dict, dict]]:
+        """A reshard's inputs, over `group`: step and data cursor agreed, the new stack built (its groups made
+        world-wide on first use), both layouts' views on this rank and both layouts' owned ranges of every rank."""
+        # step and data cursor advance on the layout's ranks only: the old layout's first rank tells the others
+        scalars = torch.tensor([self.step, self.data_cursor], dtype=torch.int64, device=self.device)
+        dist.broadcast(scalars, src=self.layout.devices[0], group=group)
+        self.step, self.data_cursor = (int(v) for v in scalars.tolist())
+        old_views = self.stack.views(self.specs, self.step) if self.stack is not None else None
+        old_ranges = gather_ranges(old_views.ranges() if old_views is not None else None, len(self.specs),
+                                   self.device, group)
+        new = self._build(new_layout, None)
+        new_views = None
+        if new is not None:
+            new.set_step(self.step)
+            new_views = new.views(self.specs, self.step)
+        new_ranges = gather_ranges(new_views.ranges() if new_views is not None else None, len(self.specs),
+                                   self.device, group)
+        return new, old_views, new_views, (old_ranges, new_ranges)
 
     # ---- views -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -539,7 +312,7 @@ class MegatronBackend:
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
         fulls = [part.view(self.specs[i].shape) for part, (i, _) in zip(flat.split(sizes), keys)]
         if self.stack is not None:
-            self._fill_global(keys, fulls)
+            self.stack.fill_global(self.specs, self.step, keys, fulls)
         if reduce:
             dist.all_reduce(flat, group=group)  # each element has exactly one non-zero contributor: the sum is exact
         out = {f"{k}/{self.specs[i].name}": full for (i, k), full in zip(keys, fulls)}
@@ -547,24 +320,6 @@ class MegatronBackend:
         if reduce:
             dist.all_reduce(out["step"], op=dist.ReduceOp.MAX, group=group)  # layout ranks hold it (others lag)
         return out
-
-    def _fill_global(self, keys: list[tuple[int, str]], fulls: list[torch.Tensor]) -> None:
-        st = self._stack()
-        views = st.views(self.specs, self.step)
-        lay, t, d = self.layout, st.t, st.d
-        for (i, kind), full in zip(keys, fulls):
-            spec = self.specs[i]
-            if spec.tp_dim is None and t > 0:
-                continue  # TP-replicated: t = 0's copy only
-            shard = full[spec.tp_slices(lay.tp, t)]
-            if kind == "param":
-                if d == 0:
-                    shard.copy_(views.params[i])
-            elif views.opt[i] is not None:
-                lo, hi, *bufs = cast(OptView, views.opt[i])
-                piece = torch.zeros(shard.numel(), dtype=torch.float32, device=self.device)
-                piece[lo:hi] = bufs[("master", "exp_avg", "exp_avg_sq").index(kind)]
-                shard.copy_(piece.view(shard.shape))
 
     def export_megatron(self) -> ExportedWeights | None:
         """TP-local weights in GPTModel terms (specs = `inventory()`; fc1 halves are views); None outside the
@@ -586,19 +341,8 @@ class MegatronBackend:
         with self._resident():
             return self._gather_replica(self.stack)
 
-    def _gather_replica(self, st: _Stack) -> dict[str, torch.Tensor]:
-        tp = self.layout.tp
-        views = st.views(self.specs, self.step)
-        full: dict[str, torch.Tensor] = {}
-        for spec, local in zip(self.specs, views.params):
-            if spec.tp_dim is not None and tp > 1:
-                parts = [torch.empty_like(local) for _ in range(tp)]   # Megatron's splits are even
-                dist.all_gather(parts, local.contiguous(), group=st.tp_group)
-                local = torch.cat(parts, dim=spec.tp_dim)
-            else:   # a copy: the params are views of DDP's buffer, which `offload(weight=True)` frees
-                local = local.clone()
-            full[spec.name] = local
-        return from_megatron(_join_halves(full), self.args)
+    def _gather_replica(self, st: Stack) -> dict[str, torch.Tensor]:
+        return gather_ours(st.views(self.specs, self.step), st.tp_group, self.args)
 
     def export_weights(self) -> ExportedWeights | None:
         """TP shard t of our weights (`param_specs` names and split, compute dtype) for the weight sync: cut from
@@ -606,7 +350,7 @@ class MegatronBackend:
         whole = self.gather_replica()
         if whole is None:
             return None
-        tp, t = self.layout.tp, cast(_Stack, self.stack).t
+        tp, t = self.layout.tp, cast(Stack, self.stack).t
         specs = tuple(param_specs(self.args))
         return ExportedWeights(tp, t, specs, {s.name: whole[s.name][s.tp_slices(tp, t)] for s in specs})
 
@@ -615,83 +359,23 @@ class MegatronBackend:
         return None
 
     # ---- memory (devices shared with generation) ----------------------------------------------------
-    def _buffers(self) -> list:
-        st = cast(_Stack, self.stack)
-        return st.ddp.buffers + st.ddp.expert_parallel_buffers
-
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """The optimizer's own device tensors: main-param shards not aliasing a param buffer, and Adam moments."""
-        st = cast(_Stack, self.stack)
-        params = {b.param_data.untyped_storage().data_ptr() for b in self._buffers() if b.param_data is not None}
-        out = []
-        for name, (_, _, main) in st.main.items():
-            if main.untyped_storage().data_ptr() not in params:
-                out.append(main)
-            out.extend(st.moments(name, self.step))
-        return out
+    @property
+    def offloaded(self) -> set[str]:
+        """What `offload` moved off the device ("optimizer", "grad", "weight") until `onload`."""
+        return self.stack.offloaded if self.stack is not None else set()
 
     def offload(self, *, optimizer: bool, grad: bool, weight: bool) -> int:
-        """Hand the device to generation (module doc); returns the bytes that left it. A no-op outside the layout
-        or for what is off already; until `onload` this rank neither trains nor reshards."""
+        """Hand the device to generation (`Stack.offload`); returns the bytes that left it. A no-op outside the
+        layout or for what is off already; until `onload` this rank neither trains nor reshards."""
         if self.stack is None:
             return 0
-        moved, pin = 0, self.device.type == "cuda"
-        if optimizer and "optimizer" not in self.offloaded:
-            for t in self._optimizer_tensors():
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                host.copy_(t)
-                moved += t.numel() * t.element_size()
-                t.data = host
-            self.offloaded.add("optimizer")
-        for kind, on in (("grad", grad), ("weight", weight)):
-            if not on or kind in self.offloaded:
-                continue
-            for buf in self._buffers():
-                data = buf.grad_data if kind == "grad" else buf.param_data
-                if data is None:
-                    continue
-                n = data.untyped_storage().nbytes()
-                if kind == "weight":   # the grad buffer holds nothing between iters: freed without a copy
-                    host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=pin)
-                    host.copy_(data)
-                    self._host[id(buf)] = host
-                self._sizes[(id(buf), kind)] = data.untyped_storage().size()
-                data.untyped_storage().resize_(0)
-                moved += n
-            self.offloaded.add(kind)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-        return moved
+        return self.stack.offload(optimizer, grad, weight, self.step)
 
     def onload(self) -> int:
         """Back on the device what `offload` moved, bit for bit (the grad buffers zeroed); returns the bytes."""
-        if self.stack is None or not self.offloaded:
+        if self.stack is None:
             return 0
-        moved = 0
-        if "optimizer" in self.offloaded:
-            for t in self._optimizer_tensors():
-                dev = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                dev.copy_(t, non_blocking=True)
-                moved += t.numel() * t.element_size()
-                t.data = dev
-        for kind in ("grad", "weight"):
-            if kind not in self.offloaded:
-                continue
-            for buf in self._buffers():
-                data = buf.grad_data if kind == "grad" else buf.param_data
-                if data is None:
-                    continue
-                data.untyped_storage().resize_(self._sizes.pop((id(buf), kind)))
-                if kind == "weight":
-                    data.copy_(self._host.pop(id(buf)), non_blocking=True)
-                else:
-                    data.zero_()
-                moved += data.numel() * data.element_size()
-        self.offloaded.clear()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return moved
+        return self.stack.onload(self.step)
 
     @contextmanager
     def _resident(self) -> Iterator[None]:
@@ -713,32 +397,17 @@ class MegatronBackend:
 
     def held_bytes(self) -> int:
         """DDP's param and grad buffers, fp32 main params and Adam moments of this rank, wherever they are."""
-        if self.stack is None:
-            return 0
-        n = sum(t.numel() * t.element_size() for buf in self._buffers() for t in (buf.param_data, buf.grad_data)
-                if t is not None)
-        return n + sum(t.numel() * t.element_size() for t in self._optimizer_tensors())
+        return self.stack.held_bytes(self.step) if self.stack is not None else 0
 
     def resident_bytes(self) -> int:
         """What of `held_bytes` is on the device (what `offload` leaves)."""
-        if self.stack is None:
-            return 0
-        n = sum(t.untyped_storage().nbytes() for buf in self._buffers() for t in (buf.param_data, buf.grad_data)
-                if t is not None)
-        if "optimizer" not in self.offloaded:
-            n += sum(t.numel() * t.element_size() for t in self._optimizer_tensors())
-        return n
+        return self.stack.resident_bytes(self.step) if self.stack is not None else 0
 
     # ---- run checkpoints (the native format) --------------------------------------------------------
     @torch.no_grad()
     def _global_ours(self, over_layout: bool) -> dict[str, dict[str, torch.Tensor]]:
         """kind -> our global tensors (fp32) of this backend's state, kinds "param" and OPT_KINDS."""
-        g = self.state_dict_global(over_layout=over_layout)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for kind in ("param",) + OPT_KINDS:
-            meg = {spec.name: g[f"{kind}/{spec.name}"] for spec in self.specs}
-            out[kind] = from_megatron(_join_halves(meg), self.args)
-        return out
+        return ours_from_state(self.state_dict_global(over_layout=over_layout), self.specs, self.args)
 
     def _native_twin(self, layout: Layout) -> ActorShard:
         """An `ActorShard` at `layout` on this rank, its state unset (collective over the world only for a layout
@@ -756,7 +425,7 @@ class MegatronBackend:
         try:
             st = cast(ShardState, twin.state)
             st.step, st.data_cursor = self.step, self.data_cursor
-            _fill_shard(twin, ours)
+            fill_shard(twin, ours)
             record = save_shard(twin, tmp, meta)
         finally:
             twin.free()
@@ -810,21 +479,9 @@ class MegatronBackend:
     @torch.no_grad()
     def _set_state(self, g: dict[str, torch.Tensor]) -> None:
         """This rank's params, main params and moments from our global tensors `g` (keys kind/<name>)."""
-        st = cast(_Stack, self.stack)
+        st = cast(Stack, self.stack)
         st.set_step(self.step)
-        names = [s.name for s in param_specs(self.args)]
-        meg = {kind: _split_halves(to_megatron({n: g[f"{kind}/{n}"] for n in names}, self.args, self.padded_vocab))
-               for kind in ("param",) + OPT_KINDS}
-        views = st.views(self.specs, self.step)
-        tp, t = self.layout.tp, st.t
-        for i, spec in enumerate(self.specs):
-            views.params[i].copy_(meg["param"][spec.name][spec.tp_slices(tp, t)])
-            opt = views.opt[i]
-            if opt is None:
-                continue
-            lo, hi, *bufs = opt
-            for kind, buf in zip(OPT_KINDS, bufs):
-                buf.copy_(meg[kind][spec.name][spec.tp_slices(tp, t)].reshape(-1)[lo:hi])
+        fill_views(st.views(self.specs, self.step), g, self.args, self.padded_vocab)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """TP-local fp32 grads after `forward_backward` (module names; at DP > 1 only owned ranges are summed)."""
@@ -859,11 +516,11 @@ class MegatronBackend:
         require_whole_world(layout)
         self.onload()
         # every rank is in a whole-world layout; built with grad mode on (DDP hooks its grad accumulators)
-        new = cast(_Stack, self._build(layout, None))
+        new = cast(Stack, self._build(layout, None))
         with torch.no_grad():
             return self._adopt(new, path, layout, reset_optimizer)
 
-    def _adopt(self, new: _Stack, path: Path, layout: Layout, reset_optimizer: bool) -> CheckpointLoad:
+    def _adopt(self, new: Stack, path: Path, layout: Layout, reset_optimizer: bool) -> CheckpointLoad:
         new.set_step(0)
         got, error = None, None
         try:
@@ -883,7 +540,7 @@ class MegatronBackend:
                 main.copy_(new.params[name].data.reshape(-1)[lo:hi].float())
             keep = not reset_optimizer and self.stack is not None and layout == self.layout
             if keep:
-                old = cast(_Stack, self.stack)
+                old = cast(Stack, self.stack)
                 for name in new.main:
                     for dst, src in zip(new.moments(name, self.step), old.moments(name, self.step)):
                         dst.copy_(src)
@@ -896,54 +553,20 @@ class MegatronBackend:
         return CheckpointLoad(True, self.step, self.data_cursor, self.held_bytes(), opt, "megatron")
 
 
-def _join_halves(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Spec-named tensors (fc1 as `#gate` / `#up` halves) -> GPTModel module names ([gate; up] rows)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, w in state.items():
-        base, _, half = name.partition("#")
-        if half == "up":
-            continue
-        out[base] = torch.cat([w, state[base + "#up"]]) if half == "gate" else w
-    return out
+class _Phases:
+    """A reshard's fault points (`fault(name)`, the tests' injection) and its first error: a phase's, or the
+    planner's; the votes report it."""
 
+    def __init__(self, fault: Callable[[str], None] | None):
+        self.fault = fault
+        self.error: str | None = None
 
-def _split_halves(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of `_join_halves`."""
-    out: dict[str, torch.Tensor] = {}
-    for name, w in state.items():
-        if name.endswith(FC1):
-            out[name + "#gate"], out[name + "#up"] = w.chunk(2)
-        else:
-            out[name] = w
-    return out
-
-
-@torch.no_grad()
-def _fill_shard(shard: ActorShard, ours: dict[str, dict[str, torch.Tensor]]) -> None:
-    """`shard`'s params (TP shard) and owned optimizer ranges from our global tensors per kind."""
-    st = cast(ShardState, shard.state)
-    t = cast("tuple[int, int]", shard.coord)[0]
-    for i, spec in enumerate(shard.specs):
-        local = {k: ours[k][spec.name][spec.tp_slices(shard.layout.tp, t)].reshape(-1) for k in ours}
-        st.param(i).copy_(local["param"].view(st.param(i).shape))
-        lo, hi = st.shape.owned[i]
-        o = st.shape.opt_offsets[i]
-        for kind in OPT_KINDS:
-            st.buffer(kind)[o:o + hi - lo].copy_(local[kind][lo:hi])
-
-
-def _set_tp_attributes(params: dict[str, nn.Parameter], args: ModelArgs, padded_vocab: int) -> None:
-    """The `tensor_model_parallel` / `partition_dim` / `partition_stride` attributes megatron-core 0.16.1 sets on
-    TP-split weights only inside its init functions, i.e. not with perform_initialization=False (linear biases do
-    get them). The optimizer reads them (`param_is_not_tensor_parallel_duplicate`): without them every TP-split
-    weight counts in the grad norm on TP rank 0 only, and clipping at TP > 1 uses a wrong norm. Set as megatron-core
-    sets them with initialization (stride 2 for the fused SwiGLU fc1); replicated norms stay unmarked, as there."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    tp_dim = {s.name.partition("#")[0]: s.tp_dim for s in megatron_specs(args, padded_vocab)}
-    for name, p in params.items():   # local-spec names
-        if tp_dim[name] is not None and not getattr(p, "tensor_model_parallel", False):
-            set_tensor_model_parallel_attributes(p, True, tp_dim[name], 2 if name.endswith(FC1) else 1)
+    def __call__(self, name: str) -> None:
+        if self.fault is not None and self.error is None:
+            try:
+                self.fault(name)
+            except Exception as e:
+                self.error = f"{name}: {type(e).__name__}: {e}"
 
 
 def _vote(ok: bool, device, group=None) -> bool:

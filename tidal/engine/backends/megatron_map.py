@@ -170,16 +170,22 @@ def pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---- whole-model conversion (GPTModel module names, per layer) ----------------------------------------------
+def _one_to_one(i: int) -> list[tuple[str, str]]:
+    """(our name, GPTModel module name) of layer i's tensors that map one to one, either way: its two norms and
+    its unfused linears (the fused and the optional ones convert apart)."""
+    p, m = f"layers.{i}.", f"decoder.layers.{i}."
+    return [(p + ours, m + mod) for ours, (mod, _) in _LAYER_NORMS.items()] + \
+        [(p + ours, m + mod) for ours, (mod, _, _) in _LAYER_LINEARS.items()]
+
+
 def to_megatron(state: dict[str, torch.Tensor], args: ModelArgs, padded_vocab: int) -> dict[str, torch.Tensor]:
     """Our global weights -> GPTModel's global weights (module names of the local spec, TP = 1 shapes)."""
     qs = QKVShape.of(args)
     out = {"embedding.word_embeddings.weight": pad_rows(state["embed_tokens.weight"], padded_vocab)}
     for i in range(args.num_layers):
         p, m = f"layers.{i}.", f"decoder.layers.{i}."
-        for ours, (mod, _) in _LAYER_NORMS.items():
-            out[m + mod] = state[p + ours]
-        for ours, (mod, _, _) in _LAYER_LINEARS.items():
-            out[m + mod] = state[p + ours]
+        for ours, mod in _one_to_one(i):
+            out[mod] = state[ours]
         a = p + "self_attn."
         out[m + QKV] = fuse_qkv(state[a + "q_proj.weight"], state[a + "k_proj.weight"], state[a + "v_proj.weight"], qs)
         if args.qkv_bias:
@@ -201,10 +207,8 @@ def from_megatron(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     out = {"embed_tokens.weight": state["embedding.word_embeddings.weight"][:v]}
     for i in range(args.num_layers):
         p, m = f"layers.{i}.", f"decoder.layers.{i}."
-        for ours, (mod, _) in _LAYER_NORMS.items():
-            out[p + ours] = state[m + mod]
-        for ours, (mod, _, _) in _LAYER_LINEARS.items():
-            out[p + ours] = state[m + mod]
+        for ours, mod in _one_to_one(i):
+            out[ours] = state[mod]
         q, k, vv = split_qkv(state[m + QKV], qs)
         out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
         out[p + "self_attn.v_proj.weight"] = vv

@@ -86,8 +86,8 @@ def has_optimizer_state(ckpt_dir: str | Path) -> bool:
 
 
 def save_state(stack: Any, layout: Layout, ckpt_dir: str | Path, step: int, data_cursor: int) -> Path:
-    """Weights and optimizer state of `stack` (a `_Stack` at `layout`, every param's Adam state present) into
-    `ckpt_dir` (module doc). Collective over the world."""
+    """Weights and optimizer state of `stack` (a `megatron_stack.Stack` at `layout`, every param's Adam state
+    present) into `ckpt_dir` (module doc). Collective over the world."""
     from megatron.core import dist_checkpointing
 
     path = Path(ckpt_dir)
@@ -103,8 +103,9 @@ def save_state(stack: Any, layout: Layout, ckpt_dir: str | Path, step: int, data
 @torch.no_grad()
 def load_state(stack: Any, layout: Layout, ckpt_dir: str | Path, step: int) -> StateLoad:
     """Weights (and, when the checkpoint has them, fp32 main params, Adam moments and step) from `ckpt_dir` into
-    `stack`, a `_Stack` at `layout` whose params' Adam state exists at `step` (`set_step`). Collective over the
-    world. Loads in place: call it on a stack that is not yet the actor's, so a failed read leaves the actor."""
+    `stack`, a `megatron_stack.Stack` at `layout` whose params' Adam state exists at `step` (`set_step`).
+    Collective over the world. Loads in place: call it on a stack that is not yet the actor's, so a failed read
+    leaves the actor."""
     from megatron.core import dist_checkpointing
 
     with_opt = has_optimizer_state(ckpt_dir)

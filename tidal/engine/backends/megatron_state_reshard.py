@@ -1,6 +1,6 @@
 """Resharding a Megatron actor's full state (weights + DistributedOptimizer state) with Tidal's planner rules.
 
-What a rank of a megatron-core actor holds (tp, dp layout; tidal/engine/backends/megatron_backend.py builds it):
+What a rank of a megatron-core actor holds (tp, dp layout; tidal/engine/backends/megatron_stack.py builds it):
 
     model params   the TP-local GPTModel tensors (fused QKV, `[gate_t; up_t]` fc1, padded vocab), replicated over DP
     optimizer      DistributedOptimizer: each DP rank owns a contiguous range of every bucket of the DDP flat grad

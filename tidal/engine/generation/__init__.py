@@ -7,7 +7,10 @@ Entry points:
   the errors `GenerationError`, `EngineBusyError`, `UnknownRequestError`;
 - `migration` (`migrate`, `send_requests` / `receive_requests`: two-phase moves between engines, in one process
   or over torch.distributed), `weights` (rollout TP shards cut from the actor's weights at any actor TP),
-  `sampler`, `kv_cache`, `vllm_backend.VLLMEngine` (the protocol over a vLLM server process, `vllm_server.py`).
+  `sampler`, `kv_cache`, `vllm_backend.VLLMEngine` (the protocol over a vLLM server process, `vllm_server.py`);
+- the native engine's parts, each one idea: `engine_setup` (its config and what it derives), `slots` (per-request
+  and per-slot state), `admission` (slots, KV blocks, preemption), `prefill`, `decode_step` (the batched launch and
+  its read-back), `engine_states` (request states in and out, with KV).
 See docs/rollout.md and docs/vllm.md.
 
 Imports: torch, safetensors, `tidal.engine.model` / `layout` / `tp` / `hf_checkpoint` and `tidal.core.errors`; no Ray,

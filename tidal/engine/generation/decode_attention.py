@@ -51,9 +51,64 @@ def supported(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def _kernels():
+def _block_steps():
+    """Stage 1's steps over one block of keys (Triton inlines them into the kernel)."""
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def softmax_block(q, k, v, k_new, v_new, own, nmask, qk_scale, m_i, l_i, acc):
+        # one BLOCK_N-key block of the online softmax: the row's own key from registers, the G heads' scores
+        # (log2 domain) masked past the row's keys, folded into the running max, sum and output
+        k = tl.where(own[:, None], k_new[None, :], k)
+        v = tl.where(own[:, None], v_new[None, :], v)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def load_block(kc_ptr, vc_ptr, table, n0, end, pos, kvh, offs_d, c_sb, c_sh, c_sp, KV_BLOCK: tl.constexpr,
+                   BLOCK_N_: tl.constexpr):
+        # the cached K/V of keys n0 .. n0 + BLOCK_N (the row's own key and those past its length masked to 0), and
+        # the masks; a load of BLOCK_N keys lies in one KV block (KV_BLOCK is a multiple of BLOCK_N, or one block)
+        offs_n = n0 + tl.arange(0, BLOCK_N_)
+        nmask = offs_n < end
+        own = offs_n == pos   # the row's own key: masked here, written by the program whose chunk holds it
+        j = n0 // KV_BLOCK
+        block = tl.load(table + j).to(tl.int64)
+        at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
+        k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+        v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+        return k, v, nmask, own
+
+    @triton.jit
+    def rope(q, k_new, q_ptr, kn_ptr, cos_ptr, sin_ptr, row, q_sr, q_sh, kn_sr, kn_sh, cs_sr, kvh, heads, gmask,
+             offs_d, D: tl.constexpr):
+        # q and the new K rotated: x * cos + rotate_half(x) * sin in fp32, rounded once to the input dtype;
+        # rotate_half(x)[d] = -x[d + D/2] below D/2, x[d - D/2] above
+        partner = (offs_d + D // 2) % D
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        cs = tl.load(cos_ptr + row * cs_sr + offs_d).to(tl.float32)
+        sn = tl.load(sin_ptr + row * cs_sr + offs_d).to(tl.float32) * sign
+        q_p = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + partner[None, :], mask=gmask[:, None], other=0.0)
+        q = (q.to(tl.float32) * cs[None, :] + q_p.to(tl.float32) * sn[None, :]).to(q_p.dtype)
+        k_p = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + partner)
+        k_new = (k_new.to(tl.float32) * cs + k_p.to(tl.float32) * sn).to(k_p.dtype)
+        return q, k_new
+
+    return softmax_block, load_block, rope
+
+
+@functools.cache
+def _stage1():
+    import triton
+    import triton.language as tl
+    softmax_block, load_block, rope = _block_steps()
 
     @triton.jit
     def stage1(q_ptr, q_sr, q_sh, kn_ptr, kn_sr, kn_sh, vn_ptr, vn_sr, vn_sh, kc_ptr, vc_ptr, c_sb, c_sh, c_sp,
@@ -75,15 +130,8 @@ def _kernels():
             offs_d = tl.arange(0, D)
             table = table_ptr + slot * t_ss   # the slot's row of the block table
             end = tl.minimum(start + CHUNK_, pos + 1)
-            offs_n = start + tl.arange(0, BLOCK_N_)
-            nmask = offs_n < end
-            own = offs_n == pos   # the row's own key: masked here, written below
-            # a load of BLOCK_N keys lies in one KV block (KV_BLOCK is a multiple of BLOCK_N, or one block)
-            j = start // KV_BLOCK
-            block = tl.load(table + j).to(tl.int64)
-            at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
-            k_first = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
-            v_first = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
+            k_first, v_first, nmask, own = load_block(kc_ptr, vc_ptr, table, start, end, pos, kvh, offs_d, c_sb,
+                                                      c_sh, c_sp, KV_BLOCK, BLOCK_N_)
             if PDL:
                 tl.extra.cuda.gdc_wait()
             offs_g = tl.arange(0, BLOCK_G)
@@ -93,16 +141,9 @@ def _kernels():
                         other=0.0)
             k_new = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + offs_d)
             v_new = tl.load(vn_ptr + row * vn_sr + vn_sh * kvh + offs_d)
-            if ROPE:   # rotate_half(x)[d] = -x[d + D/2] below D/2, x[d - D/2] above
-                partner = (offs_d + D // 2) % D
-                sign = tl.where(offs_d < D // 2, -1.0, 1.0)
-                cs = tl.load(cos_ptr + row * cs_sr + offs_d).to(tl.float32)
-                sn = tl.load(sin_ptr + row * cs_sr + offs_d).to(tl.float32) * sign
-                q_p = tl.load(q_ptr + row * q_sr + heads[:, None] * q_sh + partner[None, :], mask=gmask[:, None],
-                              other=0.0)
-                q = (q.to(tl.float32) * cs[None, :] + q_p.to(tl.float32) * sn[None, :]).to(q_p.dtype)
-                k_p = tl.load(kn_ptr + row * kn_sr + kvh * kn_sh + partner)
-                k_new = (k_new.to(tl.float32) * cs + k_p.to(tl.float32) * sn).to(k_p.dtype)
+            if ROPE:
+                q, k_new = rope(q, k_new, q_ptr, kn_ptr, cos_ptr, sin_ptr, row, q_sr, q_sh, kn_sr, kn_sh, cs_sr, kvh,
+                                heads, gmask, offs_d, D)
             if pos < start + CHUNK_:   # this chunk holds the row's own key: store it for later steps
                 own_block = tl.load(table + pos // KV_BLOCK).to(tl.int64)
                 at_own = own_block * c_sb + kvh * c_sh + (pos - (pos // KV_BLOCK) * KV_BLOCK) * c_sp + offs_d
@@ -113,38 +154,22 @@ def _kernels():
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             qk_scale = sm_scale * 1.4426950408889634   # exp(x) = exp2(x * log2(e))
             # the first block (read before the wait), then the chunk's other blocks: the same steps in order
-            k = tl.where(own[:, None], k_new[None, :], k_first)
-            v = tl.where(own[:, None], v_new[None, :], v_first)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = softmax_block(q, k_first, v_first, k_new, v_new, own, nmask, qk_scale, m_i, l_i, acc)
             for n0 in range(start + BLOCK_N_, end, BLOCK_N_):
-                offs_n = n0 + tl.arange(0, BLOCK_N_)
-                nmask = offs_n < end
-                own = offs_n == pos
-                j = n0 // KV_BLOCK
-                block = tl.load(table + j).to(tl.int64)
-                at = block * c_sb + kvh * c_sh + (offs_n - j * KV_BLOCK)[:, None] * c_sp + offs_d[None, :]
-                k = tl.load(kc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
-                v = tl.load(vc_ptr + at, mask=(nmask & ~own)[:, None], other=0.0)
-                k = tl.where(own[:, None], k_new[None, :], k)
-                v = tl.where(own[:, None], v_new[None, :], v)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                s = tl.where(nmask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                k, v, nmask, own = load_block(kc_ptr, vc_ptr, table, n0, end, pos, kvh, offs_d, c_sb, c_sh, c_sp,
+                                              KV_BLOCK, BLOCK_N_)
+                m_i, l_i, acc = softmax_block(q, k, v, k_new, v_new, own, nmask, qk_scale, m_i, l_i, acc)
             at_mid = (row * (G * tl.num_programs(1)) + heads) * max_chunks + c
             tl.store(mid_o_ptr + at_mid[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=gmask[:, None])
             tl.store(mid_lse_ptr + at_mid, m_i + tl.log2(l_i), mask=gmask)   # log2-sum-exp2 of scaled scores
+
+    return stage1
+
+
+@functools.cache
+def _stage2():
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def stage2(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, o_sr, o_sh, max_chunks, num_heads,
@@ -172,7 +197,7 @@ def _kernels():
             m = m_new
         tl.store(out_ptr + row * o_sr + h * o_sh + offs_d, (acc / total).to(out_ptr.dtype.element_ty))
 
-    return stage1, stage2
+    return stage2
 
 
 def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_RKD: torch.Tensor,
@@ -216,7 +241,7 @@ def decode_attention_fused(q_RHD: torch.Tensor, k_new_RKD: torch.Tensor, v_new_R
     mid_o = torch.empty((r, h, max_chunks, d), dtype=torch.float32, device=q_RHD.device)
     mid_lse = torch.empty((r, h, max_chunks), dtype=torch.float32, device=q_RHD.device)
     out = torch.empty((r, h, d), dtype=q_RHD.dtype, device=q_RHD.device)
-    stage1, stage2 = _kernels()
+    stage1, stage2 = _stage1(), _stage2()
     launch = fused.pdl_launch(q_RHD.device)
     stage1[(r, kv, max_chunks)](
         q_RHD, q_RHD.stride(0), q_RHD.stride(1), k_new_RKD, k_new_RKD.stride(0), k_new_RKD.stride(1),

@@ -55,7 +55,7 @@ class GemmConfig:
 
 
 @functools.cache
-def _kernels():
+def _gemm_kernel():
     import triton
     import triton.language as tl
 
@@ -112,6 +112,14 @@ def _kernels():
         else:   # out is the fp32 partials [S, M, N]
             tl.store(out_ptr + (pid_k * M + rm)[:, None] * N + rn[None, :], acc, mask=omask)
 
+    return gemm
+
+
+@functools.cache
+def _norm_kernel():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def reduce_add_rms_norm(part_ptr, x_ptr, w_ptr, x_out_ptr, h_out_ptr, M, N, eps, SPLIT,
                             BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -135,7 +143,7 @@ def _kernels():
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(h_out_ptr + row * N + cols, (w * normed).to(dtype), mask=cmask)
 
-    return gemm, reduce_add_rms_norm
+    return reduce_add_rms_norm
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -157,7 +165,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: Ge
         out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    gemm, _ = _kernels()
+    gemm = _gemm_kernel()
     grid = (-(-n // cfg.block_n), splits, -(-m // cfg.block_m))
     gemm[grid](x, x.stride(0), w, w.stride(0), bias if bias is not None else w, out,
                m, n, k, k_split, n if silu_up else 0,
@@ -193,7 +201,7 @@ def reduce_add_rms_norm(partials: torch.Tensor, x: torch.Tensor, weight: torch.T
         raise ValueError(f"reduce_add_rms_norm: partials [S, M, N] and x [M, N] contiguous, got "
                          f"{tuple(partials.shape)} {tuple(x.shape)}")
     x_out, h_out = torch.empty_like(x), torch.empty_like(x)
-    _, kernel = _kernels()
+    kernel = _norm_kernel()
     block = triton.next_power_of_2(n)
     kernel[(m,)](partials, x, weight, x_out, h_out, m, n, eps, SPLIT=s, BLOCK=block,
                  num_warps=4 if block <= 4096 else 8, **fused.pdl_launch(x.device))

@@ -1,4 +1,4 @@
-"""The protocol every generation backend implements (native torch engine here; a vLLM backend later).
+"""The protocol every generation backend implements (`NativeEngine`, torch; `VLLMEngine`, a vLLM server).
 
     add(request)            queue a request; it is admitted when a slot and KV budget are free
     step() -> events        one scheduling iteration: admit + prefill new requests, one batched decode step;
@@ -36,7 +36,9 @@ from typing import Any, Protocol
 
 import torch
 
+from tidal.core.errors import TidalError
 from tidal.engine.generation.requests import Request, RequestEvent, RequestState
+from tidal.engine.model import ModelArgs
 
 
 class EngineStatus(enum.Enum):
@@ -112,6 +114,19 @@ def check_importable(st, batch_ids: Sequence[str], live: Mapping[str, object], v
     return where
 
 
+def check_prompt(request: Request, args: ModelArgs) -> None:
+    """A prompt every backend can run: shorter than the model's max_seq_len, its ids inside the vocab."""
+    n, s, v = len(request.prompt_ids), args.max_seq_len, args.vocab_size
+    rid = request.request_id
+    if n >= s:
+        raise TidalError("prompt_ids", n, f"request {rid!r}: a prompt of {n} tokens leaves no room to generate "
+                         f"within max_seq_len={s}", "shorten the prompt or raise model.max_seq_len")
+    bad = [t for t in request.prompt_ids if not 0 <= t < v]
+    if bad:
+        raise TidalError("prompt_ids", bad[:5], f"request {rid!r}: token ids outside the vocab [0, {v})",
+                         "tokenize with the model's tokenizer")
+
+
 class EngineBusyError(GenerationError):
     """An operation that needs an idle engine (weight update, release) while requests are in flight."""
 
@@ -123,11 +138,14 @@ class IllegalTransition(GenerationError):
 
 
 class GenerationEngine(ABC):
-    """What rollout instances and migration code rely on. Implementations: `NativeEngine`."""
+    """What rollout instances and migration code rely on. Implementations: `NativeEngine`, `VLLMEngine`."""
 
-    # Guards shared by the backends (each keeps `status` and a `_live` dict of requests in flight).
+    # Rules shared by the backends. Each keeps `status`, its policy version, a `_live` dict of the requests in
+    # flight (each with a `frozen` flag, set while exported) and `_gone`: why a request left (error messages).
     status: EngineStatus
+    _version: int
     _live: Mapping[str, Any]
+    _gone: Mapping[str, str]
 
     def _need_ready(self, op: str) -> None:
         if self.status is not EngineStatus.READY:
@@ -139,9 +157,42 @@ class GenerationEngine(ABC):
             raise EngineBusyError(f"{op}: {len(ids)} requests in flight ({ids[:4]}...); weights change only "
                                   "between RL steps: let them finish, or export/abort them first")
 
+    def _check_new(self, request: Request) -> None:
+        """`add`'s rules: a ready engine, and an id not in flight here."""
+        self._need_ready("add")
+        if request.request_id in self._live:
+            raise GenerationError(f"add: request {request.request_id!r} is already in flight on this engine "
+                                  "(ids must be unique per engine; derive them from step, group and sample)")
+
+    def _check_ids(self, op: str, ids: Sequence[str], frozen: bool | None) -> list[str]:
+        return check_request_ids(op, ids, self._live, self._gone, frozen)
+
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or version <= self._version:
+            raise TidalError("policy_version", version, f"must be an int above the current {self._version}",
+                             "stamp each update with the actor's next version")
+
+    def _move(self, dst: EngineStatus, op: str) -> None:
+        if (self.status, dst) not in TRANSITIONS:
+            raise IllegalTransition(self.status, dst, op)
+        self.status = dst
+
+    def _check_resume(self, weights: Mapping[str, torch.Tensor] | None, version: int | None, kept: bool) -> None:
+        """`resume`'s rules: a released engine; new weights come with their (newer) version; without new weights
+        the engine must have `kept` its own (offloaded, or released with the weights kept)."""
+        if self.status is not EngineStatus.RELEASED:
+            raise IllegalTransition(self.status, EngineStatus.READY, "resume")
+        if weights is not None and version is None:
+            raise GenerationError("resume: new weights need the policy version they belong to (version=...)")
+        if weights is None and not kept:
+            raise GenerationError("resume: no weights given and none were offloaded; pass weights=... "
+                                  "(and version=...), or release with release_memory(offload=True)")
+        if weights is not None and version is not None:
+            self._check_version(version)
+
     @property
-    @abstractmethod
-    def policy_version(self) -> int: ...
+    def policy_version(self) -> int:
+        return self._version
 
     @abstractmethod
     def add(self, request: Request) -> None: ...
@@ -176,9 +227,9 @@ class GenerationEngine(ABC):
     @abstractmethod
     def resume(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None: ...
 
-    @abstractmethod
     def request_ids(self) -> list[str]:
         """Ids queued or running here, in arrival order (not those frozen in a migration)."""
+        return [rid for rid, r in self._live.items() if not r.frozen]
 
     @abstractmethod
     def num_running(self) -> int: ...

@@ -78,13 +78,11 @@ from safetensors.torch import save_file
 
 from tidal.core.errors import TidalError
 from tidal.engine.generation.protocol import (
-    TRANSITIONS,
     EngineStatus,
     GenerationEngine,
     GenerationError,
-    IllegalTransition,
     check_importable,
-    check_request_ids,
+    check_prompt,
 )
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.hf_checkpoint import HFModel, hf_config_for, read_hf_config
@@ -374,13 +372,6 @@ class VLLMEngine(GenerationEngine):
         self.close()
 
     # ---- queries -------------------------------------------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def request_ids(self) -> list[str]:
-        return [rid for rid, r in self._live.items() if not r.frozen]
-
     def num_running(self) -> int:
         return sum(1 for r in self._live.values() if not r.frozen and r.started)
 
@@ -389,10 +380,7 @@ class VLLMEngine(GenerationEngine):
 
     # ---- requests in -------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self._need_ready("add")
-        if request.request_id in self._live:
-            raise GenerationError(f"add: request {request.request_id!r} is already in flight on this engine "
-                                  "(ids must be unique per engine; derive them from step, group and sample)")
+        self._check_new(request)
         self._check_request(request)
         req = _Req(request)
         self._send(req)
@@ -400,18 +388,10 @@ class VLLMEngine(GenerationEngine):
         self._gone.pop(request.request_id, None)
 
     def _check_request(self, request: Request) -> None:
-        n, s, v = len(request.prompt_ids), self.args.max_seq_len, self.args.vocab_size
-        rid = request.request_id
-        if n >= s:
-            raise TidalError("prompt_ids", n, f"request {rid!r}: a prompt of {n} tokens leaves no room to generate "
-                             f"within max_seq_len={s}", "shorten the prompt or raise model.max_seq_len")
-        bad = [t for t in request.prompt_ids if not 0 <= t < v]
-        if bad:
-            raise TidalError("prompt_ids", bad[:5], f"request {rid!r}: token ids outside the vocab [0, {v})",
-                             "tokenize with the model's tokenizer")
+        check_prompt(request, self.args)
         if request.params.temperature > VLLM_MAX_TEMPERATURE:
             raise TidalError("temperature", request.params.temperature,
-                             f"request {rid!r}: vLLM accepts temperatures up to {VLLM_MAX_TEMPERATURE}",
+                             f"request {request.request_id!r}: vLLM accepts temperatures up to {VLLM_MAX_TEMPERATURE}",
                              "lower rollout.temperature or use the native engine")
 
     def _send(self, req: _Req) -> None:
@@ -464,9 +444,6 @@ class VLLMEngine(GenerationEngine):
         self._gone[rid] = why
 
     # ---- abort and migration -----------------------------------------------------------------------------
-    def _check_ids(self, op: str, ids: Sequence[str], frozen: bool | None) -> list[str]:
-        return check_request_ids(op, ids, self._live, self._gone, frozen)
-
     def abort(self, ids: Sequence[str]) -> None:
         ids = self._check_ids("abort", ids, None)
         on_server = [rid for rid in ids if not self._live[rid].frozen]
@@ -545,12 +522,6 @@ class VLLMEngine(GenerationEngine):
                     gen.numpy().tobytes(), st.num_migrations + 1, False)
 
     # ---- weights and memory ------------------------------------------------------------------------------
-
-    def _check_version(self, version: int) -> None:
-        if not isinstance(version, int) or version <= self._version:
-            raise TidalError("policy_version", version, f"must be an int above the current {self._version}",
-                             "stamp each update with the actor's next version")
-
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Write the new global weights to the private model dir; the server reloads them in place."""
         self._need_ready("update_weights")
@@ -559,11 +530,6 @@ class VLLMEngine(GenerationEngine):
         write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
         self._server.call("reload", self.config.op_timeout_s, model_dir=str(self.model_dir))
         self._version = version
-
-    def _move(self, dst: EngineStatus, op: str) -> None:
-        if (self.status, dst) not in TRANSITIONS:
-            raise IllegalTransition(self.status, dst, op)
-        self.status = dst
 
     def release_memory(self, offload: bool = False) -> None:
         """Drop the vllm.LLM (weights + KV cache freed in the server). `offload`: keep the weights file for
@@ -575,15 +541,8 @@ class VLLMEngine(GenerationEngine):
             (self.model_dir / "model.safetensors").unlink(missing_ok=True)
 
     def resume(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
-        if self.status is not EngineStatus.RELEASED:
-            raise IllegalTransition(self.status, EngineStatus.READY, "resume")
-        if weights is not None and version is None:
-            raise GenerationError("resume: new weights need the policy version they belong to (version=...)")
-        if weights is None and not (self.model_dir / "model.safetensors").exists():
-            raise GenerationError("resume: no weights given and none were offloaded; pass weights=... "
-                                  "(and version=...), or release with release_memory(offload=True)")
+        self._check_resume(weights, version, kept=(self.model_dir / "model.safetensors").exists())
         if weights is not None:
-            self._check_version(cast(int, version))  # weights come with their version (checked above)
             write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
         self.info = self._load()
         if version is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -111,58 +112,18 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
     ranks take part, see tidal/engine/groups.py)."""
     t0 = time.perf_counter()
     report = ReshardReport(old, new, ok=False)
-    phases = report.phase_seconds
-    error: str | None = None
-    plan = new_state = None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def lap(name: str, start: float) -> float:
-        now = time.perf_counter()
-        phases[name] = now - start
-        return now
-
-    t = t0
-    try:
-        _phase(fault, "plan")
-        param_bytes = torch.empty((), dtype=param_dtype).element_size()
-        if prepared is not None and prepared.fits(old, new, rank, param_bytes, bucket_bytes, tuple(specs)):
-            prog, report.bytes_moved, report.prepared = prepared.program, prepared.bytes_moved, True
-        else:
-            plan, prog = program_for(old, new, tuple(specs), rank, param_bytes, bucket_bytes)
-            report.bytes_moved = plan.bytes_moved(param_bytes)
-    except Exception as e:
-        error = f"plan: {type(e).__name__}: {e}"
-    t = lap("plan", t)
+    new_state = None
+    prog, error = _plan_phase(report, old, new, specs, rank, param_dtype, bucket_bytes, fault, prepared)
+    t = _lap(report, "plan", t0)
     if error is None:
-        try:
-            _phase(fault, "allocate")
-            coord = new.coord(rank)
-            if coord is not None:
-                shape = ZeroShape.of(tuple(specs), new.tp, new.dp, coord[0], coord[1])
-                rng = torch.Generator(device)
-                new_state = ShardState.allocate(shape, param_dtype, device, pool, rng)
-        except Exception as e:
-            error = f"allocate: {type(e).__name__}: {e}"
-    t = lap("allocate", t)
+        new_state, error = _allocate_phase(new, specs, rank, device, param_dtype, pool, fault)
+    t = _lap(report, "allocate", t)
     ok = _vote(error is None, device, vote_group)
-    t = lap("vote", t)
+    t = _lap(report, "vote", t)
     if ok:
-        rng_bytes = torch.Generator(device).get_state().numel()
-        sent, received, terr = execute(prog, old_state, new_state, device=device, param_dtype=param_dtype,
-                                       pool=pool, bucket_bytes=bucket_bytes, seed=seed, fault=fault,
-                                       rng_bytes=rng_bytes)
-        sync()
-        report.bytes_sent, report.bytes_received = sent, received
-        if terr is not None:
-            error = f"transfer: {terr}"
-        t = lap("transfer", t)
-        if error is None:
-            try:
-                _phase(fault, "commit")
-            except Exception as e:
-                error = f"commit: {type(e).__name__}: {e}"
-        ok = _vote(error is None, device, vote_group)
-        t = lap("commit", t)
+        ok, error = _transfer_phase(report, cast(Program, prog), old_state, new_state, t, device=device,
+                                    param_dtype=param_dtype, pool=pool, bucket_bytes=bucket_bytes, seed=seed,
+                                    fault=fault, vote_group=vote_group)
     report.seconds = time.perf_counter() - t0
     if not ok:
         if new_state is not None:
@@ -172,6 +133,72 @@ def reshard_state(old_state: ShardState | None, old: Layout, new: Layout, specs,
         raise ReshardError(report)
     report.ok = True
     return new_state, report
+
+
+def _lap(report: ReshardReport, name: str, start: float) -> float:
+    """Record phase `name` as running from `start` until now; returns now."""
+    now = time.perf_counter()
+    report.phase_seconds[name] = now - start
+    return now
+
+
+def _plan_phase(report: ReshardReport, old: Layout, new: Layout, specs, rank: int, param_dtype: torch.dtype,
+                bucket_bytes: int, fault, prepared: PreparedProgram | None) -> tuple[Program | None, str | None]:
+    """This rank's program: the prepared one where it fits these inputs, else planned here. Records the bytes
+    moved on `report`. Returns (program, None), or (None, the error) on a failure."""
+    try:
+        _phase(fault, "plan")
+        param_bytes = torch.empty((), dtype=param_dtype).element_size()
+        if prepared is not None and prepared.fits(old, new, rank, param_bytes, bucket_bytes, tuple(specs)):
+            prog, report.bytes_moved, report.prepared = prepared.program, prepared.bytes_moved, True
+        else:
+            plan, prog = program_for(old, new, tuple(specs), rank, param_bytes, bucket_bytes)
+            report.bytes_moved = plan.bytes_moved(param_bytes)
+    except Exception as e:
+        return None, f"plan: {type(e).__name__}: {e}"
+    return prog, None
+
+
+def _allocate_phase(new: Layout, specs, rank: int, device: torch.device, param_dtype: torch.dtype,
+                    pool: BufferPool, fault) -> tuple[ShardState | None, str | None]:
+    """This rank's new buffers (None where the rank is not in `new`), taken from the pool; the old ones are
+    untouched. Returns (state, None), or (None, the error) on a failure."""
+    try:
+        _phase(fault, "allocate")
+        coord = new.coord(rank)
+        if coord is not None:
+            shape = ZeroShape.of(tuple(specs), new.tp, new.dp, coord[0], coord[1])
+            rng = torch.Generator(device)
+            return ShardState.allocate(shape, param_dtype, device, pool, rng), None
+    except Exception as e:
+        return None, f"allocate: {type(e).__name__}: {e}"
+    return None, None
+
+
+def _transfer_phase(report: ReshardReport, prog: Program, old_state: ShardState | None,
+                    new_state: ShardState | None, t: float, *, device: torch.device, param_dtype: torch.dtype,
+                    pool: BufferPool, bucket_bytes: int, seed: int, fault, vote_group) -> tuple[bool, str | None]:
+    """Transfer, then the commit fault and the second vote, both timed from `t`. Returns (every rank voted yes,
+    this rank's error or None)."""
+    error = None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rng_bytes = torch.Generator(device).get_state().numel()
+    sent, received, terr = execute(prog, old_state, new_state, device=device, param_dtype=param_dtype,
+                                   pool=pool, bucket_bytes=bucket_bytes, seed=seed, fault=fault,
+                                   rng_bytes=rng_bytes)
+    sync()
+    report.bytes_sent, report.bytes_received = sent, received
+    if terr is not None:
+        error = f"transfer: {terr}"
+    t = _lap(report, "transfer", t)
+    if error is None:
+        try:
+            _phase(fault, "commit")
+        except Exception as e:
+            error = f"commit: {type(e).__name__}: {e}"
+    ok = _vote(error is None, device, vote_group)
+    _lap(report, "commit", t)
+    return ok, error
 
 
 __all__ = ["PreparedProgram", "prepare_programs", "reshard_state", "rng_seed"]

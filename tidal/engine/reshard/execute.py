@@ -241,14 +241,7 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
     sent = received = 0
 
     # meta first: tiny, and it must land before anything reads step
-    meta_ops, meta_in = [], None
-    if prog.meta_to:
-        raw = meta_bytes(cast(ShardState, old), device)  # a meta source holds the old state
-        meta_ops += [dist.P2POp(dist.isend, raw, m) for m in prog.meta_to]
-    if prog.meta_from is not None and prog.meta_from[0] != dist.get_rank():
-        meta_in = torch.empty(META_HEAD + rng_bytes, dtype=torch.uint8, device=device)
-        meta_ops.append(dist.P2POp(dist.irecv, meta_in, prog.meta_from[0]))
-    meta_works = dist.batch_isend_irecv(meta_ops) if meta_ops else []
+    meta_works, meta_in = _post_meta(prog, old, device, rng_bytes)
 
     staging: dict[tuple, torch.Tensor] = {}
 
@@ -261,39 +254,14 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
 
     prev: tuple[list, list] = ([], [])
     for r in range(prog.rounds + 1):
-        works, unpack = [], []
+        works: list = []
+        unpack: list = []
         if r < prog.rounds:
-            ops = []
-            for peer, msgs in prog.sends.items():
-                if r < len(msgs):
-                    m = msgs[r]
-                    if len(m.parts) == 1 and m.parts[0].contiguous:
-                        buf = _view(old_bufs, m.parts[0]).reshape(-1)
-                    else:
-                        buf = stage(peer, "send", r % 2, m.dtype)[:m.numel]
-                        torch._foreach_copy_(_staged(buf, m.parts), [_view(old_bufs, p) for p in m.parts])
-                    ops.append(dist.P2POp(dist.isend, buf, peer))
-                    sent += buf.numel() * buf.element_size()
-            for peer, msgs in prog.recvs.items():
-                if r < len(msgs):
-                    m = msgs[r]
-                    if len(m.parts) == 1 and m.parts[0].contiguous:
-                        buf = _view(new_bufs, m.parts[0]).reshape(-1)
-                    else:
-                        buf = stage(peer, "recv", r % 2, m.dtype)[:m.numel]
-                        unpack.append((buf, m.parts))
-                    ops.append(dist.P2POp(dist.irecv, buf, peer))
-                    received += buf.numel() * buf.element_size()
-            works = dist.batch_isend_irecv(ops) if ops else []
+            works, unpack, n_sent, n_received = _post_round(prog, r, old_bufs, new_bufs, stage)
+            sent += n_sent
+            received += n_received
         if r == 0:
-            if prog.local:
-                torch._foreach_copy_([_view(new_bufs, d) for _, d in prog.local],
-                                     [_view(old_bufs, s) for s, _ in prog.local])
-            if fault is not None:
-                try:
-                    fault("transfer")
-                except Exception as e:  # keep the wire protocol aligned; the commit vote rolls back
-                    error = f"{type(e).__name__}: {e}"
+            error = _copy_local(prog, old_bufs, new_bufs, fault)
         for w in prev[0]:
             w.wait()
         for buf, parts in prev[1]:
@@ -309,3 +277,61 @@ def execute(prog: Program, old: ShardState | None, new: ShardState | None, *, de
     for buf in staging.values():
         pool.give(buf)
     return sent, received, error
+
+
+def _post_meta(prog: Program, old: ShardState | None, device: torch.device,
+               rng_bytes: int) -> tuple[list, torch.Tensor | None]:
+    """Post this rank's meta sends and its meta receive. Returns (works, the receive buffer or None)."""
+    meta_ops, meta_in = [], None
+    if prog.meta_to:
+        raw = meta_bytes(cast(ShardState, old), device)  # a meta source holds the old state
+        meta_ops += [dist.P2POp(dist.isend, raw, m) for m in prog.meta_to]
+    if prog.meta_from is not None and prog.meta_from[0] != dist.get_rank():
+        meta_in = torch.empty(META_HEAD + rng_bytes, dtype=torch.uint8, device=device)
+        meta_ops.append(dist.P2POp(dist.irecv, meta_in, prog.meta_from[0]))
+    return (dist.batch_isend_irecv(meta_ops) if meta_ops else []), meta_in
+
+
+def _post_round(prog: Program, r: int, old_bufs: dict[str, torch.Tensor], new_bufs: dict[str, torch.Tensor],
+                stage) -> tuple[list, list, int, int]:
+    """Pack and post round `r`'s sends and receives. Returns (works, staged receives to unpack once they land,
+    bytes sent, bytes received)."""
+    ops, unpack = [], []
+    sent = received = 0
+    for peer, msgs in prog.sends.items():
+        if r < len(msgs):
+            m = msgs[r]
+            if len(m.parts) == 1 and m.parts[0].contiguous:
+                buf = _view(old_bufs, m.parts[0]).reshape(-1)
+            else:
+                buf = stage(peer, "send", r % 2, m.dtype)[:m.numel]
+                torch._foreach_copy_(_staged(buf, m.parts), [_view(old_bufs, p) for p in m.parts])
+            ops.append(dist.P2POp(dist.isend, buf, peer))
+            sent += buf.numel() * buf.element_size()
+    for peer, msgs in prog.recvs.items():
+        if r < len(msgs):
+            m = msgs[r]
+            if len(m.parts) == 1 and m.parts[0].contiguous:
+                buf = _view(new_bufs, m.parts[0]).reshape(-1)
+            else:
+                buf = stage(peer, "recv", r % 2, m.dtype)[:m.numel]
+                unpack.append((buf, m.parts))
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            received += buf.numel() * buf.element_size()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return works, unpack, sent, received
+
+
+def _copy_local(prog: Program, old_bufs: dict[str, torch.Tensor], new_bufs: dict[str, torch.Tensor],
+                fault) -> str | None:
+    """Copy the local pieces while round 0 is in flight, then run the "transfer" fault. Returns its error, or
+    None."""
+    if prog.local:
+        torch._foreach_copy_([_view(new_bufs, d) for _, d in prog.local],
+                             [_view(old_bufs, s) for s, _ in prog.local])
+    if fault is not None:
+        try:
+            fault("transfer")
+        except Exception as e:  # keep the wire protocol aligned; the commit vote rolls back
+            return f"{type(e).__name__}: {e}"
+    return None
