@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,24 @@ def shared_ray():
         import ray
 
         ray.shutdown()
+
+
+#: telemetry off for the services a test starts
+TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
+@pytest.fixture(scope="module")
+def local_prefect():
+    """A temporary Prefect server and database for this module's flow runs (no PREFECT_API_URL needed)."""
+    saved = {k: os.environ.get(k) for k in TELEMETRY}
+    os.environ.update(TELEMETRY)
+    from prefect.testing.utilities import prefect_test_harness
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

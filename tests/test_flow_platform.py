@@ -18,26 +18,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from training_equality import PARITY_REWARD, assert_same_training, start_weights, trained, trained_from_folder
 
 REPO = Path(__file__).resolve().parents[1]
-TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
-
-
-@pytest.fixture(scope="module")
-def local_prefect():
-    """A temporary Prefect server and database for this module's flow runs (no PREFECT_API_URL needed)."""
-    saved = {k: os.environ.get(k) for k in TELEMETRY}
-    os.environ.update(TELEMETRY)
-    from prefect.testing.utilities import prefect_test_harness
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _tracking(tmp_path: Path) -> list[str]:
@@ -298,15 +281,24 @@ def test_a_flow_run_resumes_from_a_checkpoint_of_an_earlier_run(local_prefect, t
     from db import list_runs, list_steps, open_database, session_scope
     from flows.rl_training import rl_training
     from tasks.requests import TrainingRequest
-    from tidal.pipeline.run import run_training
+    from tidal.pipeline.run import TrainingRun
     from tidal.pipeline.tracked_run import load_run_config, run_dir
     for var in ("TIDAL_DB_URL", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(var, raising=False)
-    settings = [f"run.output_dir={tmp_path}/runs", "run.checkpoint_every=1"]
+    settings = [f"run.output_dir={tmp_path}/runs", f"reward.function={PARITY_REWARD}"]   # every iter trains
     cfg = load_run_config(TINY, [*settings, "run.name=earlier"])
-    earlier = run_training(cfg, run_dir(cfg))
-    first = Path(earlier.output_dir) / "checkpoints" / "gen-1"
-    assert first.is_dir() and earlier.steps == 2
+    run = TrainingRun(cfg, run_dir(cfg))   # the uninterrupted run, a checkpoint after its first step
+    try:
+        run.open()
+        start = start_weights(run)
+        run.step()
+        first = run.checkpoint()
+        run.step()
+        run.finish()
+        earlier = trained(run, start)
+    finally:
+        run.close()
+    assert first.name == "gen-1"
 
     overrides = [*_tracking(tmp_path)[:-1], *settings, "run.name=resumed"]
     state = rl_training(TrainingRequest(config=str(TINY), overrides=overrides, resume_from=str(first)),
@@ -314,7 +306,8 @@ def test_a_flow_run_resumes_from_a_checkpoint_of_an_earlier_run(local_prefect, t
     summary = state.result()
     flow_run_id = str(state.state_details.flow_run_id)
     assert summary["steps"] == 2 and len(summary["reward_per_step"]) == 1 and summary["eval_per_step"][0][0] == 1
-    assert summary["final_weights_sha"] == earlier.final_weights_sha   # resumed == never interrupted
+    resumed = trained_from_folder(Path(summary["output_dir"]), cfg.algorithm.n_minibatches, None)
+    assert_same_training(earlier, resumed)   # resumed == never interrupted, both trained
     assert _subflow_names(flow_run_id) == ["step-1"]
     assert sorted(p.name for p in (Path(summary["output_dir"]) / "checkpoints").glob("gen-*")) == ["gen-2"]
     deadline = time.monotonic() + 60

@@ -8,7 +8,6 @@ past `run.max_restarts`). The sweep loop (`tidal.sweep.sweep_loop`) likewise: `t
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,6 @@ from tidal.pipeline.run_loop import (
 from tidal.sweep import SweepReport, TrialResult, TrialSpec, sweep_loop
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 
-TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
 R, S, E, C, H = Phase.RUN_STEP, Phase.SYNC_WEIGHTS, Phase.EVALUATE, Phase.CHECKPOINT, Phase.HOST_COPY
 W = Phase.RECORD
 
@@ -234,23 +232,6 @@ def test_a_hung_call_and_a_lost_device_are_recoverable_a_workers_own_error_is_no
 
 
 # ---- the flow makes the same calls ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def local_prefect():
-    """A temporary Prefect server and database for this module's flow runs (no PREFECT_API_URL needed)."""
-    saved = {k: os.environ.get(k) for k in TELEMETRY}
-    os.environ.update(TELEMETRY)
-    from prefect.testing.utilities import prefect_test_harness
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 def _flow(loop: LoopSettings, first_step: int, fail: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], str]:
     """What the `rl-training` flow's loop (`FlowRun`: its tasks, an `rl-step` subflow per step) asks of the run,

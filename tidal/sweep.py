@@ -73,7 +73,7 @@ from tidal.core.errors import TidalError
 from tidal.core.secrets import redact
 from tidal.pipeline.tracked_run import (
     RunTracking,
-    closing_status,
+    closed_with_status,
     env_overrides,
     load_run_config,
     policy_name,
@@ -599,20 +599,12 @@ def sweep_loop(verbs: SweepVerbs[ReportT], trials: int,
     """The sweep, written once: `trials` times ask the sampler and evaluate its settings (each `ask` sees every
     earlier result), then the report; the sweep is closed in every case, FINISHED or `closing_status` of what
     ended it. `on_trial(result)` after each trial."""
-    status = "FAILED"
-    try:
+    with closed_with_status(verbs.close):
         for _ in range(trials):
             result = verbs.evaluate(verbs.ask())
             if on_trial:
                 on_trial(result)
-        report = verbs.report()
-        status = "FINISHED"
-        return report
-    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
-        status = closing_status(stop)
-        raise
-    finally:
-        verbs.close(status)
+        return verbs.report()
 
 
 def run_sweep(space: SweepSpace, trials: int, *, real: bool = False, overrides: list[str] | tuple[str, ...] = (),

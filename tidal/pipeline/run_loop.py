@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import Protocol, TypeVar
 
 from tidal.core.config import TidalConfig
-from tidal.pipeline.tracked_run import closing_status
+from tidal.pipeline.tracked_run import closed_with_status
 from tidal.workers.errors import WorkerDied, WorkerTimeout
 
 #: the failures `TrainingRun.recover` answers: a device lost beyond what a step absorbs, or a call hung past its limit
@@ -180,8 +180,7 @@ def run_loop(verbs: RunVerbs[SummaryT], loop: LoopSettings, first_step: int) -> 
     """Steps `first_step` .. `loop.num_steps - 1` of an open run, then its summary; the run is closed in every case
     (module doc). A RECOVERABLE failure is answered `loop.max_restarts` times, the loop going on at the step
     `recover` returns; the next one, or any other error, ends the run."""
-    status = "FAILED"
-    try:
+    with closed_with_status(verbs.close):
         if loop.host_copy:
             verbs.keep_host_copy()   # losing an actor device in the first step redoes only that step
         step, restarts = first_step, 0
@@ -196,11 +195,4 @@ def run_loop(verbs: RunVerbs[SummaryT], loop: LoopSettings, first_step: int) -> 
                 continue
             verbs.report(step, metrics)
             step += 1
-        summary = verbs.finish()
-        status = "FINISHED"
-        return summary
-    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
-        status = closing_status(stop)
-        raise
-    finally:
-        verbs.close(status)
+        return verbs.finish()

@@ -38,7 +38,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -70,6 +71,18 @@ def closing_status(exc: BaseException) -> str:
     doc), else FAILED. `exc` itself decides, not what it was raised from: `asyncio.wait_for`'s timeout is raised
     from a CancelledError, and a timeout is the run's failure."""
     return "KILLED" if isinstance(exc, STOPS + _prefect_stops()) else "FAILED"
+
+
+@contextmanager
+def closed_with_status(close: Callable[[str], None]) -> Iterator[None]:
+    """Run the body, then `close(status)` in every case: FINISHED when it returns, `closing_status` of what
+    ended it otherwise (re-raised)."""
+    try:
+        yield
+    except BaseException as stop:   # a Prefect cancel (TerminationSignal), Ctrl-C: KILLED; an error: FAILED
+        close(closing_status(stop))
+        raise
+    close("FINISHED")
 
 
 def env_overrides() -> list[str]:

@@ -143,37 +143,13 @@ class WorkerGroup:
         that needs a little more CPU than one period's quota waits for the next period).
         """
         devices = _check_devices(devices)
-        if device_kind not in ("cpu", "cuda"):
-            raise ValueError(f"device_kind={device_kind!r}: use 'cpu' (virtual devices) or 'cuda'")
-        if cpu_cores is not None:
-            cpu_cores = tuple(sorted(set(cpu_cores)))
-            if device_kind != "cpu":
-                raise ValueError(f"cpu_cores={list(cpu_cores)} applies to CPU virtual devices only; "
-                                 "drop it for device_kind='cuda'")
-            have = os.cpu_count() or 1
-            if not cpu_cores or cpu_cores[0] < 0 or cpu_cores[-1] >= have:
-                raise ValueError(f"cpu_cores={list(cpu_cores)}: this machine has cores 0-{have - 1}; "
-                                 "pick cores among them")
-        if compute_share is not None:
-            if device_kind != "cpu":
-                raise ValueError(f"compute_share={compute_share!r} applies to CPU virtual devices only; "
-                                 "drop it for device_kind='cuda'")
-            cores = cores_for_share(compute_share, len(cpu_cores) if cpu_cores else None)
+        cpu_cores, cores = _check_cpu_caps(device_kind, cpu_cores, compute_share)
         session = connect(ray_address)
         import ray
 
         # Ray's typed overloads of remote() omit the actor option concurrency_groups (accepted at runtime)
         actor_cls = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(DeviceWorker)  # type: ignore[call-overload]
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        if session.embedded:
-            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback, like the rest
-        opts: dict[str, Any] = dict(max_restarts=0, max_task_retries=0, runtime_env={"env_vars": env})
-        if device_kind == "cuda":
-            opts.update(num_gpus=1, num_cpus=0.01)
-        else:
-            # A token CPU reservation so many virtual devices (and several groups) fit on a small machine:
-            # Ray's CPU accounting does not model them; the real cap is compute_share.
-            opts.update(num_gpus=0, num_cpus=CPU_WORKER_NUM_CPUS)
+        env, opts = _worker_options(device_kind, session.embedded)
         tag = uuid.uuid4().hex[:6]
         # TIDAL_DEVICE_ID in each worker's environment: which process serves which device (`ps e`, fault tests)
         actors = {d: actor_cls.options(name=f"tidal-{tag}-dev{d}", **{
@@ -184,35 +160,40 @@ class WorkerGroup:
         group._spawn = (actor_cls, {**opts, "runtime_env": {"env_vars": env}}, tag)
         group._cpu_cores = cpu_cores
         try:
-            handles = [CallHandle(d, "start", a.info.remote()) for d, a in actors.items()]
-            try:
-                group.infos = dict(zip(devices, group.gather(handles, timeout=start_timeout_s)))
-            except WorkerTimeout as e:
-                raise WorkerTimeout(e.device_ids, f"start (Ray could not place or start these workers; free "
-                                    f"resources now: {ray.available_resources()})", start_timeout_s) from None
-            if compute_share is not None:
-                if not group._local:
-                    raise ValueError("compute_share needs workers on this machine (embedded Ray); "
-                                     "drop it when joining a cluster with ray_address")
-                group._share = (cores, share_period_s)
-                group._caps = {d: ComputeShare.apply(i.pid, cores, period_s=share_period_s)
-                               for d, i in group.infos.items()}
-            if cpu_cores is not None:
-                if not group._local:
-                    raise ValueError("cpu_cores needs workers on this machine (embedded Ray); "
-                                     "drop it when joining a cluster with ray_address")
-                for i in group.infos.values():
-                    pin_process(i.pid, cpu_cores)
-            addr, port = group._rendezvous(devices[0])
-            handles = [CallHandle(d, "init_world", a.init_world.remote(addr, port, world_timeout_s))
-                       for d, a in actors.items()]
-            group.gather(handles, timeout=world_timeout_s + 10)
+            group._bring_up(devices, cores, share_period_s, world_timeout_s, start_timeout_s)
         except BaseException:
             group.shutdown()
             raise
-        log.info("world of %d %s workers up: devices %s (rendezvous %s:%d)", len(devices), device_kind,
-                 list(devices), addr, port)
         return group
+
+    def _bring_up(self, devices: tuple[int, ...], cores: float | None, share_period_s: float,
+                  world_timeout_s: float, start_timeout_s: float) -> None:
+        """The started workers answer, take their compute caps and pins (CPU), and join one world."""
+        import ray
+        handles = [CallHandle(d, "start", a.info.remote()) for d, a in self._actors.items()]
+        try:
+            self.infos = dict(zip(devices, self.gather(handles, timeout=start_timeout_s)))
+        except WorkerTimeout as e:
+            raise WorkerTimeout(e.device_ids, f"start (Ray could not place or start these workers; free "
+                                f"resources now: {ray.available_resources()})", start_timeout_s) from None
+        if cores is not None:
+            if not self._local:
+                raise ValueError("compute_share needs workers on this machine (embedded Ray); "
+                                 "drop it when joining a cluster with ray_address")
+            self._share = (cores, share_period_s)
+            self._caps = {d: ComputeShare.apply(i.pid, cores, period_s=share_period_s) for d, i in self.infos.items()}
+        if self._cpu_cores is not None:
+            if not self._local:
+                raise ValueError("cpu_cores needs workers on this machine (embedded Ray); "
+                                 "drop it when joining a cluster with ray_address")
+            for i in self.infos.values():
+                pin_process(i.pid, self._cpu_cores)
+        addr, port = self._rendezvous(devices[0])
+        handles = [CallHandle(d, "init_world", a.init_world.remote(addr, port, world_timeout_s))
+                   for d, a in self._actors.items()]
+        self.gather(handles, timeout=world_timeout_s + 10)
+        log.info("world of %d %s workers up: devices %s (rendezvous %s:%d)", len(devices), self.device_kind,
+                 list(devices), addr, port)
 
     def _rendezvous(self, rank0_device: int) -> tuple[str, int]:
         """Open the rendezvous store; returns (host, port).
@@ -626,6 +607,45 @@ class WorkerGroup:
             self._caps.pop(device_id).release()
         log.error("worker of device %d died: %s", device_id, self._dead[device_id])
         return self._dead[device_id]
+
+
+def _check_cpu_caps(device_kind: DeviceKind, cpu_cores: Sequence[int] | None,
+                    compute_share: float | None) -> tuple[tuple[int, ...] | None, float | None]:
+    """`WorkerGroup.start`'s device kind and CPU caps checked: (the pinned cores, sorted; the cores' worth of
+    compute each worker gets), each None when not asked for."""
+    if device_kind not in ("cpu", "cuda"):
+        raise ValueError(f"device_kind={device_kind!r}: use 'cpu' (virtual devices) or 'cuda'")
+    pinned = None
+    if cpu_cores is not None:
+        pinned = tuple(sorted(set(cpu_cores)))
+        if device_kind != "cpu":
+            raise ValueError(f"cpu_cores={list(pinned)} applies to CPU virtual devices only; "
+                             "drop it for device_kind='cuda'")
+        have = os.cpu_count() or 1
+        if not pinned or pinned[0] < 0 or pinned[-1] >= have:
+            raise ValueError(f"cpu_cores={list(pinned)}: this machine has cores 0-{have - 1}; "
+                             "pick cores among them")
+    if compute_share is None:
+        return pinned, None
+    if device_kind != "cpu":
+        raise ValueError(f"compute_share={compute_share!r} applies to CPU virtual devices only; "
+                         "drop it for device_kind='cuda'")
+    return pinned, cores_for_share(compute_share, len(pinned) if pinned else None)
+
+
+def _worker_options(device_kind: DeviceKind, embedded: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    """The workers' environment and Ray actor options."""
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if embedded:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pair sockets on loopback, like the rest
+    opts: dict[str, Any] = dict(max_restarts=0, max_task_retries=0, runtime_env={"env_vars": env})
+    if device_kind == "cuda":
+        opts.update(num_gpus=1, num_cpus=0.01)
+    else:
+        # A token CPU reservation so many virtual devices (and several groups) fit on a small machine:
+        # Ray's CPU accounting does not model them; the real cap is compute_share.
+        opts.update(num_gpus=0, num_cpus=CPU_WORKER_NUM_CPUS)
+    return env, opts
 
 
 def start_from_config(cluster: Any, devices: Sequence[int] | None = None) -> WorkerGroup:
