@@ -186,6 +186,8 @@ def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platf
         submit = page.get_by_role("button", name="Submit", exact=True)
         t_submit, wall_submit = time.monotonic(), time.time()
         submit.click()
+        # the UI validates the parameters on the server before it creates the run: its toast says when it did
+        page.get_by_text("browser-run scheduled to start now").first.wait_for(timeout=90_000)
         (run,) = _wait("the flow run made by the form", lambda: _http("POST", f"{api}/flow_runs/filter", {
             "flow_runs": {"name": {"any_": ["browser-run"]}}}), 30, every_s=0.2)
         sent = {k: v for k, v in run["parameters"]["request"].items() if v not in (None, "", [])}   # unset: absent
