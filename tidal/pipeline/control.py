@@ -81,10 +81,6 @@ class ControlLoop:
                                      min_interval_s=min_interval_s, notes_predictions=True)
         self._t_start = 0.0
 
-    @property
-    def sched_state(self) -> SchedState:
-        return self.controller.state
-
     # ---- observe ----------------------------------------------------------------------------------------------
     def observe(self, trigger: str, st: StepState) -> Signals:
         c, cfg, p = self.c, self.cfg, self.actuator.placement

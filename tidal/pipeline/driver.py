@@ -54,7 +54,6 @@ from tidal.pipeline.placement import Homes, LivePlacement
 from tidal.pipeline.rejoin import Rejoin
 from tidal.pipeline.sharing import Sharing
 from tidal.pipeline.timeline import Timeline
-from tidal.workers.endpoints import Endpoints
 from tidal.workers.errors import WorkerDied
 from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import RolloutReport
@@ -108,7 +107,6 @@ class Pipeline:
         t0 = time.monotonic()
         self.clock = clock or (lambda: time.monotonic() - t0)
         self.cfg, self.group, self.spec = cfg, group, spec
-        self.calls = Endpoints.on(group)   # every role's typed calls
         self.policy, self.sched_state = policy, sched_state
         self.on_event = on_event or (lambda ev: None)
         self.source = source   # engine.prompt_source: the RL stream and the held-out prompts
@@ -119,6 +117,7 @@ class Pipeline:
         self.timeline = Timeline()
         self.cluster = Cluster(group, self.ledger, self.timeline, self.clock)
         c = self.cluster
+        self.calls = c.endpoints   # every role's typed calls
         #: the owner of the placement (`placement`): every move, restore and loss goes through it
         self.actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
                                     lambda d: (self.generations.weights_for(d), self.generations.version),
