@@ -3,7 +3,7 @@
     tidal up (free ports, own state dir)  ->  source its env file  ->  tidal serve --only rl-training
     ->  tidal sweep ... --trials 2 (to the services `up` started: its trials link their MLflow runs)
     Prefect UI: the deployment's run form, typed fields filled (config, policy, auto_scheduler, num_steps, seed)
-    -> Submit -> the flow run's page shows the open-run task's first stage line within OPENING_VISIBLE_S
+    -> Submit -> the flow run's page shows the open-run task's first stage line while the workers still start
     -> the flow run completes -> its log holds the opening's stages, then a line per step (`step 0 of 2` first)
     -> its MLflow artifact (made as the run opened) links the MLflow run -> MLflow UI: that run's page in the
     model-training view, its metrics listed, its description linking back to the flow run's page
@@ -43,12 +43,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 TELEMETRY = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
              "RAY_USAGE_STATS_ENABLED": "0"}
 
-#: seconds from Submit until the open-run task writes its first line (what the run is doing): the runner's poll
-#: (`tidal up`'s env file: PREFECT_RUNNER_POLL_FREQUENCY=1), the flow's process start, the task's start
-OPENING_LOGGED_S = 5.0
-#: seconds from Submit until the flow run's page shows that line: the above, the log's batching (the env file:
-#: PREFECT_LOGGING_TO_API_BATCH_INTERVAL=0.5), the page's load and the Prefect UI's own log refresh (about 3 s)
-OPENING_VISIBLE_S = 10.0
 STEP_LINE = re.compile(r"^step \d+ of \d+  reward ")
 
 pytestmark = [
@@ -209,7 +203,12 @@ def test_a_run_from_the_prefect_form_through_mlflow_to_the_sweep_dashboard(platf
         timings["opening_line_on_page_s"] = round(opening_visible_s, 2)
         (tmp_path / "timings.json").write_text(json.dumps(timings, indent=1))
         print(f"\nfrom Submit (s): {json.dumps(timings, indent=1)}")
-        assert timings["opening the run"] < OPENING_LOGGED_S and opening_visible_s < OPENING_VISIBLE_S, timings
+        # the opening is logged as it goes, not after it: its first line precedes every stage's line, and the page
+        # showed it while the workers were still starting (the figures themselves are printed and kept above)
+        stages = [v for k, v in timings.items() if k not in ("first log line", "opening the run",
+                                                              "opening_line_on_page_s")]
+        assert timings["opening the run"] <= min(stages), timings
+        assert opening_visible_s < timings["workers started"], timings
 
         # 3. the page: the opening's stages, a log line per step, the artifacts
         page.reload()
