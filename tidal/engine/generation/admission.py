@@ -84,6 +84,9 @@ class RequestTable:
             self.free_slot(live)
         else:
             self.waiting.remove(rid)
+            if live.parked is not None:
+                self.cache.give(live.parked)
+                live.parked = None
         self.gone[rid] = why
 
     def free_slot(self, live: Live) -> None:
@@ -125,6 +128,10 @@ class RequestTable:
     def _place(self, live: Live, slot: int) -> list[int] | None:
         """Moved KV into the admitted request's blocks (None: nothing to prefill), else the ids to prefill: its
         prompt, or (imported without KV) the prompt, or prompt + generated in one pass (`single_pass`)."""
+        if live.parked is not None:   # its KV is already in the blocks it holds since import
+            live.parked = None
+            live.replay = deque(live.all_tokens()[live.kv_len:-1])
+            return None
         if live.pending_kv is not None:
             live.kv_len = self.cache.write(slot, [(k.to(self.cache.device, self.cache.dtype),
                                                    v.to(self.cache.device, self.cache.dtype))
@@ -141,6 +148,12 @@ class RequestTable:
         """Blocks for what the request's admission writes and its first decode position, if that leaves a free
         block for each of the `growing` running requests that may still grow (so admissions do not force
         preemptions at once); a lone request is admitted whenever its blocks are free."""
+        if live.parked is not None:   # the slot takes its blocks as they are, and one more position
+            more = self.cache.blocks_for(live.kv_len + 1) - len(live.parked)
+            if self.cache.free_blocks - max(0, more) < growing:
+                return False
+            self.cache.bind(slot, live.parked)
+            return self.cache.grow(slot, live.kv_len + 1)
         if live.pending_kv is not None:
             positions = live.pending_kv[0][0].shape[1] + 1
         elif live.tokens and self.reprefill == "single_pass":

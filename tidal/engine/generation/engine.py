@@ -247,14 +247,19 @@ class NativeEngine(GenerationEngine):
         for rid in self._check_ids("abort", ids, None):
             self._table.remove(rid, "aborted")
 
-    def export_state(self, ids: Sequence[str]) -> list[RequestState]:
+    def export_state(self, ids: Sequence[str], in_place: bool = False) -> list[RequestState]:
+        """Freeze `ids` and return their states; `in_place`: their KV stays in this engine's blocks (frozen, read
+        by the transfer layer until `commit_export` frees them or `cancel_export` resumes them) and the states
+        name the blocks (`RequestState.kv_blocks`)."""
         self._need_ready("export_state")
         self._discard_launched()   # the state as of the last step() returned: generators before unread draws
         out = []
         for rid in self._check_ids("export_state", ids, False):
             live = self._live[rid]
             live.frozen = True
-            out.append(engine_states.export_state(live, self.cache, self.numerics))
+            out.append(engine_states.export_state(live, self.cache, self.numerics, in_place))
+        if in_place and self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)   # the blocks' last writes land before another process reads
         return out
 
     def commit_export(self, ids: Sequence[str]) -> None:
@@ -275,10 +280,34 @@ class NativeEngine(GenerationEngine):
         self._need_ready("import_state")
         batch_ids = [s.request_id for s in states]
         lives = [engine_states.live_from_state(st, batch_ids, self._live, self._version, self.args,
-                                               self.cache.num_kv_heads, self.numerics) for st in states]
+                                               self.cache.num_kv_heads, self.numerics, self.cache.layout)
+                 for st in states]
+        self._park(lives, [st.kv_blocks for st in states])
         for live in lives:
             live.frozen = staged
         self._table.enqueue_first(lives)
+
+    def _park(self, lives: list[Live], sources: list[tuple[int, ...] | None]) -> None:
+        """Blocks for each state whose KV arrives as blocks (`kv_blocks`), in order: its KV lands there before
+        the request has a slot, and they become its slot's at admission. A state that finds too few free blocks
+        imports without its KV and rebuilds it from its tokens at admission (the replay re-prefill: exact)."""
+        for live, blocks in zip(lives, sources):
+            if blocks is None:
+                continue
+            live.parked = self.cache.take(len(blocks))
+            if live.parked is None:
+                live.kv_len = 0
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The paged KV pool [layers, 2, blocks, kv heads, block size, head dim] (`PagedKVCache.pool`)."""
+        return self.cache.pool
+
+    def kv_destination(self, rid: str) -> list[int] | None:
+        """The blocks a staged request's KV lands in (`import_state` of a state with `kv_blocks`), in the order
+        of the source's; None where it found none free (it re-prefills: its source sends no KV)."""
+        live = self._live[rid]
+        return None if live.parked is None else list(live.parked)
 
     # ---- weights and memory ------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """Paged KV cache: fixed-size blocks of positions, each request holding the blocks its tokens need.
 
-Per layer two pools `k`, `v` of shape [N, H_kv_local, B, D]: N blocks of B positions. Each slot (a running
+Per layer two pools `k`, `v` of shape [N, H_kv_local, B, D]: N blocks of B positions, views of one tensor
+`pool` [layers, 2, N, H_kv_local, B, D] (so a request's blocks of every layer move as one indexed copy, and one
+CUDA IPC handle shares them all: `tidal.workers.transfer`). Each slot (a running
 request's handle in the engine) has a row of the block table [slots, ceil(S / B)]: logical block j of the slot
 (positions j*B .. j*B + B - 1) lives in physical block `table[slot, j]`. Block 0 is the null block: every
 table entry that holds no block points at it, so a write that lands where a request holds no block (padding
@@ -53,6 +55,7 @@ class PagedKVCache:
         self.block_size, self.num_kv_heads, self.max_seq_len = block_size, num_kv_heads, max_seq_len
         self.head_dim, self.dtype, self.device = head_dim, dtype, device
         self.max_blocks = -(-max_seq_len // block_size)   # table columns: blocks of the longest request
+        self.pool = torch.empty(0, dtype=dtype, device=device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         # the table on the host (the owner) and its device copy, uploaded before the next device work reads it
@@ -68,15 +71,27 @@ class PagedKVCache:
         return 2 * num_layers * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
+    def layout(self) -> str:
+        """The geometry a block copy between two pools needs equal on both sides."""
+        return (f"layers={self.num_layers},kv_heads={self.num_kv_heads},block={self.block_size},"
+                f"head_dim={self.head_dim},dtype={self.dtype}")
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block holds over every layer, keys and values."""
+        return self.block_bytes(self.num_layers, self.num_kv_heads, self.block_size, self.head_dim, self.dtype)
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def allocate(self) -> None:
         """The pools (every block free) and an empty table."""
-        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (self.num_layers, 2, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         # zeros, not empty: the null block and never-written positions are read (masked) and must be finite
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k = [self.pool[layer, 0] for layer in range(self.num_layers)]
+        self.v = [self.pool[layer, 1] for layer in range(self.num_layers)]
         self._held = [[] for _ in range(self.num_slots)]
         # lowest numbers first (pop from the end): a fresh cache hands out blocks 1, 2, 3, ...
         self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))
@@ -85,6 +100,7 @@ class PagedKVCache:
         self.upload()
 
     def free(self) -> None:
+        self.pool = torch.empty(0, dtype=self.dtype, device=self.device)
         self.k, self.v = [], []
 
     # ---- blocks ---------------------------------------------------------------------------------------------
@@ -111,6 +127,29 @@ class PagedKVCache:
             self._held[slot].append(block)
         self._dirty = True
         return True
+
+    def take(self, n: int) -> list[int] | None:
+        """`n` free blocks held by no slot (a moved request's KV lands in them before it has a slot: `bind`);
+        None, and nothing taken, if too few are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def give(self, blocks: list[int]) -> None:
+        """Blocks from `take` back to the pool (a moved request dropped before it had a slot)."""
+        self._free.extend(reversed(blocks))
+
+    def bind(self, slot: int, blocks: list[int]) -> None:
+        """An empty slot takes `blocks` (from `take`) as its first blocks: no copy, only the table row."""
+        assert not self._held[slot], f"slot {slot} already holds blocks"
+        for j, block in enumerate(blocks):
+            self._table_h[slot, j] = block
+        self._held[slot] = list(blocks)
+        self._dirty = True
+
+    def blocks_of(self, slot: int, positions: int) -> list[int]:
+        """The slot's blocks that hold positions 0..positions-1, in order."""
+        return self._held[slot][:self.blocks_for(positions)]
 
     def release(self, slot: int) -> None:
         """The slot's blocks back to the pool; its table row points at the null block again."""
@@ -171,6 +210,30 @@ class PagedKVCache:
         for layer, (k, v) in enumerate(kv):
             self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
             self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+        return length
+
+    def read_blocks(self, blocks: list[int], length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the first `length` positions held by `blocks` (in order): per layer (k, v) [H_kv, length, D]."""
+        idx = torch.tensor(blocks[:self.blocks_for(length)], dtype=torch.long, device=self.device)
+        h, d = self.num_kv_heads, self.head_dim
+
+        def one(pool: torch.Tensor) -> torch.Tensor:
+            return pool[idx].transpose(0, 1).reshape(h, -1, d)[:, :length].contiguous()
+        return [(one(self.k[layer]), one(self.v[layer])) for layer in range(self.num_layers)]
+
+    def write_blocks(self, blocks: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Per-layer (k, v) [H_kv, L, D] into the first L positions of `blocks` (held by no slot yet); returns L."""
+        length = kv[0][0].shape[1]
+        n = self.blocks_for(length)
+        assert len(blocks) >= n, f"{len(blocks)} blocks hold fewer than {length} positions"
+        idx = torch.tensor(blocks[:n], dtype=torch.long, device=self.device)
+        pad = n * self.block_size - length
+        for layer, (k, v) in enumerate(kv):
+            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+                x = x.to(self.device, self.dtype)
+                if pad:   # the last block's tail: positions past L, never read unmasked
+                    x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1)
+                pool.index_copy_(0, idx, x.reshape(x.shape[0], n, self.block_size, x.shape[2]).transpose(0, 1))
         return length
 
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------

@@ -12,16 +12,19 @@ A request is *active* (advances, can finish) in exactly one engine at every mome
 step, and the target activates only after the source has forgotten its copy. A failure before the commit
 leaves the source's copy to continue; the target drops what it staged.
 
-Paths: with KV (native engines of equal `numerics`), the target continues at once; with `reprefill=True` the
-states travel without KV and the target rebuilds it from prompt + generated tokens (the path a vLLM backend
-uses). Either way the request keeps its generator state, so it samples exactly the tokens it would have
-sampled unmigrated (bit-exact for native KV moves and native "replay" re-prefill; see `engine.py`).
+Paths: with KV (native engines of equal `numerics` and block geometry), the KV stays in the source's blocks while
+the states travel (`export_state(in_place=True)` names them), the target takes blocks at import and the transfer
+layer (`tidal.engine.transfer`) copies block for block into them; the target continues at once. With
+`reprefill=True` the states travel without KV and the target rebuilds it from prompt + generated tokens (the
+path a vLLM backend uses). Either way the request keeps its generator state, so it samples exactly the tokens it
+would have sampled unmigrated (bit-exact for native KV moves and native "replay" re-prefill; see `engine.py`).
 
-Wire format (no pickle): a safetensors blob. Tensors `"{i}.gen"` (generator state, uint8) and
-`"{i}.k.{layer}"`, `"{i}.v.{layer}"` (KV, in the engine's dtype); metadata key `"tidal.states"` holds a JSON
-list of the plain fields (request, tokens, log-probs as exact float reprs, version, kv_len, numerics).
-Across processes the blob travels as one uint8 tensor after an int64 header tensor `[num_bytes]` over
-torch.distributed point-to-point (gloo on CPU); the ack and the decision are int64 tensors too.
+Wire format (no pickle): a safetensors blob. Tensors `"{i}.gen"` (generator state, uint8) and, for a state
+carrying its KV as tensors, `"{i}.k.{layer}"`, `"{i}.v.{layer}"`; metadata key `"tidal.states"` holds a JSON
+list of the plain fields (request, tokens, log-probs as exact float reprs, version, kv_len, numerics, the KV's
+source blocks and their geometry). Across processes the blob travels as one uint8 tensor after an int64 header
+`[num_bytes]` over torch.distributed point-to-point, then the KV blocks stream by `transfer.send_blocks`; the
+ack, the receipt (the blocks landed) and the decision are int64 tensors too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,7 @@ from safetensors.torch import save as st_save
 from tidal.core.errors import TidalError
 from tidal.engine.generation.protocol import GenerationEngine, GenerationError
 from tidal.engine.generation.requests import Request, RequestState
+from tidal.engine.transfer import copy_blocks, recv_blocks, recv_ints, send_blocks, send_ints
 
 _META_KEY = "tidal.states"
 
@@ -58,7 +63,32 @@ class MigrationReport:
 
 
 def kv_bytes(states: Sequence[RequestState]) -> int:
-    return sum(k.numel() * k.element_size() * 2 for st in states if st.kv for k, _ in st.kv)
+    """The KV the states move: their tensors, or the blocks they name."""
+    return sum(st.kv_nbytes if st.kv_blocks is not None else
+               sum(k.numel() * k.element_size() * 2 for k, _ in st.kv or ()) for st in states)
+
+
+def _export(engine: GenerationEngine, ids: Sequence[str], reprefill: bool) -> list[RequestState]:
+    """The states of `ids`, frozen: their KV left in place in the source's blocks where the engine has a paged
+    pool (`kv_pool`), as tensors where it has none, dropped for a re-prefill."""
+    if reprefill:
+        return [st.without_kv() for st in engine.export_state(ids)]
+    if getattr(engine, "kv_pool", None) is None:
+        return engine.export_state(ids)
+    return engine.export_state(ids, in_place=True)  # type: ignore[call-arg]
+
+
+def _pool(engine: GenerationEngine) -> torch.Tensor:
+    return engine.kv_pool  # type: ignore[attr-defined]
+
+
+def _destination(engine: GenerationEngine, rid: str) -> list[int] | None:
+    return engine.kv_destination(rid)  # type: ignore[attr-defined]
+
+
+def _wanted(states: Sequence[RequestState], engine: GenerationEngine) -> list[int]:
+    """Per state, 1 where the target took blocks for its KV (the source streams them), else 0."""
+    return [int(st.kv_blocks is not None and _destination(engine, st.request_id) is not None) for st in states]
 
 
 def migrate(source: GenerationEngine, target: GenerationEngine, ids: Sequence[str] | None = None,
@@ -66,15 +96,17 @@ def migrate(source: GenerationEngine, target: GenerationEngine, ids: Sequence[st
     """Move `ids` (default: all of the source's unfrozen requests) from source to target, two-phase."""
     t0 = time.perf_counter()
     ids = list(source.request_ids() if ids is None else ids)
-    states = source.export_state(ids)
-    if reprefill:
-        states = [st.without_kv() for st in states]
+    states = _export(source, ids, reprefill)
     try:
         target.import_state(states, staged=True)
     except (GenerationError, TidalError) as e:  # import is all or nothing: nothing was installed there
         source.cancel_export(ids)
         raise MigrationFailed(f"migration of {len(ids)} requests failed on the target, they continue on the "
                               f"source: {e}") from e
+    for st in states:
+        into = _destination(target, st.request_id) if st.kv_blocks is not None else None
+        if st.kv_blocks is not None and into is not None:
+            copy_blocks(_pool(source), st.kv_blocks, _pool(target), into)
     source.commit_export(ids)
     target.activate(ids)
     return MigrationReport(tuple(ids), "reprefill" if reprefill else "kv", kv_bytes(states),
@@ -94,7 +126,9 @@ def states_to_bytes(states: Sequence[RequestState]) -> bytes:
         meta.append({"request": st.request.to_meta(), "token_ids": list(st.token_ids),
                      "logprobs": [float(x) for x in st.logprobs], "policy_version": st.policy_version,
                      "num_layers": None if st.kv is None else len(st.kv), "kv_len": st.kv_len,
-                     "numerics": st.numerics, "num_migrations": st.num_migrations})
+                     "numerics": st.numerics, "num_migrations": st.num_migrations,
+                     "kv_blocks": None if st.kv_blocks is None else list(st.kv_blocks),
+                     "kv_layout": st.kv_layout, "kv_nbytes": st.kv_nbytes})
     return st_save(tensors, metadata={_META_KEY: json.dumps(meta)})
 
 
@@ -112,9 +146,11 @@ def states_from_bytes(blob: bytes, device: torch.device | str = "cpu") -> list[R
         if m["num_layers"] is not None:
             kv = [(tensors[f"{i}.k.{layer}"].to(device), tensors[f"{i}.v.{layer}"].to(device))
                   for layer in range(m["num_layers"])]
+        blocks = m.get("kv_blocks")
         out.append(RequestState(Request.from_meta(m["request"]), list(m["token_ids"]), list(m["logprobs"]),
                                 tensors[f"{i}.gen"], m["policy_version"], kv, int(m["kv_len"]), m["numerics"],
-                                int(m["num_migrations"])))
+                                int(m["num_migrations"]), None if blocks is None else tuple(int(b) for b in blocks),
+                                str(m.get("kv_layout", "")), int(m.get("kv_nbytes", 0))))
     return out
 
 
@@ -151,14 +187,20 @@ def send_requests(engine: GenerationEngine, ids: Sequence[str], dst: int, repref
     Raises `MigrationFailed` (requests continue here) if the target refused them."""
     t0 = time.perf_counter()
     ids = list(ids)
-    states = engine.export_state(ids)
-    if reprefill:
-        states = [st.without_kv() for st in states]
+    states = _export(engine, ids, reprefill)
     send_blob(states_to_bytes(states), dst, group)
     if _recv_flag(dst, group) != 1:
         engine.cancel_export(ids)
         _send_flag(0, dst, group)
         raise MigrationFailed(f"rank {dst} refused {len(ids)} requests; they continue here")
+    # the KV streams into the blocks the target took (a state that found none free there re-prefills)
+    for st, wanted in zip(states, recv_ints(len(states), dst, group) if states else []):
+        if wanted:
+            send_blocks(_pool(engine), cast(tuple[int, ...], st.kv_blocks), dst, group)
+    if _recv_flag(dst, group) != 1:   # the receipt: every block landed there
+        engine.cancel_export(ids)
+        _send_flag(0, dst, group)
+        raise MigrationFailed(f"rank {dst} did not receive the KV of {len(ids)} requests; they continue here")
     engine.commit_export(ids)
     _send_flag(1, dst, group)  # the commit: the target may now run them
     return MigrationReport(tuple(ids), "reprefill" if reprefill else "kv", kv_bytes(states),
@@ -177,9 +219,17 @@ def receive_requests(engine: GenerationEngine, src: int, group=None, device: tor
     except (GenerationError, TidalError):
         ok = 0
     _send_flag(ok, src, group)
-    commit = _recv_flag(src, group)
     if not ok:
+        _recv_flag(src, group)   # the source's cancel
         return []
+    wanted = _wanted(states, engine)
+    if states:
+        send_ints(wanted, src, group)
+    for st, w in zip(states, wanted):
+        if w:
+            recv_blocks(_pool(engine), cast(list[int], _destination(engine, st.request_id)), src, group)
+    _send_flag(1, src, group)
+    commit = _recv_flag(src, group)
     if commit == 1:
         engine.activate(ids)
         return ids

@@ -157,6 +157,13 @@ class RequestState:
     kv_len: int = 0
     numerics: str = ""
     num_migrations: int = 0
+    kv_blocks: tuple[int, ...] | None = None
+    """The KV left in place on the source (`kv` None): the source's blocks holding positions 0..kv_len-1, which
+    the transfer layer copies block for block into the blocks the target takes at import (`kv_destination`)."""
+    kv_layout: str = ""
+    """With `kv_blocks`: the source pool's block geometry (`PagedKVCache.layout`); the target's must be equal."""
+    kv_nbytes: int = 0
+    """With `kv_blocks`: the bytes those blocks hold over every layer (what the transfer moves)."""
 
     @property
     def request_id(self) -> str:

@@ -30,7 +30,8 @@ class Live:
     kv_len: int = 0  # positions of prompt + tokens whose K/V are in the slot's blocks
     admitted: int = 0  # admission order (preemption takes the newest)
     replay: deque = field(default_factory=deque)  # recorded tokens to feed before sampling resumes
-    pending_kv: list | None = None  # imported KV waiting for a slot
+    pending_kv: list | None = None  # imported KV (tensors) waiting for a slot
+    parked: list[int] | None = None  # blocks holding imported KV (kv_len positions), taken before it has a slot
     frozen: bool = False  # exported, waiting for commit/cancel
     migrations: int = 0
 
