@@ -1,4 +1,4 @@
-"""The per-device batches of a migration wave (tidal/workers/roles.py): one call per device and phase does what one
+"""The per-device batches of a migration wave (tidal/workers/roles_migration.py): one call per device and phase does what one
 call per move did, in the same order; a target imports from the exports' results in the object store, and a
 failed import (or export) is reported per move, not raised."""
 
@@ -7,19 +7,24 @@ from typing import ClassVar
 import pytest
 
 from tidal.engine.generation.requests import Request, RequestState
-from tidal.workers import roles
-from tidal.workers.messages import ExportReceipt, MigrationPackage, MoveResult, MoveSummary
+from tidal.workers import roles_migration as roles
+from tidal.workers.messages import ExportReceipt, MigrationPackage, MoveResult, MoveSummary, PackageRef
 
 
 class Ctx:
     state: ClassVar[dict] = {}
 
 
+class Slot:
+    outbox = None
+
+
 @pytest.fixture
 def calls(monkeypatch):
     log = []
-    monkeypatch.setattr(roles, "rollout_export", lambda ctx, count=None: log.append(("export", count)) or
-                        {"count": count})
+    monkeypatch.setattr(roles, "rollout_export", lambda ctx, count=None, route="p2p": log.append(("export", count))
+                        or {"count": count})
+    monkeypatch.setattr(roles, "rollout_slot", lambda ctx: Slot())
 
     monkeypatch.setattr(roles, "rollout_commit_export", lambda ctx, r: log.append(("commit", r)))
     monkeypatch.setattr(roles, "rollout_cancel_export", lambda ctx, r: log.append(("cancel", r)))
@@ -44,7 +49,7 @@ def test_a_receipt_carries_ids_not_kv_caches():
     assert rec == ExportReceipt(("m/g4/i0",), (4,), ("q",))
 
 
-def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch):
+def test_import_from_the_exports_results_reports_summaries_and_receipts(monkeypatch):
     """A target takes its packages straight from the sources' export results: per move the summary the driver
     books (and the receipt its source settles with); a failed import keeps its receipt (the source cancels), a
     failed export fails its moves with no receipt (nothing was exported)."""
@@ -62,13 +67,14 @@ def test_import_from_the_object_store_reports_summaries_and_receipts(monkeypatch
     monkeypatch.setattr(ray, "get", get)
     imported = []
 
-    def imp(ctx, package):
+    def imp(ctx, package, source=None, route="p2p"):
         if package.queued == ("boom",):
             raise ValueError("policy version 9 != 3")
         imported.append(package)
         return len(package.states)
     monkeypatch.setattr(roles, "rollout_import", imp)
-    got = roles.rollout_import_from(Ctx(), [("ref_a", 1), ("ref_b", 0), ("ref_a", 0)])
+    got = roles.rollout_import_from(Ctx(), [PackageRef("ref_a", 1, 0, "p2p"), PackageRef("ref_b", 0, 1, "p2p"),
+                                            PackageRef("ref_a", 0, 0, "p2p")])
     assert imported == [pkg]
     assert all(r.fetch_s >= 0 and r.import_s >= 0 for r in got)   # the call's own timing, on every move
     untimed = [MoveResult(r.ok, r.summary, r.receipt, r.error, r.exported) for r in got]

@@ -104,6 +104,82 @@ def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: tor
     return moved
 
 
+# ---- weights in buckets -----------------------------------------------------------------------------------------
+#: the most bytes one weight bucket holds (a 1.5B-parameter model in bf16: about 12 buckets)
+BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """Where one tensor lies in a bucket list: bucket `bucket`, elements `offset` .. `offset + numel`."""
+
+    name: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """How `pack_buckets` laid tensors of one dtype out in flat buckets (plain fields: it crosses as data)."""
+
+    dtype: str
+    sizes: tuple[int, ...]           #: elements per bucket
+    entries: tuple[BucketEntry, ...]
+
+
+def bucket_layout(shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                  bucket_bytes: int = BUCKET_BYTES) -> BucketLayout:
+    """Tensors of `shapes`, in order, into flat buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    per = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+    sizes: list[int] = []
+    entries = []
+    for name, shape in shapes:
+        n = int(torch.Size(shape).numel())
+        if not sizes or (sizes[-1] and sizes[-1] + n > per):
+            sizes.append(0)
+        entries.append(BucketEntry(name, tuple(shape), len(sizes) - 1, sizes[-1]))
+        sizes[-1] += n
+    return BucketLayout(str(dtype).removeprefix("torch."), tuple(sizes), tuple(entries))
+
+
+def pack_buckets(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device,
+                 bucket_bytes: int = BUCKET_BYTES) -> tuple[list[torch.Tensor], BucketLayout]:
+    """The tensors cast to `dtype` and copied, in order, into flat buckets on `device` (what a sender shares or
+    sends), and their layout."""
+    layout = bucket_layout([(n, tuple(t.shape)) for n, t in tensors], dtype, bucket_bytes)
+    buckets = [torch.empty(n, dtype=dtype, device=device) for n in layout.sizes]
+    for (_, t), e in zip(tensors, layout.entries):
+        buckets[e.bucket][e.offset:e.offset + t.numel()].view(t.shape).copy_(t)
+    return buckets, layout
+
+
+def unpack(buckets: Sequence[torch.Tensor], layout: BucketLayout, device: torch.device) -> dict[str, torch.Tensor]:
+    """Each tensor of the layout copied out of the buckets into its own tensor on `device`."""
+    out = {}
+    for e in layout.entries:
+        n = int(torch.Size(e.shape).numel())
+        out[e.name] = buckets[e.bucket][e.offset:e.offset + n].view(e.shape).to(device, copy=True)
+    return out
+
+
+def send_buckets(buckets: Sequence[torch.Tensor], dst: int, group: Any = None) -> int:
+    """Each bucket to rank `dst` (which runs `recv_buckets` with the same layout); returns bytes sent."""
+    for b in buckets:
+        dist.send(b, dst, group=group)
+    return sum(b.numel() * b.element_size() for b in buckets)
+
+
+def recv_buckets(layout: BucketLayout, src: int, device: torch.device, group: Any = None) -> list[torch.Tensor]:
+    """`send_buckets`' buckets from rank `src`, received on `device`."""
+    out = []
+    for n in layout.sizes:
+        b = torch.empty(n, dtype=getattr(torch, layout.dtype), device=device)
+        dist.recv(b, src, group=group)
+        out.append(b)
+    return out
+
+
 # ---- CUDA IPC ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CudaIpcTensor:

@@ -39,7 +39,7 @@ from tidal.engine.layout import Layout
 from tidal.engine.reshard.commit import prepare_programs
 from tidal.pipeline.cluster import Cluster, StepState
 from tidal.pipeline.placement import Homes, LivePlacement
-from tidal.workers.messages import MoveResult, ReshardReport
+from tidal.workers.messages import MoveResult, PackageRef, ReshardReport
 from tidal.workers.roles import EngineWeights
 
 Move = tuple[int, int, int | None]   # (source instance, target instance, groups: None = all)
@@ -182,18 +182,24 @@ class RayActuator:
         return out
 
     def _exchange(self, wave: list[Move]) -> tuple[list[MoveResult], dict[int, list[int]]]:
-        """One call per device and phase: each source exports its moves' counts in wave order; each target, at
-        once, imports its packages in wave order straight from the exports' results in the object store (the KV
-        caches never pass through the driver). Returns each move's result and the moves per source."""
+        """One call per device and phase: each source exports its moves' counts in wave order (small packages;
+        the KV stays in its blocks) and streams the KV of its point-to-point moves; each target, at once, imports
+        its packages in wave order, taking the KV by each move's route (`WorkerGroup.kv_route`; the transfer
+        layer, never the object store or the driver). Every device runs its transfers in wave order, so no two
+        wait on each other. Returns each move's result and the moves per source."""
         g = self.group
         by_src: dict[int, list[int]] = {}
         by_dst: dict[int, list[int]] = {}
         for k, (s, t, _) in enumerate(wave):
             by_src.setdefault(s, []).append(k)
             by_dst.setdefault(t, []).append(k)
+        routes = [g.kv_route(s, t) for s, t, _ in wave]
         rollout = self.calls.rollout
-        exports = {s: rollout.export_many(s, [wave[k][2] for k in ks]) for s, ks in by_src.items()}
-        where = {k: (exports[s].ref, i) for s, ks in by_src.items() for i, k in enumerate(ks)}
+        exports = {s: rollout.export_many(s, [wave[k][2] for k in ks], [routes[k] for k in ks])
+                   for s, ks in by_src.items()}
+        sends = [rollout.send_kv(s, p2p) for s, ks in by_src.items()
+                 if (p2p := [(i, wave[k][1]) for i, k in enumerate(ks) if routes[k] == "p2p"])]
+        where = {k: PackageRef(exports[s].ref, i, s, routes[k]) for s, ks in by_src.items() for i, k in enumerate(ks)}
         hs = [rollout.import_from(t, [where[k] for k in ks]) for t, ks in by_dst.items()]
         res: list[MoveResult] = [MoveResult(False)] * len(wave)
         for ks, h in zip(by_dst.values(), hs):
@@ -203,6 +209,11 @@ class RayActuator:
                 got = [MoveResult(False, error=f"{type(err).__name__}: {err}")] * len(ks)
             for k, r in zip(ks, got):
                 res[k] = r
+        for sent in sends:   # a failed stream failed its moves on the targets (reported there)
+            try:
+                g.gather([sent])
+            except Exception:  # noqa: BLE001 - the target's result holds the move's error
+                pass
         # a move whose target failed as a whole has no receipt from it: read the source's own export result
         for k, r in enumerate(res):
             if r.receipt is None and r.exported:

@@ -37,13 +37,15 @@ from tidal.engine.grpo import ScoredSample
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.reshard import PreparedProgram
-from tidal.workers import roles, roles_ckpt
+from tidal.workers import roles, roles_ckpt, roles_migration
 from tidal.workers.messages import (
     BroadcastWeights,
     ExportReceipt,
     HandoverReport,
+    KVRoute,
     MigrationPackage,
     MoveResult,
+    PackageRef,
     RankWeights,
     ReshardReport,
     RolloutModel,
@@ -172,19 +174,25 @@ class RolloutCalls:
         """The group ids each instance holds and has not returned."""
         return self.group.submit_all(roles.rollout_holding, devices)
 
-    def export_many(self, device: int, counts: Sequence[int | None]) -> CallHandle[list[MigrationPackage]]:
-        """Freeze the next groups, `counts[k]` for package k (None: all that is left)."""
-        return self.group.submit(device, roles.rollout_export_many, counts=counts)
+    def export_many(self, device: int, counts: Sequence[int | None],
+                    routes: Sequence[KVRoute]) -> CallHandle[list[MigrationPackage]]:
+        """Freeze the next groups, `counts[k]` for package k (None: all that is left), its KV left in place for
+        route `routes[k]`."""
+        return self.group.submit(device, roles_migration.rollout_export_many, counts=counts, routes=routes)
 
-    def import_from(self, device: int, sources: Sequence[tuple[ObjectRef[list[MigrationPackage]], int]]
-                    ) -> CallHandle[list[MoveResult]]:
-        """Import package k of each source export's result (by its `CallHandle.ref`), in order."""
-        return self.group.submit(device, roles.rollout_import_from, sources=sources)
+    def send_kv(self, device: int, sends: Sequence[tuple[int, int]]) -> CallHandle[int]:
+        """Stream the KV of package k of the last export to target device t, for each (k, t) in the wave's
+        order (p2p moves only)."""
+        return self.group.submit(device, roles_migration.rollout_send_kv, sends=sends)
+
+    def import_from(self, device: int, sources: Sequence[PackageRef]) -> CallHandle[list[MoveResult]]:
+        """Import each named package (by its export's `CallHandle.ref`), its KV by the move's route, in order."""
+        return self.group.submit(device, roles_migration.rollout_import_from, sources=sources)
 
     def settle_exports(self, device: int, receipts: Sequence[ExportReceipt],
                        commit: Sequence[bool]) -> CallHandle[None]:
         """Commit (the target imported) or cancel each export of this source, in order."""
-        return self.group.submit(device, roles.rollout_settle_exports, receipts=receipts, commit=commit)
+        return self.group.submit(device, roles_migration.rollout_settle_exports, receipts=receipts, commit=commit)
 
     def free_kv(self, devices: Sequence[int]) -> list[CallHandle[None]]:
         """Generation is done on `devices`: free the engines' KV caches, keep their weights for scoring."""

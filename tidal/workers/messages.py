@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
+
+from tidal.engine.transfer import CudaIpcTensor
 
 
 @dataclass(frozen=True)
@@ -106,22 +108,41 @@ class MoveSummary:
         return self.open + self.queued
 
 
+#: how a move's KV goes from its source to its target (`tidal.engine.transfer`): point to point in the world
+#: (gloo / NCCL), CUDA IPC on one GPU, or not at all (an end outside the world: the target re-prefills, exactly)
+KVRoute: TypeAlias = Literal["p2p", "ipc", "reprefill"]
+
+
 @dataclass(frozen=True)
 class MigrationPackage:
-    """Frozen work on its way from a source instance to a target (`roles.rollout_export`)."""
+    """Frozen work on its way from a source instance to a target (`roles_migration.rollout_export`): small
+    records only, the KV stays in the source's blocks until the transfer layer moves it."""
 
     queued: tuple[Any, ...]                 #: `PromptGroup`s not started
     open: dict[int, tuple[Any, Any]]        #: group id -> (group snapshot, its finished samples)
-    states: tuple[Any, ...]                 #: engine `RequestState`s (with KV caches)
+    states: tuple[Any, ...]                 #: engine `RequestState`s (naming their KV blocks)
+    kv_pool: CudaIpcTensor | None = None    #: the source's KV pool, shared for a move whose route is ipc
 
     def receipt(self) -> ExportReceipt:
         return ExportReceipt(tuple(st.request_id for st in self.states), tuple(self.open), self.queued)
 
     def summary(self) -> MoveSummary:
-        kv = sum(sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv)
-                 for st in self.states if st.kv is not None)
+        kv = sum(st.kv_nbytes if st.kv_blocks is not None else
+                 sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in st.kv or ())
+                 for st in self.states)
         return MoveSummary(len(self.states), sum(len(st.token_ids) for st in self.states), len(self.open),
                            len(self.queued), kv)
+
+
+@dataclass(frozen=True)
+class PackageRef:
+    """Where a target finds one move's package: package `index` of its source's export call (`ref`), the
+    source device and the route its KV takes."""
+
+    ref: Any              #: the `ObjectRef` of the source's `rollout_export_many` result
+    index: int
+    source: int
+    route: KVRoute
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from tidal.engine.actor import Coord, IterReport, LossFn, SharedQueue
 from tidal.engine.backends.protocol import ActorBackend, PolicyModel, ProgramInputs, make_backend
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
-from tidal.engine.generation.requests import RequestState, SamplingParams
+from tidal.engine.generation.requests import SamplingParams
 from tidal.engine.grpo import (
     ScoredSample,
     group_width,
@@ -58,11 +58,8 @@ from tidal.workers.device_worker import WorkerContext
 from tidal.workers.gc_pauses import GcPauses
 from tidal.workers.messages import (
     BroadcastWeights,
-    ExportReceipt,
     HandoverReport,
     KeptWeights,
-    MigrationPackage,
-    MoveResult,
     RankWeights,
     ReshardReport,
     RolloutModel,
@@ -125,6 +122,9 @@ class RolloutSlot:
     version: int
     step: int
     exporting: set[int] = field(default_factory=set)
+    outbox: list[Any] | None = None
+    """The packages of this instance's last export call, whose KV its `rollout_send_kv` streams (None: that
+    export failed, its targets expect no stream)."""
 
 
 @dataclass
@@ -163,7 +163,7 @@ def actor_of(ctx: WorkerContext) -> ActorBackend:
     return actor
 
 
-def _rollout(ctx: WorkerContext) -> RolloutSlot:
+def rollout_slot(ctx: WorkerContext) -> RolloutSlot:
     slot = roles_of(ctx).rollout
     if slot is None:
         raise RuntimeError(f"device {ctx.device_id} is not a rollout instance")
@@ -512,7 +512,7 @@ def rollout_run(ctx: WorkerContext, groups: list[PromptGroup], budget_s: float, 
     done, or at an interrupt `ROLLOUT_INTERRUPT` from the driver naming this call's number `seq` or a later one,
     so one interrupt ends every slice queued before it), and return the finished groups with rewards plus this
     instance's report."""
-    r, roles = _rollout(ctx), roles_of(ctx)
+    r, roles = rollout_slot(ctx), roles_of(ctx)
     r.queue.extend(groups)
     inst = r.inst
     inst.reopen()  # new work may have arrived in the local queue
@@ -551,113 +551,8 @@ def rollout_holding(ctx: WorkerContext) -> list[int]:
     """Ids of the groups this instance holds and has not returned: waiting in its queue, open in its engine,
     finished but not yet returned. The driver asks the survivors of a lost instance (their slices drained), so
     what no one holds is what the lost one took with it."""
-    r = _rollout(ctx)
+    r = rollout_slot(ctx)
     return sorted({*r.queue.group_ids(), *r.inst.group_ids(), *(g.group_id for g in r.out)})
-
-
-def rollout_export(ctx: WorkerContext, count: int | None = None) -> MigrationPackage:
-    """Phase 1 of moving work away: freeze the last `count` unfinished groups (None: all) and return the package.
-
-    Order (the scheduler's rule): groups not started go first (from the back of the local queue), then the most
-    recently admitted open groups, whose finished samples travel as results and running requests as engine
-    states with their KV cache."""
-    r = _rollout(ctx)
-    inst = r.inst
-    want = float("inf") if count is None else count
-    queued: list[PromptGroup] = []
-    while len(queued) < want and r.queue.remaining():
-        queued.append(r.queue.pop_back())
-    # groups frozen by an export not yet committed or cancelled are not offered again: several exports from one
-    # source may be in flight at once (the actuator's migration waves), each taking the next groups
-    open_ids = [gid for gid in reversed(inst.group_ids()) if gid not in r.exporting]
-    open_ids = open_ids[:max(0, int(min(want, 1 << 30)) - len(queued))]
-    r.exporting.update(open_ids)
-    open_groups = {gid: inst.group_snapshot(gid) for gid in open_ids}
-    ids = [rid for rid in r.engine.request_ids() if int(rid.split("/")[1][1:]) in open_groups]
-    states = r.engine.export_state(ids) if ids else []
-    return MigrationPackage(tuple(queued), open_groups, tuple(states))
-
-
-def rollout_import(ctx: WorkerContext, package: MigrationPackage) -> int:
-    """Phase 2 on the target: take the package over (all or nothing); returns requests imported."""
-    package = _resolve(package)
-    r = _rollout(ctx)
-    states: list[RequestState] = list(package.states)
-    if states:
-        r.engine.import_state(states)
-    for group, results in package.open.values():
-        r.inst.adopt_group(group, results)
-    r.queue.extend(package.queued)
-    r.inst.reopen()
-    return len(states)
-
-
-def rollout_commit_export(ctx: WorkerContext, receipt: ExportReceipt) -> None:
-    """Phase 2 on the source, after the target imported: forget the moved work."""
-    r = _rollout(ctx)
-    if receipt.request_ids:
-        r.engine.commit_export(list(receipt.request_ids))
-    for gid in receipt.open:
-        r.inst.drop_group(gid)
-        r.exporting.discard(gid)
-
-
-def rollout_cancel_export(ctx: WorkerContext, receipt: ExportReceipt) -> None:
-    """The target failed: unfreeze everything here and put the queued groups back."""
-    r = _rollout(ctx)
-    if receipt.request_ids:
-        r.engine.cancel_export(list(receipt.request_ids))
-    r.exporting.difference_update(receipt.open)
-    r.queue.extend(receipt.queued)
-    r.inst.reopen()
-
-
-# One call per device and phase of a migration wave, not one per move: on a machine where a call costs
-# milliseconds a wave of 10 moves from 4 sources to 2 targets makes 10 calls instead of 30.
-def rollout_export_many(ctx: WorkerContext, counts: Sequence[int | None]) -> list[MigrationPackage]:
-    """`rollout_export` for each count, in order (each takes the next groups: the same as separate calls)."""
-    return [rollout_export(ctx, c) for c in counts]
-
-
-def rollout_import_from(ctx: WorkerContext, sources: Sequence[tuple[ObjectRef[list[MigrationPackage]], int]]
-                        ) -> list[MoveResult]:
-    """`rollout_import` of each package, in order, the packages still in the object store: `sources` is
-    [(ref, k)], package k of the list a source's `rollout_export_many` returns (the ref of that call). The target
-    fetches them itself, so the driver neither waits for the exports nor carries their KV caches. A failed
-    import is reported (its error, and the receipt its source cancels with), not raised, and leaves the others
-    imported (each import is all or nothing); an export that failed fails its moves here (`exported` False, no
-    receipt: nothing to settle)."""
-    import ray
-    t0 = time.perf_counter()
-    got: dict[ObjectRef[list[MigrationPackage]], list[MigrationPackage] | Exception] = {}
-    for ref, _ in sources:
-        if ref not in got:
-            try:
-                got[ref] = ray.get(ref)
-            except Exception as err:  # noqa: BLE001 - the source's export failed: its moves fail, the others go on
-                got[ref] = err
-    fetch_s = time.perf_counter() - t0   # waiting for the exports and fetching them (the driver sees only the sum)
-    out = []
-    for ref, k in sources:
-        exported = got[ref]
-        if isinstance(exported, Exception):
-            out.append(MoveResult(False, exported=False, error=f"export: {type(exported).__name__}: {exported}"))
-            continue
-        pkg = exported[k]
-        summary, receipt = pkg.summary(), pkg.receipt()
-        try:
-            rollout_import(ctx, pkg)
-            out.append(MoveResult(True, summary, receipt))
-        except Exception as err:  # noqa: BLE001 - reported per move; the driver cancels that move's export
-            out.append(MoveResult(False, receipt=receipt, error=f"{type(err).__name__}: {err}"))
-    import_s = time.perf_counter() - t0 - fetch_s
-    return [r.timed(fetch_s, import_s) for r in out]
-
-
-def rollout_settle_exports(ctx: WorkerContext, receipts: Sequence[ExportReceipt], commit: Sequence[bool]) -> None:
-    """Commit (the target imported) or cancel (it failed) each export, in order."""
-    for rec, ok in zip(receipts, commit, strict=True):
-        (rollout_commit_export if ok else rollout_cancel_export)(ctx, rec)
 
 
 def rollout_release(ctx: WorkerContext) -> int:
@@ -688,7 +583,7 @@ def abandon_engines(ctx: WorkerContext) -> None:
 def rollout_free_kv(ctx: WorkerContext) -> None:
     """Generation is done here and this device scores next: free the engine's KV cache, keep its weights (the
     scorer reads the same model). The instance stays, idle, until `rollout_release` or the next weight sync."""
-    r = _rollout(ctx)
+    r = rollout_slot(ctx)
     if r.engine.request_ids():   # the driver's invariant: every group of the step came back generated
         raise RuntimeError(f"device {ctx.device_id}: KV freed with requests in flight {r.engine.request_ids()[:4]}")
     r.engine.release_memory(keep_weights=True)

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.core.errors import PeerFailed, TidalError
+from tidal.engine.transfer import route as transfer_route
 from tidal.workers.compute_share import DEFAULT_PERIOD_S, ComputeShare, cores_for_share, pin_process, process_alive
 from tidal.workers.device_worker import (
     CONTROL_GROUP,
@@ -66,6 +67,7 @@ from tidal.workers.device_worker import (
     fn_path,
 )
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
+from tidal.workers.messages import KVRoute
 from tidal.workers.ray_env import RaySession, connect, disconnect
 
 if TYPE_CHECKING:
@@ -235,6 +237,16 @@ class WorkerGroup:
         """Live devices that are ranks of the world (not served by a replacement, which is in no world): the
         devices a call that takes part in a collective, or builds an actor shard, may go to."""
         return tuple(d for d in self.live_ids if d not in self._alone)
+
+    def kv_route(self, source: int, target: int) -> KVRoute:
+        """How a request's KV goes from `source`'s worker to `target`'s (`tidal.engine.transfer.route`): CUDA IPC
+        on one GPU, point to point in the world otherwise, and by re-prefill where an end is in no world."""
+        world = self.world_ids
+        if source not in world or target not in world:
+            return "reprefill"
+        a, b = self.infos[source], self.infos[target]
+        return transfer_route(a.node_ip, a.gpu_ids[0] if a.gpu_ids else None,
+                              b.node_ip, b.gpu_ids[0] if b.gpu_ids else None)
 
     def replace(self, device_id: int) -> None:
         """Start a new worker process for dead, retired `device_id`; returns at once (`replacement_ready` says
