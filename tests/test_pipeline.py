@@ -101,6 +101,20 @@ def _check_kept_weights(run):
         assert pipe.generations.weights_for(min(pipe.generations.kept)) == KeptWeights(pipe.version)
 
 
+#: the most tensor bytes one value of a step may carry through Ray's object store: KV caches and weights move by
+#: the transfer layer (tidal/engine/transfer.py)
+STORE_BOUND = 1 << 20
+
+
+def _check_object_store(audit, run):
+    """No value of the step carried more than STORE_BOUND tensor bytes through the object store; the KV of every
+    migrated request went point to point (gloo between CPU virtual devices)."""
+    print(f"object store, largest value per call (bytes): {sorted(audit.items(), key=lambda kv: -kv[1])[:4]}")
+    assert max(audit.values(), default=0) <= STORE_BOUND, audit
+    moved = [e for e in run.pipe.cluster.events if e["kind"] == "migration" and e["requests"]]
+    assert all(e["route"] == "p2p" and e["kv_bytes"] > 0 for e in moved), moved[:2]
+
+
 def _run(tmp_path, name, overrides, policy=None, base=TINY):
     """(the run, what it trained: `training_equality.Trained`, groups scored per step, versions per step)"""
     cfg = build_config(base, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
@@ -110,8 +124,11 @@ def _run(tmp_path, name, overrides, policy=None, base=TINY):
         run.open()
         start = start_weights(run)
         versions, scored = [], []
+        group = run.pipe.cluster.group
+        group.store_audit()   # from here on: what the steps send through Ray's object store
         for _ in range(cfg.run.num_steps):
             run.step()
+            _check_object_store(group.store_audit(), run)
             st = run.pipe.step_state
             scored.append(sorted(st.scored))
             versions.append(run.pipe.version)

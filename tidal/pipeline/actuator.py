@@ -248,10 +248,11 @@ class RayActuator:
         for (src, dst, _), r in zip(wave, res):
             if not r.ok or r.summary is None:
                 continue
-            m = r.summary
+            m, route = r.summary, self.group.kv_route(src, dst)
             st.moved(src, dst, m)
             c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
-                     kv_bytes=m.kv_bytes, mode="kv", seconds=t1 - t0, wave=len(wave), wave_first=first,
+                     kv_bytes=m.kv_bytes, mode="reprefill" if route == "reprefill" else "kv", route=route,
+                     seconds=t1 - t0, wave=len(wave), wave_first=first,
                      phases_s={name: round(sec, 4) for name, sec in phases.items()})
             first = False
             out["groups"] += m.groups

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tidal.workers.store_audit import StoreAudit
+
 CONTROL_GROUP = "control"
 
 
@@ -142,6 +144,7 @@ class DeviceWorker:
         self._lock = threading.Lock()
         self._busy: tuple[str, float] | None = None
         self._calls_done = 0
+        self._audit = StoreAudit()
 
     # ----------------------------------------------------------------------------------- start-up
     def info(self) -> WorkerInfo:
@@ -195,7 +198,9 @@ class DeviceWorker:
         with self._lock:
             self._busy = (fn_path, time.monotonic())
         try:
-            return fn(self._ctx, *args, **kwargs)
+            result = fn(self._ctx, *args, **kwargs)
+            self._audit.note(fn_path, result)   # the result goes back through Ray's object store
+            return result
         finally:
             with self._lock:
                 self._busy = None
@@ -208,6 +213,11 @@ class DeviceWorker:
             done = self._calls_done
         return HealthReport(self._device_id, os.getpid(), done, busy[0] if busy else None,
                             time.monotonic() - busy[1] if busy else 0.0)
+
+    def store_audit(self, reset: bool) -> dict[str, int]:
+        """Control thread: the largest result's tensor bytes per function since the last reset (`StoreAudit`)."""
+        with self._lock:
+            return self._audit.take(reset)
 
     def interrupt(self, name: str, upto: int) -> None:
         """Control thread: end every call numbered up to `upto` that polls `name` (`WorkerContext.interrupted`).

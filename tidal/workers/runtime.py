@@ -69,6 +69,7 @@ from tidal.workers.device_worker import (
 from tidal.workers.errors import WorkerCallError, WorkerDied, WorkerTimeout
 from tidal.workers.messages import KVRoute
 from tidal.workers.ray_env import RaySession, connect, disconnect
+from tidal.workers.store_audit import StoreAudit, merged
 
 if TYPE_CHECKING:
     # Ray's object reference: a value in the object store (`WorkerGroup.put`) or a call's result (`CallHandle.ref`).
@@ -120,6 +121,7 @@ class WorkerGroup:
         self._store: TCPStore | None = None  # rendezvous store, when the driver hosts it
         self._session, self.device_kind = session, device_kind
         self._actors, self.infos, self._local = actors, infos, local
+        self._audit = StoreAudit()
         self._poll_s, self._log_every_s = poll_s, log_every_s
         self._caps: dict[int, ComputeShare] = {}
         self._dead: dict[int, str] = {}
@@ -339,6 +341,7 @@ class WorkerGroup:
         function (or its "package.module:function" path): the worker imports it by name."""
         self._usable(device_id)
         path = fn_path(fn)
+        self._audit.note(path, (args, kwargs))   # the arguments go through Ray's object store
         handle: CallHandle[Any] = CallHandle(device_id, path, self._actors[device_id].call.remote(path, args, kwargs))
         self._last[device_id] = handle.ref
         return handle
@@ -522,7 +525,18 @@ class WorkerGroup:
         themselves): pass the reference as a role function's argument."""
         import ray
 
+        self._audit.note("put", value)
         return ray.put(value)
+
+    def store_audit(self, reset: bool = True) -> dict[str, int]:
+        """The largest tensor bytes any value carried through Ray's object store since the last reset, per name:
+        each call's arguments and `put` here, each call's result on every live worker (`StoreAudit`). The
+        transfer layer moves tensors; this says what did not."""
+        import ray
+
+        refs = [a.store_audit.options(concurrency_group=CONTROL_GROUP).remote(reset)
+                for d, a in self._actors.items() if d in self.live_ids]
+        return merged([self._audit.take(reset), *ray.get(refs, timeout=30)])
 
     def get(self, ref: ObjectRef[T], timeout: float | None = None) -> T:
         """The value `put` stored, or the result of a call by its `CallHandle.ref` (a failed call raises Ray's
