@@ -1,6 +1,6 @@
-"""The per-device batches of a migration wave (tidal/workers/roles_migration.py): one call per device and phase does what one
-call per move did, in the same order; a target imports from the exports' results in the object store, and a
-failed import (or export) is reported per move, not raised."""
+"""The per-device batches of a migration wave (tidal/workers/roles_migration.py): one call per device and phase
+does what one call per move did, in the same order; a target imports from the exports' results (small records),
+and a failed import (or export) is reported per move, not raised."""
 
 from typing import ClassVar
 
