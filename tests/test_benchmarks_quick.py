@@ -154,6 +154,30 @@ def check_scheduling(r: dict) -> None:
     assert t["min_tidal_vs_best_baseline"] == min(row["tidal_vs_best_baseline"] for row in t["rows"])
 
 
+def check_transfer(r: dict) -> None:
+    assert r["name"] == "transfer" and r["device"] == "cpu" and r["route"] == "p2p"
+    assert r["commit"] and r["machine"] and r["command"].startswith("python benchmarks/transfer.py")
+    assert r["model"]["name"] == "cpu" and _finite_positive(r["d2d_copy_gbps"])
+    assert [row["context_tokens"] for row in r["kv"]] == [256, 1024]
+    for row in r["kv"]:
+        assert row["exact"]   # every round's moved blocks equal the source's bit for bit
+        assert row["blocks"] == -(-row["context_tokens"] // row["block_size"])
+        assert row["kv_bytes"] > 0 and row["ipc_open_s"] is None and row["ipc_copy_s"] is None
+        for key in ("kv_move_s", "reprefill_s", "ratio", "gbps", "copy_gbps", "bandwidth_ratio"):
+            assert _finite_positive(row[key]), (key, row[key])
+        assert row["ratio"] == pytest.approx(row["kv_move_s"] / row["reprefill_s"])
+        assert row["bandwidth_ratio"] == pytest.approx(row["copy_gbps"] / r["d2d_copy_gbps"])
+    w = r["weight_sync"]
+    assert w["exact"] and w["weight_bytes"] > 0 and w["num_tensors"] > 0 and w["buckets"] >= 1
+    for key in ("weight_sync_s", "weight_gbps", "pack_s"):
+        assert _finite_positive(w[key]), (key, w[key])
+    assert set(r["goals"]) == {"kv_ratio_max", "bandwidth_ratio_min", "weight_sync_s_max"}
+    assert r["meets"] == {"ratio": all(row["ratio"] <= r["goals"]["kv_ratio_max"] for row in r["kv"]),
+                          "bandwidth_ratio": all(row["bandwidth_ratio"] >= r["goals"]["bandwidth_ratio_min"]
+                                                 for row in r["kv"]),
+                          "weight_sync_s": w["weight_sync_s"] <= r["goals"]["weight_sync_s_max"]}
+
+
 # (benchmark, flags besides --json, check, seconds before it is killed)
 BENCHMARKS = [
     pytest.param("train_throughput", ["--quick"], check_train_throughput, 180, id="train_throughput"),
@@ -161,6 +185,7 @@ BENCHMARKS = [
     pytest.param("hf_parity", ["--quick"], check_hf_parity, 180, id="hf_parity"),
     pytest.param("reshard", ["--smoke"], check_reshard, 240, id="reshard"),
     pytest.param("scheduling", ["--quick"], check_scheduling, 180, id="scheduling"),
+    pytest.param("transfer", ["--quick", "--device", "cpu"], check_transfer, 180, id="transfer"),
     pytest.param("collocated", ["--quick", "--variants", "all", "--steps", "2"], check_collocated, 420,
                  id="collocated", marks=pytest.mark.slow),
     pytest.param("e2e", ["--smoke"], check_e2e, 540, id="e2e", marks=pytest.mark.slow),

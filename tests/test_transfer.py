@@ -2,6 +2,7 @@
 buckets arrive bit for bit, in bounded chunks, into the blocks the target names; the store audit counts every
 tensor a value carries. CUDA IPC (one GPU, two processes) runs where a GPU is."""
 
+import json
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from tidal.engine.testing import run_ranks
 from tidal.engine.transfer import (
+    CudaIpcTensor,
     blocks_per_chunk,
     bucket_layout,
     copy_blocks,
@@ -17,6 +19,7 @@ from tidal.engine.transfer import (
     recv_blocks,
     recv_buckets,
     route,
+    runs,
     send_blocks,
     send_buckets,
     unpack,
@@ -57,12 +60,20 @@ def test_kv_blocks_stream_into_the_named_blocks_bit_for_bit(chunk_bytes):
     assert landed and kept   # every block where the target named it, no other block touched
 
 
-def test_copy_blocks_in_one_process_equals_indexing():
+@pytest.mark.parametrize("order", ["shuffled", "runs"])
+def test_copy_blocks_in_one_process_equals_indexing(order):
+    src_blocks, dst_blocks = (_blocks(1), _blocks(2)) if order == "shuffled" else \
+        ([3, 4, 5, 9, 10, 20], [7, 8, 9, 1, 2, 30])
     src, dst = _pool(0), _pool(1)
     want = dst.clone()
-    want[:, :, _blocks(2)] = src[:, :, _blocks(1)]
-    copy_blocks(src, _blocks(1), dst, _blocks(2), chunk_bytes=5000)
+    want[:, :, dst_blocks] = src[:, :, src_blocks]
+    copy_blocks(src, src_blocks, dst, dst_blocks)
     assert torch.equal(dst, want)
+
+
+def test_runs_merge_blocks_consecutive_on_both_sides():
+    assert runs([3, 4, 5, 9, 10, 20], [7, 8, 9, 1, 2, 30]) == [(3, 7, 3), (9, 1, 2), (20, 30, 1)]
+    assert runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
 
 
 def _weights():
@@ -97,6 +108,11 @@ def test_routes():
     assert route("n1", None, "n1", None) == "p2p"        # CPU virtual devices: gloo
 
 
+def test_an_ipc_handle_round_trips_through_json():
+    h = CudaIpcTensor((2, 3), (3, 1), 0, "bfloat16", 0, b"\x01\x02", 64, 0, b"\x03", 8, None, True)
+    assert CudaIpcTensor.from_json(json.loads(json.dumps(h.to_json()))) == h and h.nbytes == 12
+
+
 def test_the_store_audit_counts_every_tensor_a_value_carries():
     import dataclasses
 
@@ -127,17 +143,13 @@ def _ipc_body(rank, world):
     import json
 
     from tidal.engine.generation.migration import recv_blob, send_blob
-    from tidal.engine.transfer import CudaIpcTensor, open_shared, share
+    from tidal.engine.transfer import open_shared, share
     pool = _pool(0).cuda() if rank == 0 else _pool(5).cuda()
     if rank == 0:
-        h = share(pool)
-        fields = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in vars(h).items()}
-        send_blob(json.dumps(fields).encode(), 1)
+        send_blob(json.dumps(share(pool).to_json()).encode(), 1)
         dist.barrier()   # the target copied: the source may let go
         return True
-    fields = json.loads(recv_blob(0).decode())
-    h = CudaIpcTensor(**{k: (bytes.fromhex(v) if k.endswith("handle") and v is not None else
-                             tuple(v) if isinstance(v, list) else v) for k, v in fields.items()})
+    h = CudaIpcTensor.from_json(json.loads(recv_blob(0).decode()))
     copy_blocks(open_shared(h), _blocks(1), pool, _blocks(2))
     torch.cuda.synchronize()
     dist.barrier()

@@ -22,6 +22,7 @@ target's own blocks. Nothing is re-laid out per position, and no buffer holds mo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -76,32 +77,43 @@ def send_blocks(pool: torch.Tensor, blocks: Sequence[int], dst: int, group: Any 
 
 def recv_blocks(pool: torch.Tensor, blocks: Sequence[int], src: int, group: Any = None,
                 chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Receive `send_blocks`' stream from rank `src` into `blocks` of `pool` (in order); returns bytes received."""
+    """Receive `send_blocks`' stream from rank `src` into `blocks` of `pool` (in order); returns bytes received.
+    One chunk buffer serves the whole stream."""
     step, got = blocks_per_chunk(pool, chunk_bytes), 0
-    shape = list(pool.shape)
+    per_block = pool[:, :, 0].numel()
+    flat = torch.empty(min(step, len(blocks)) * per_block, dtype=pool.dtype, device=pool.device)
     for i in range(0, len(blocks), step):
         part = blocks[i:i + step]
-        shape[2] = len(part)
-        chunk = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        shape = (*pool.shape[:2], len(part), *pool.shape[3:])
+        chunk = flat[:len(part) * per_block].view(shape)   # contiguous: a prefix of the flat buffer
         dist.recv(chunk, src, group=group)
         pool.index_copy_(2, _index(part, pool.device), chunk)
         got += chunk.numel() * chunk.element_size()
     return got
 
 
+def runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(source start, target start, length) of the maximal runs where both block lists count up by one."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
 def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,
-                dst_blocks: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> int:
+                dst_blocks: Sequence[int]) -> int:
     """`src_blocks` of `src_pool` into `dst_blocks` of `dst_pool` on the target's device: a pool mapped from
-    another process (`open_shared`) or one of this process. Returns bytes copied."""
+    another process (`open_shared`) or one of this process. One strided copy per run of consecutive blocks
+    (`runs`): every byte read once and written once, no staging buffer. Returns bytes copied."""
     assert len(src_blocks) == len(dst_blocks), (len(src_blocks), len(dst_blocks))
     assert src_pool.shape[:2] == dst_pool.shape[:2] and src_pool.shape[3:] == dst_pool.shape[3:], \
         (tuple(src_pool.shape), tuple(dst_pool.shape))
-    step, moved = blocks_per_chunk(src_pool, chunk_bytes), 0
-    for i in range(0, len(src_blocks), step):
-        chunk = src_pool.index_select(2, _index(src_blocks[i:i + step], src_pool.device))
-        dst_pool.index_copy_(2, _index(dst_blocks[i:i + step], dst_pool.device), chunk)
-        moved += chunk.numel() * chunk.element_size()
-    return moved
+    for s, d, n in runs(src_blocks, dst_blocks):
+        dst_pool[:, :, d:d + n].copy_(src_pool[:, :, s:s + n])
+    return len(src_blocks) * src_pool[:, :, 0].numel() * src_pool.element_size()
 
 
 # ---- weights in buckets -----------------------------------------------------------------------------------------
@@ -154,6 +166,12 @@ def pack_buckets(tensors: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype
     return buckets, layout
 
 
+def views(buckets: Sequence[torch.Tensor], layout: BucketLayout) -> dict[str, torch.Tensor]:
+    """Each tensor of the layout as a view into its bucket (no copy)."""
+    return {e.name: buckets[e.bucket][e.offset:e.offset + int(torch.Size(e.shape).numel())].view(e.shape)
+            for e in layout.entries}
+
+
 def unpack(buckets: Sequence[torch.Tensor], layout: BucketLayout, device: torch.device) -> dict[str, torch.Tensor]:
     """Each tensor of the layout copied out of the buckets into its own tensor on `device`."""
     out = {}
@@ -202,7 +220,19 @@ class CudaIpcTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return int(torch.Size(self.shape).numel()) * getattr(torch, self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (bytes as hex): what a control message carries."""
+        return {k: (v.hex() if isinstance(v, bytes) else list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CudaIpcTensor:
+        hexes = ("handle", "ref_counter_handle", "event_handle")
+        fields: dict[str, Any] = {k: (bytes.fromhex(v) if k in hexes and v is not None else
+                                      tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        return CudaIpcTensor(**fields)
 
 
 def share(t: torch.Tensor) -> CudaIpcTensor:
@@ -221,7 +251,8 @@ def share(t: torch.Tensor) -> CudaIpcTensor:
 
 
 def open_shared(h: CudaIpcTensor) -> torch.Tensor:
-    """The tensor `share` handed out, mapped into this process (on the same GPU: its index here is ours)."""
+    """The tensor `share` handed out, mapped into this process. Both processes see the one GPU they share as
+    their current device (each worker's only visible GPU), whatever index the producer's process gave it."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     device = torch.cuda.current_device()

@@ -47,6 +47,19 @@ class BroadcastWeights:
 
 
 @dataclass(frozen=True)
+class PeerWeights:
+    """Take the weights of `version` from the copy device `src` kept (`actor_keep_weights`: flat buckets in the
+    compute dtype, `param_specs` order) by the transfer layer: `route` p2p, the buckets sent by `src`'s
+    `actor_send_kept` call, which the driver submits beside this load; ipc, mapped from `handles` (`src` and this
+    worker share a GPU). Never through the object store."""
+
+    version: int
+    src: int
+    route: Literal["p2p", "ipc"]
+    handles: tuple[CudaIpcTensor, ...] = ()
+
+
+@dataclass(frozen=True)
 class RolloutModel:
     """Score with the model of this worker's rollout engine, which holds `version` (one copy of the weights on a
     device rollout and inference share)."""

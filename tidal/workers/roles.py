@@ -53,6 +53,18 @@ from tidal.engine.model import ModelArgs, Transformer, compute_dtype, param_spec
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.reshard import PreparedProgram
+from tidal.engine.transfer import (
+    BucketLayout,
+    CudaIpcTensor,
+    bucket_layout,
+    open_shared,
+    pack_buckets,
+    recv_buckets,
+    send_buckets,
+    share,
+    unpack,
+    views,
+)
 from tidal.engine.verifier import Verifier
 from tidal.workers.device_worker import WorkerContext
 from tidal.workers.gc_pauses import GcPauses
@@ -60,6 +72,7 @@ from tidal.workers.messages import (
     BroadcastWeights,
     HandoverReport,
     KeptWeights,
+    PeerWeights,
     RankWeights,
     ReshardReport,
     RolloutModel,
@@ -74,8 +87,9 @@ if TYPE_CHECKING:
 #: global weights as the driver sends them: tensors by parameter name, their reference in the object store
 #: (`WorkerGroup.put`, or the `CallHandle.ref` of a call returning them), or a checkpoint each worker reads itself
 GlobalWeights: TypeAlias = "dict[str, torch.Tensor] | ObjectRef[dict[str, torch.Tensor]] | HFWeights"
-#: what an engine loads: global weights, the copy its worker kept (`KeptWeights`), or a broadcast from the actor
-EngineWeights: TypeAlias = "GlobalWeights | KeptWeights | BroadcastWeights"
+#: what an engine loads: global weights, the copy its worker kept (`KeptWeights`), a broadcast from the actor, or
+#: another device's kept copy by the transfer layer (`PeerWeights`)
+EngineWeights: TypeAlias = "GlobalWeights | KeptWeights | BroadcastWeights | PeerWeights"
 
 
 @dataclass(frozen=True)
@@ -135,8 +149,16 @@ class InferenceSlot:
 
 @dataclass
 class KeptCopy:
+    """The actor's weights of `version` as flat buckets in the compute dtype (`param_specs` order), and the
+    named tensors as views into them: loaded in place here, sent or shared whole to other devices."""
+
     version: int
-    weights: dict[str, torch.Tensor]
+    buckets: list[torch.Tensor]
+    layout: BucketLayout
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return views(self.buckets, self.layout)
 
 
 @dataclass
@@ -346,8 +368,33 @@ def actor_keep_weights(ctx: WorkerContext, version: int) -> bool:
     replica = actor_of(ctx).gather_replica()
     if replica is None:
         return False
-    roles.kept = KeptCopy(version, replica)
+    spec = roles.run
+    buckets, layout = pack_buckets([(s.name, replica[s.name]) for s in param_specs(spec.args)],
+                                   compute_dtype(spec.dtype, ctx.device), ctx.device)
+    roles.kept = KeptCopy(version, buckets, layout)
     return True
+
+
+def _kept(ctx: WorkerContext, version: int) -> KeptCopy:
+    kept = roles_of(ctx).kept
+    if kept is None or kept.version != version:
+        # the driver's bookkeeping (`Generations.kept`) is wrong: a bug, not an input
+        have = "none" if kept is None else f"version {kept.version}"
+        raise RuntimeError(f"device {ctx.device_id} keeps no weights of version {version} (it has {have})")
+    return kept
+
+
+def actor_send_kept(ctx: WorkerContext, version: int, targets: Sequence[int]) -> int:
+    """Send the kept copy of `version` to each target device in order (each loads `PeerWeights` by p2p at the
+    same time). Returns the bytes sent."""
+    kept = _kept(ctx, version)
+    return sum(send_buckets(kept.buckets, ctx.rank_of(t), ctx.group) for t in targets)
+
+
+def actor_share_kept(ctx: WorkerContext, version: int) -> tuple[CudaIpcTensor, ...]:
+    """CUDA IPC handles of the kept copy's buckets, for engines on this GPU (`PeerWeights` by ipc). The copy
+    stays until the next step end replaces it."""
+    return tuple(share(b) for b in _kept(ctx, version).buckets)
 
 
 def drop_kept(ctx: WorkerContext) -> None:
@@ -452,14 +499,22 @@ def _weights(ctx: WorkerContext, weights: EngineWeights) -> dict[str, torch.Tens
     if isinstance(weights, BroadcastWeights):
         return _receive(ctx, weights)
     if isinstance(weights, KeptWeights):
-        kept = roles_of(ctx).kept
-        if kept is None or kept.version != weights.version:
-            # the driver's bookkeeping (`Pipeline.kept`) is wrong: a bug, not an input
-            have = "none" if kept is None else f"version {kept.version}"
-            raise RuntimeError(f"device {ctx.device_id} keeps no weights of version {weights.version} "
-                               f"(it has {have})")
-        return kept.weights
+        return _kept(ctx, weights.version).weights
+    if isinstance(weights, PeerWeights):
+        return _from_peer(ctx, weights)
     return _resolve(weights)
+
+
+def _from_peer(ctx: WorkerContext, w: PeerWeights) -> dict[str, torch.Tensor]:
+    """The kept copy of device `w.src`, received (p2p) or mapped and copied (ipc) into tensors of this worker."""
+    spec = roles_of(ctx).run
+    layout = bucket_layout([(s.name, s.shape) for s in param_specs(spec.args)], compute_dtype(spec.dtype, ctx.device))
+    if w.route == "p2p":
+        return views(recv_buckets(layout, ctx.rank_of(w.src), ctx.device, ctx.group), layout)
+    mapped = [open_shared(h) for h in w.handles]
+    out = unpack(mapped, layout, ctx.device)
+    torch.cuda.current_stream().synchronize()   # copied out before the source may drop its copy
+    return out
 
 
 # ---- rollout ----------------------------------------------------------------------------------------------

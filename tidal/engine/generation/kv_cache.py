@@ -2,7 +2,7 @@
 
 Per layer two pools `k`, `v` of shape [N, H_kv_local, B, D]: N blocks of B positions, views of one tensor
 `pool` [layers, 2, N, H_kv_local, B, D] (so a request's blocks of every layer move as one indexed copy, and one
-CUDA IPC handle shares them all: `tidal.workers.transfer`). Each slot (a running
+CUDA IPC handle shares them all: `tidal.engine.transfer`). Each slot (a running
 request's handle in the engine) has a row of the block table [slots, ceil(S / B)]: logical block j of the slot
 (positions j*B .. j*B + B - 1) lives in physical block `table[slot, j]`. Block 0 is the null block: every
 table entry that holds no block points at it, so a write that lands where a request holds no block (padding
