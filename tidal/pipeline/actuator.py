@@ -15,7 +15,7 @@ along.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -41,6 +41,7 @@ from tidal.pipeline.cluster import Cluster, StepState
 from tidal.pipeline.placement import Homes, LivePlacement
 from tidal.workers.messages import MoveResult, PackageRef, ReshardReport
 from tidal.workers.roles import EngineWeights
+from tidal.workers.runtime import CallHandle
 
 Move = tuple[int, int, int | None]   # (source instance, target instance, groups: None = all)
 
@@ -67,14 +68,16 @@ def migration_waves(moves: list[Move]) -> list[list[Move]]:
 class RayActuator:
     """Applies actions to the workers of `cluster` and owns the placement (module doc). `drain(devices)` waits
     for the calls in flight on `devices` and hands their results to the driver; `engine_load(device)` is what
-    an engine started there mid-step loads (its weights and their version).
+    an engine started there mid-step loads (its weights and their version), `peer_sends(loads)` the calls that
+    send those weights point to point from a peer's kept copy.
     Reshard programs are planned here rather than on (capped) workers once `plan_reshards_with` gave the actor's
     inputs."""
 
     def __init__(self, cluster: Cluster, drain: Callable[[set[int]], None],
-                 engine_load: Callable[[int], tuple[EngineWeights, int]], homes: Homes):
+                 engine_load: Callable[[int], tuple[EngineWeights, int]], homes: Homes,
+                 peer_sends: Callable[[Sequence[tuple[int, EngineWeights]]], list[CallHandle[int]]] = lambda _: []):
         self.c, self.group, self.ledger, self.calls = cluster, cluster.group, cluster.ledger, cluster.endpoints
-        self.drain, self.engine_load = drain, engine_load
+        self.drain, self.engine_load, self.peer_sends = drain, engine_load, peer_sends
         self.program_inputs: ProgramInputs | None = None
         self._placement = LivePlacement.at_home(homes)
         # rank sets whose process groups every worker has made (mirrors engine.groups.GroupCache)
@@ -193,7 +196,7 @@ class RayActuator:
         for k, (s, t, _) in enumerate(wave):
             by_src.setdefault(s, []).append(k)
             by_dst.setdefault(t, []).append(k)
-        routes = [g.kv_route(s, t) for s, t, _ in wave]
+        routes = [g.transfer_route(s, t) for s, t, _ in wave]
         rollout = self.calls.rollout
         exports = {s: rollout.export_many(s, [wave[k][2] for k in ks], [routes[k] for k in ks])
                    for s, ks in by_src.items()}
@@ -248,7 +251,7 @@ class RayActuator:
         for (src, dst, _), r in zip(wave, res):
             if not r.ok or r.summary is None:
                 continue
-            m, route = r.summary, self.group.kv_route(src, dst)
+            m, route = r.summary, self.group.transfer_route(src, dst)
             st.moved(src, dst, m)
             c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
                      kv_bytes=m.kv_bytes, mode="reprefill" if route == "reprefill" else "kv", route=route,
@@ -298,8 +301,12 @@ class RayActuator:
         return {"devices": ids}
 
     def _start_engines(self, devices: list[int]) -> None:
+        """Rollout engines on `devices`, each loading what `engine_load` names; the devices whose weights come
+        point to point from a peer's kept copy receive them while that peer sends (`peer_sends`)."""
         start = self.calls.rollout.start
-        self.group.gather([start(d, *self.engine_load(d), step=self._st.step) for d in devices])
+        loads = {d: self.engine_load(d) for d in devices}
+        hs: list[CallHandle[Any]] = [start(d, w, v, step=self._st.step) for d, (w, v) in loads.items()]
+        self.group.gather(hs + self.peer_sends([(d, w) for d, (w, _) in loads.items()]))
 
     def start_instances(self, devices: Iterable[int], lent: bool) -> dict[str, Any]:
         """Rollout instances on `devices`: the actor's, lent for a while (the actor cannot train until they

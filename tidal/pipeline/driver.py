@@ -121,7 +121,8 @@ class Pipeline:
         #: the owner of the placement (`placement`): every move, restore and loss goes through it
         self.actuator = RayActuator(c, lambda devices: c.drain(self._on_result, devices),
                                     lambda d: (self.generations.weights_for(d), self.generations.version),
-                                    Homes(Layout(tp, len(p.actor) // tp, p.actor), p.rollout, p.inference))
+                                    Homes(Layout(tp, len(p.actor) // tp, p.actor), p.rollout, p.inference),
+                                    lambda loads: self.generations.peer_sends(loads))
         #: static placements whose components share devices: who waits for whom there (tidal.pipeline.sharing)
         self.sharing = Sharing.of(p, cfg.actor)
         self.data_pos = DataPosition()

@@ -11,17 +11,18 @@ mid-step loads; the driver (`tidal.pipeline.driver.Pipeline`) calls it at a run'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from tidal.core.config import TidalConfig
 from tidal.engine.generation.weights import rollout_shard
+from tidal.engine.transfer import CudaIpcTensor
 from tidal.pipeline.actuator import RayActuator
 from tidal.pipeline.cluster import Cluster
 from tidal.pipeline.placement import LivePlacement
 from tidal.pipeline.sharing import Sharing
-from tidal.workers.messages import BroadcastWeights, HandoverReport, KeptWeights, RolloutModel
+from tidal.workers.messages import BroadcastWeights, HandoverReport, KeptWeights, PeerWeights, RolloutModel
 from tidal.workers.roles import EngineWeights, RunSpec
 from tidal.workers.runtime import CallHandle
 
@@ -39,8 +40,11 @@ class Generations:
         #: keep the next ones
         self.kept: frozenset[int] = frozenset()
         self._keeping: list[tuple[int, CallHandle[bool]]] = []
-        #: what an engine started mid-step loads when its device kept no copy (`weights_for`)
+        #: what an engine started mid-step loads when neither its device nor a peer can give it a copy
+        #: (`weights_for`: a replacement worker)
         self.weights_ref: EngineWeights | None = None
+        #: the CUDA IPC handles of the kept copy engines on its GPU map, per version (`weights_for`)
+        self._shared: tuple[int, tuple[CudaIpcTensor, ...]] | None = None
 
     @property
     def placement(self) -> LivePlacement:
@@ -111,13 +115,34 @@ class Generations:
 
     def weights_for(self, device: int) -> EngineWeights:
         """What an engine started on `device` mid-step (a lend, `StartRollout`) loads: the copy its worker kept,
-        or the step's weights through the object store, fetched once from a device that kept them."""
+        or another device's kept copy by the transfer layer (`PeerWeights`: point to point, the sender's call
+        submitted beside the load by `peer_sends`, or mapped by CUDA IPC on one GPU). A replacement worker, in
+        no world, takes the weights through the object store, fetched once from a device that kept them."""
         if device in self.kept:
             return KeptWeights(self.version)
+        if self.weights_ref is None and self.kept:
+            src = min(self.kept)
+            route = self.group.transfer_route(src, device)
+            if route == "p2p":
+                return PeerWeights(self.version, src, route)
+            if route == "ipc":
+                if self._shared is None or self._shared[0] != self.version:
+                    handles = self.group.gather([self.calls.actor.share_kept(src, self.version)])[0]
+                    self._shared = (self.version, handles)
+                return PeerWeights(self.version, src, route, self._shared[1])
         if self.weights_ref is None:   # every engine loaded a kept copy: `kept` is not empty
             kept = self.group.gather([self.calls.actor.kept_weights(min(self.kept), self.version)])[0]
             self.weights_ref = self.group.put(kept)
         return self.weights_ref
+
+    def peer_sends(self, loads: Sequence[tuple[int, EngineWeights]]) -> list[CallHandle[int]]:
+        """The sender's calls for the engines among `loads` that take a kept copy point to point: one call per
+        source, its targets in the order given (the order their loads were submitted)."""
+        by_src: dict[int, list[int]] = {}
+        for d, w in loads:
+            if isinstance(w, PeerWeights) and w.route == "p2p":
+                by_src.setdefault(w.src, []).append(d)
+        return [self.calls.actor.send_kept(src, self.version, targets) for src, targets in by_src.items()]
 
     def forget(self) -> None:
         """Forget the step in progress and the weights its end would have kept (`tidal.pipeline.survivors`: every
@@ -125,6 +150,7 @@ class Generations:
         self._keeping = []
         self.kept = frozenset()
         self.weights_ref = None
+        self._shared = None
 
     def keep_at_step_end(self) -> None:
         """Step end, before the placement is restored (the actor shrinks back to its initial devices then): where
@@ -154,10 +180,6 @@ class Generations:
         remote = self._receivers(self.kept)
         plan = self._broadcast_plan(remote)
         self.load(plan or (g.put(self.global_weights()) if remote else None), step + 1)
-        if plan is not None and self.cfg.cluster.auto_scheduler:
-            # for instances started mid-step on devices that kept no copy: a kept copy's bytes in the object store,
-            # by a call not waited for (its result is the reference `weights_for` hands out)
-            self.weights_ref = self.calls.actor.kept_weights(min(self.kept), self.version).ref
         engines = list(self.placement.engines)
         c.timeline.add_busy(engines, "moving", "weight sync", t0, self.clock())
         c.record("weight_sync", step=step, version=self.version, seconds=self.clock() - t0,

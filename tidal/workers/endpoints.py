@@ -37,6 +37,7 @@ from tidal.engine.grpo import ScoredSample
 from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.reshard import PreparedProgram
+from tidal.engine.transfer import CudaIpcTensor
 from tidal.workers import roles, roles_ckpt, roles_migration
 from tidal.workers.messages import (
     BroadcastWeights,
@@ -125,6 +126,14 @@ class ActorCalls:
 
     def kept_weights(self, device: int, version: int) -> CallHandle[dict[str, torch.Tensor]]:
         return self.group.submit(device, roles.kept_weights, version=version)
+
+    def send_kept(self, device: int, version: int, targets: Sequence[int]) -> CallHandle[int]:
+        """The kept copy of `version` to each target in order, point to point (each loads `PeerWeights`)."""
+        return self.group.submit(device, roles.actor_send_kept, version=version, targets=targets)
+
+    def share_kept(self, device: int, version: int) -> CallHandle[tuple[CudaIpcTensor, ...]]:
+        """CUDA IPC handles of the kept copy's buckets (engines on the same GPU map them)."""
+        return self.group.submit(device, roles.actor_share_kept, version=version)
 
     def drop_kept(self, devices: Sequence[int]) -> list[CallHandle[None]]:
         return self.group.submit_all(roles.drop_kept, devices)

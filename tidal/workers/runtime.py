@@ -240,9 +240,10 @@ class WorkerGroup:
         devices a call that takes part in a collective, or builds an actor shard, may go to."""
         return tuple(d for d in self.live_ids if d not in self._alone)
 
-    def kv_route(self, source: int, target: int) -> KVRoute:
-        """How a request's KV goes from `source`'s worker to `target`'s (`tidal.engine.transfer.route`): CUDA IPC
-        on one GPU, point to point in the world otherwise, and by re-prefill where an end is in no world."""
+    def transfer_route(self, source: int, target: int) -> KVRoute:
+        """How tensors go from `source`'s worker to `target`'s (`tidal.engine.transfer.route`): CUDA IPC on one
+        GPU, point to point in the world otherwise; "reprefill" where an end is in no world (a replacement
+        worker): a request's KV is rebuilt there, weights take the object store."""
         world = self.world_ids
         if source not in world or target not in world:
             return "reprefill"
