@@ -435,6 +435,11 @@ def _device_memory(ctx: WorkerContext) -> tuple[float | None, float | None]:
     return out
 
 
+def engine_weights(ctx: WorkerContext, weights: EngineWeights) -> dict[str, torch.Tensor]:
+    """The global weights an engine given `weights` on this worker loads, as host tensors (for checks)."""
+    return {k: v.to("cpu", copy=True) for k, v in _weights(ctx, weights).items()}
+
+
 def kept_weights(ctx: WorkerContext, version: int) -> dict[str, torch.Tensor]:
     """The kept copy of `version` as global CPU tensors in the compute dtype (what `Pipeline.global_weights`
     returns): for an instance started mid-step on a device that kept none."""
