@@ -109,11 +109,14 @@ def _check_kept_weights(run):
 STORE_BOUND = 1 << 20
 
 
-def _check_object_store(audit, run):
+def _check_object_store(audit, run, model_bytes):
     """No value of the step carried more than STORE_BOUND tensor bytes through the object store; the KV of every
     migrated request went point to point (gloo between CPU virtual devices)."""
     print(f"object store, largest value per call (bytes): {sorted(audit.items(), key=lambda kv: -kv[1])[:4]}")
     assert max(audit.values(), default=0) <= STORE_BOUND, audit
+    # the model is far below the bound here: no call that returns weights ran, no put carried them
+    assert not {"tidal.workers.roles:kept_weights", "tidal.workers.roles:actor_weights"} & set(audit), audit
+    assert audit.get("put", 0) < model_bytes / 2, (audit, model_bytes)
     moved = [e for e in run.pipe.cluster.events if e["kind"] == "migration" and e["requests"]]
     assert all(e["route"] == "p2p" for e in moved), moved[:2]
     assert not moved or any(e["kv_bytes"] > 0 for e in moved), moved[:2]   # a waiting request moves no KV
@@ -129,10 +132,11 @@ def _run(tmp_path, name, overrides, policy=None, base=TINY):
         start = start_weights(run)
         versions, scored = [], []
         group = run.pipe.cluster.group
+        model_bytes = sum(t.numel() * t.element_size() for t in run.pipe.global_weights().values())
         group.store_audit()   # from here on: what the steps send through Ray's object store
         for _ in range(cfg.run.num_steps):
             run.step()
-            _check_object_store(group.store_audit(), run)
+            _check_object_store(group.store_audit(), run, model_bytes)
             st = run.pipe.step_state
             scored.append(sorted(st.scored))
             versions.append(run.pipe.version)
