@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 #: the most bytes one staged chunk of a stream holds (a wave of long requests streams in pieces of this size)
 CHUNK_BYTES = 64 << 20
@@ -238,8 +239,6 @@ class CudaIpcTensor:
 def share(t: torch.Tensor) -> CudaIpcTensor:
     """A handle of CUDA tensor `t` another process on this GPU maps with `open_shared`. The caller keeps `t`
     (and its contents) until the consumers' receipts."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if t.device.type != "cuda":
         raise ValueError(f"share needs a CUDA tensor (got one on {t.device}); CPU tensors move by p2p")
     _, args = reduce_tensor(t)
@@ -253,8 +252,6 @@ def share(t: torch.Tensor) -> CudaIpcTensor:
 def open_shared(h: CudaIpcTensor) -> torch.Tensor:
     """The tensor `share` handed out, mapped into this process. Both processes see the one GPU they share as
     their current device (each worker's only visible GPU), whatever index the producer's process gave it."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     device = torch.cuda.current_device()
     return rebuild_cuda_tensor(torch.Tensor, torch.Size(h.shape), h.stride, h.offset, torch.storage.TypedStorage,
                                getattr(torch, h.dtype), device, h.handle, h.storage_bytes, h.storage_offset,
