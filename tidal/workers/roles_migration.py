@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from tidal.engine.generation.requests import RequestState
 from tidal.engine.transfer import copy_blocks, open_shared, recv_blocks, recv_ints, send_blocks, send_ints, share
 from tidal.workers.device_worker import WorkerContext
 from tidal.workers.messages import ExportReceipt, KVRoute, MigrationPackage, MoveResult, PackageRef
@@ -57,11 +56,9 @@ def rollout_export(ctx: WorkerContext, count: int | None = None, route: KVRoute 
     r.exporting.update(open_ids)
     open_groups = {gid: inst.group_snapshot(gid) for gid in open_ids}
     ids = [rid for rid in r.engine.request_ids() if int(rid.split("/")[1][1:]) in open_groups]
-    states: list[RequestState] = []
-    if ids and route == "reprefill":
-        states = [st.without_kv() for st in r.engine.export_state(ids)]
-    elif ids:
-        states = r.engine.export_state(ids, in_place=True)
+    states = r.engine.export_state(ids, in_place=True) if ids else []
+    if route == "reprefill":   # the target rebuilds the KV from the tokens
+        states = [st.without_kv() for st in states]
     in_blocks = any(st.kv_blocks is not None for st in states)
     pool = share(r.engine.kv_pool) if route == "ipc" and in_blocks else None
     return MigrationPackage(tuple(queued), open_groups, tuple(states), pool)
