@@ -37,9 +37,10 @@ class KeptWeights:
 
 @dataclass(frozen=True)
 class BroadcastWeights:
-    """Receive the weights of `version` from device `src` (the actor's first device) by one broadcast per
-    parameter (`param_specs` order, global shapes, the compute dtype) over the process group of `ranks`: NCCL
-    between GPUs, gloo between CPU workers; no copy through the driver or the object store."""
+    """Receive the weights of `version` from device `src` (the actor's first device) by one broadcast per flat
+    bucket (`tidal.engine.transfer.pack_buckets`: `param_specs` order, global shapes, the compute dtype) over the
+    process group of `ranks`: NCCL between GPUs, gloo between CPU workers; no copy through the driver or the
+    object store."""
 
     version: int
     src: int

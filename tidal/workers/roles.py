@@ -368,9 +368,7 @@ def actor_keep_weights(ctx: WorkerContext, version: int) -> bool:
     replica = actor_of(ctx).gather_replica()
     if replica is None:
         return False
-    spec = roles.run
-    buckets, layout = pack_buckets([(s.name, replica[s.name]) for s in param_specs(spec.args)],
-                                   compute_dtype(spec.dtype, ctx.device), ctx.device)
+    buckets, layout = _pack(ctx, replica)
     roles.kept = KeptCopy(version, buckets, layout)
     return True
 
@@ -464,38 +462,47 @@ def _kv_budget(spec: RunSpec, model: Transformer, device: torch.device) -> int |
 
 def actor_broadcast_weights(ctx: WorkerContext, plan: BroadcastWeights) -> int:
     """The actor's device `plan.src` (at TP > 1 every device of the layout: `gather_replica` is collective over it)
-    broadcasts the whole weights to the engines of `plan.ranks` (they receive in `_weights`), one parameter at a
-    time in `param_specs` order. Returns the bytes this device sent."""
+    broadcasts the whole weights to the engines of `plan.ranks` (they receive in `_receive`) as flat buckets in
+    the compute dtype (`tidal.engine.transfer.pack_buckets`, `param_specs` order): the kept copy's own buckets
+    where this device kept the version. Returns the bytes this device sent."""
     shard, kept = actor_of(ctx), roles_of(ctx).kept
-    replica: dict[str, torch.Tensor] | None
+    buckets: list[torch.Tensor] | None = None
     if kept is not None and kept.version == plan.version and shard.layout.tp == 1:
-        replica = kept.weights   # the copy kept at the step end: no second one
+        buckets = kept.buckets   # the copy kept at the step end: no second one
     else:
         replica = shard.gather_replica()
+        if replica is not None and ctx.device_id == plan.src:
+            buckets, _ = _pack(ctx, replica)
     if ctx.device_id != plan.src:
         return 0
-    if replica is None:   # the driver names the layout's first device: a bug, not an input
+    if buckets is None:   # the driver names the layout's first device: a bug, not an input
         raise RuntimeError(f"device {ctx.device_id} holds no actor weights to broadcast (version {plan.version})")
     group = cast(dist.ProcessGroup, shard.groups.of_ranks(plan.ranks))   # >= 2 ranks: a group
-    sent = 0
-    for s in param_specs(roles_of(ctx).run.args):
-        t = replica[s.name].contiguous()
-        dist.broadcast(t, src=plan.src, group=group)
-        sent += t.numel() * t.element_size()
-    return sent
+    for b in buckets:
+        dist.broadcast(b, src=plan.src, group=group)
+    return sum(b.numel() * b.element_size() for b in buckets)
+
+
+def _layout(ctx: WorkerContext) -> BucketLayout:
+    """The buckets every copy of the weights is laid out in: `param_specs` order, the compute dtype."""
+    spec = roles_of(ctx).run
+    return bucket_layout([(s.name, s.shape) for s in param_specs(spec.args)], compute_dtype(spec.dtype, ctx.device))
+
+
+def _pack(ctx: WorkerContext, weights: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], BucketLayout]:
+    spec = roles_of(ctx).run
+    return pack_buckets([(s.name, weights[s.name]) for s in param_specs(spec.args)],
+                        compute_dtype(spec.dtype, ctx.device), ctx.device)
 
 
 def _receive(ctx: WorkerContext, plan: BroadcastWeights) -> dict[str, torch.Tensor]:
-    """The weights `actor_broadcast_weights` sends, received on this device in the compute dtype."""
-    spec = roles_of(ctx).run
+    """The weights `actor_broadcast_weights` sends, received on this device (views into the buckets)."""
     group = cast(dist.ProcessGroup, actor_of(ctx).groups.of_ranks(plan.ranks))
-    dtype = compute_dtype(spec.dtype, ctx.device)
-    out = {}
-    for s in param_specs(spec.args):
-        t = torch.empty(s.shape, dtype=dtype, device=ctx.device)
-        dist.broadcast(t, src=plan.src, group=group)
-        out[s.name] = t
-    return out
+    layout = _layout(ctx)
+    buckets = [torch.empty(n, dtype=getattr(torch, layout.dtype), device=ctx.device) for n in layout.sizes]
+    for b in buckets:
+        dist.broadcast(b, src=plan.src, group=group)
+    return views(buckets, layout)
 
 
 def _weights(ctx: WorkerContext, weights: EngineWeights) -> dict[str, torch.Tensor]:
@@ -512,8 +519,7 @@ def _weights(ctx: WorkerContext, weights: EngineWeights) -> dict[str, torch.Tens
 
 def _from_peer(ctx: WorkerContext, w: PeerWeights) -> dict[str, torch.Tensor]:
     """The kept copy of device `w.src`, received (p2p) or mapped and copied (ipc) into tensors of this worker."""
-    spec = roles_of(ctx).run
-    layout = bucket_layout([(s.name, s.shape) for s in param_specs(spec.args)], compute_dtype(spec.dtype, ctx.device))
+    layout = _layout(ctx)
     if w.route == "p2p":
         return views(recv_buckets(layout, ctx.rank_of(w.src), ctx.device, ctx.group), layout)
     mapped = [open_shared(h) for h in w.handles]
