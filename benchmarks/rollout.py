@@ -372,38 +372,45 @@ def throughput(a, device, dtype, report):
                                          "speedup_vs_hf", "hf_first_token_agreement", "hf_note") if k in first})
 
 
+def timed_move(model: Transformer, prompt: tuple[int, ...], mode: str, device, generated: int = 8) -> float:
+    """Seconds to move one request (`prompt`, `generated` tokens so far) from one engine to another on `device`,
+    from the export to the target's admission: `kv` (its KV copied in process), `wire` (the states through their
+    safetensors bytes), `reprefill` (no KV: a one-pass re-prefill at admission). Eager engines: a fresh engine
+    would capture a new prefill graph inside the timed region."""
+    src = NativeEngine(model, EngineConfig(2, cuda_graph=False))
+    dst = NativeEngine(model, EngineConfig(2, reprefill="single_pass", cuda_graph=False))
+    src.add(Request("x", prompt, SamplingParams(temperature=1.0, max_new_tokens=64), seed=1))
+    for _ in range(generated - 1):  # step 1: prefill samples a token and decode samples one more
+        src.step()
+    sync(device)
+    t0 = time.perf_counter()
+    states = src.export_state(["x"])
+    if mode == "reprefill":
+        states = [st.without_kv() for st in states]
+    if mode == "wire":
+        states = states_from_bytes(states_to_bytes(states), device)
+    dst.import_state(states, staged=True)
+    src.commit_export(["x"])
+    dst.activate(["x"])
+    dst.admit()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    assert len(states[0].token_ids) == generated
+    return seconds
+
+
 def migration(a, device, dtype, report):
     generated = 8
     args, m, _ = build(a.model, max(a.contexts) + 64, device, dtype)
     rows = []
     for ctx in a.contexts:
         prompt = tuple(prompts(args, 1, ctx - generated, seed=ctx)[0].tolist())
-        params = SamplingParams(temperature=1.0, max_new_tokens=64)
-        res = {"kv": [], "wire": [], "reprefill": []}
+        res: dict[str, list[float]] = {"kv": [], "wire": [], "reprefill": []}
         for rep in range(a.repeats + 1):  # the first round warms up
             for mode in res:
-                # eager engines: a fresh engine would capture a new prefill graph inside the timed region
-                src = NativeEngine(m, EngineConfig(2, cuda_graph=False))
-                dst = NativeEngine(m, EngineConfig(2, reprefill="single_pass", cuda_graph=False))
-                src.add(Request("x", prompt, params, seed=1))
-                for _ in range(generated - 1):  # step 1: prefill samples a token and decode samples one more
-                    src.step()
-                sync(device)
-                t0 = time.perf_counter()
-                states = src.export_state(["x"])
-                if mode == "reprefill":
-                    states = [st.without_kv() for st in states]
-                if mode == "wire":
-                    states = states_from_bytes(states_to_bytes(states), device)
-                dst.import_state(states, staged=True)
-                src.commit_export(["x"])
-                dst.activate(["x"])
-                dst.admit()
-                sync(device)
+                seconds = timed_move(m, prompt, mode, device, generated)
                 if rep:
-                    res[mode].append(time.perf_counter() - t0)
-                assert len(states[0].token_ids) == generated
-                del src, dst
+                    res[mode].append(seconds)
         kv, wire, rp = (statistics.median(res[k]) for k in ("kv", "wire", "reprefill"))
         rows.append({"context_tokens": ctx, "kv_move_s": kv, "kv_move_wire_s": wire, "reprefill_s": rp,
                      "ratio": kv / rp, "ratio_wire": wire / rp})

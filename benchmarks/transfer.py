@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.core.provenance import commit
-from tidal.engine.generation import EngineConfig, NativeEngine, Request, SamplingParams
+from tidal.engine.generation import EngineConfig, NativeEngine
 from tidal.engine.generation.migration import recv_blob, send_blob
 from tidal.engine.model import ModelArgs, Transformer, param_specs
 from tidal.engine.testing import run_ranks
@@ -92,7 +92,7 @@ from tidal.engine.transfer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/: the shared helpers
-from rollout import CPU_MODEL, QWEN25_1_5B, build, copy_bandwidth, machine, prompts, sync
+from rollout import CPU_MODEL, QWEN25_1_5B, build, copy_bandwidth, machine, prompts, sync, timed_move
 
 MODELS = {"qwen2.5-1.5b": QWEN25_1_5B, "cpu": CPU_MODEL}
 GOALS = {"kv_ratio_max": 0.1, "bandwidth_ratio_min": 0.5, "weight_sync_s_max": 0.1}
@@ -210,27 +210,8 @@ def reprefill(model: Transformer, args: ModelArgs, ctx: int, repeats: int, devic
     """Rank 1: the no-KV move of one request of `ctx` tokens (export without KV, staged import, one-pass
     re-prefill at admission), as `benchmarks/rollout.py`'s migration times it; every timed round."""
     prompt = tuple(prompts(args, 1, ctx - GENERATED, seed=ctx)[0].tolist())
-    params = SamplingParams(temperature=1.0, max_new_tokens=64)
-    times = []
-    for rep in range(repeats + 1):   # the first round warms up
-        src = NativeEngine(model, EngineConfig(2, cuda_graph=False))
-        dst = NativeEngine(model, EngineConfig(2, reprefill="single_pass", cuda_graph=False))
-        src.add(Request("x", prompt, params, seed=1))
-        for _ in range(GENERATED - 1):   # step 1: prefill samples a token and decode samples one more
-            src.step()
-        sync(device)
-        t0 = time.perf_counter()
-        states = [st.without_kv() for st in src.export_state(["x"])]
-        dst.import_state(states, staged=True)
-        src.commit_export(["x"])
-        dst.activate(["x"])
-        dst.admit()
-        sync(device)
-        if rep:
-            times.append(time.perf_counter() - t0)
-        assert len(states[0].token_ids) == GENERATED
-        del src, dst
-    return times
+    times = [timed_move(model, prompt, "reprefill", device, GENERATED) for _ in range(repeats + 1)]
+    return times[1:]   # the first round warms up
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
