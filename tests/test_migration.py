@@ -25,6 +25,7 @@ from tidal.engine.generation.migration import (
 )
 from tidal.engine.model import ModelArgs, Transformer, init_global_weights
 from tidal.engine.testing import run_ranks
+from tidal.engine.transfer import copy_blocks
 
 ARGS = ModelArgs(vocab_size=37, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
                  max_seq_len=40)
@@ -143,6 +144,42 @@ def test_failed_migration_leaves_requests_running_on_the_source():
     out = {}
     while src.has_work():
         collect(src.step(), out)
+    assert {rid: (r.token_ids, r.logprobs, r.finish_reason) for rid, r in out.items()} == want
+
+
+def test_kv_lands_in_blocks_the_target_takes_and_a_state_without_free_blocks_re_prefills():
+    """In place, a state names its blocks and carries no KV; the target takes blocks for those it has room for
+    (the block copy fills them, and at admission the slot takes them as they are) and re-prefills the others;
+    every request ends as unmigrated (the target's small pool also preempts: exact on CPU)."""
+    m, reqs = model(), requests(WIDTH, seed=4)
+    want = reference(m, reqs)
+    src = NativeEngine(m, EngineConfig(WIDTH))
+    for r in reqs:
+        src.add(r)
+    for _ in range(3):
+        src.step()
+    ids = src.request_ids()
+    states = src.export_state(ids, in_place=True)
+    block_bytes = src.cache.block_nbytes
+    assert all(st.kv is None and st.kv_blocks and st.kv_nbytes == len(st.kv_blocks) * block_bytes for st in states)
+    per_request = -(-ARGS.max_seq_len // src.cache.block_size)
+    dst = NativeEngine(m, EngineConfig(WIDTH, kv_budget_bytes=(per_request + 1) * block_bytes))
+    dst.import_state(states, staged=True)
+    into = {st.request_id: dst.kv_destination(st.request_id) for st in states}
+    assert 0 < sum(b is not None for b in into.values()) < len(states), into   # room for some only
+    for st in states:
+        if into[st.request_id] is not None:
+            copy_blocks(src.kv_pool, st.kv_blocks, dst.kv_pool, into[st.request_id])
+    src.commit_export(ids)
+    dst.activate(ids)
+    out = {}
+    collect(dst.step(), out)
+    parked = next(rid for rid, b in into.items() if b is not None and rid not in out)
+    (st,) = dst.export_state([parked], in_place=True)
+    assert st.kv_blocks[:len(into[parked])] == tuple(into[parked])   # its slot holds the blocks it landed in
+    dst.cancel_export([parked])
+    while dst.has_work():
+        collect(dst.step(), out)
     assert {rid: (r.token_ids, r.logprobs, r.finish_reason) for rid, r in out.items()} == want
 
 
