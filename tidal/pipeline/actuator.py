@@ -187,7 +187,7 @@ class RayActuator:
     def _exchange(self, wave: list[Move]) -> tuple[list[MoveResult], dict[int, list[int]]]:
         """One call per device and phase: each source exports its moves' counts in wave order (small packages;
         the KV stays in its blocks) and streams the KV of its point-to-point moves; each target, at once, imports
-        its packages in wave order, taking the KV by each move's route (`WorkerGroup.kv_route`; the transfer
+        its packages in wave order, taking the KV by each move's route (`WorkerGroup.transfer_route`; the transfer
         layer, never the object store or the driver). Every device runs its transfers in wave order, so no two
         wait on each other. Returns each move's result and the moves per source."""
         g = self.group
