@@ -150,7 +150,7 @@ def _real_control_loop(cfg: Any, policy: Any, state: Any) -> ControlLoop:
     cluster = Cluster(None, ledger, Timeline(), lambda: 0.0)   # type: ignore[arg-type]
     p, tp = cfg.placement, cfg.actor.tensor_parallel_size
     actuator = RayActuator(cluster, lambda devices: None, lambda d: {},
-                           Homes(Layout(tp, len(p.actor) // tp, p.actor), p.rollout, p.inference))
+                           Homes(Layout(tp, len(p.actor) // tp, p.actor), p.rollout, p.inference), lambda loads: [])
     return ControlLoop(cfg, policy, state, cluster, ledger, actuator)
 
 

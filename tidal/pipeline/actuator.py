@@ -39,7 +39,7 @@ from tidal.engine.layout import Layout
 from tidal.engine.reshard.commit import prepare_programs
 from tidal.pipeline.cluster import Cluster, StepState
 from tidal.pipeline.placement import Homes, LivePlacement
-from tidal.workers.messages import MoveResult, PackageRef, ReshardReport
+from tidal.workers.messages import KVRoute, MoveResult, PackageRef, ReshardReport
 from tidal.workers.roles import EngineWeights
 from tidal.workers.runtime import CallHandle
 
@@ -75,7 +75,7 @@ class RayActuator:
 
     def __init__(self, cluster: Cluster, drain: Callable[[set[int]], None],
                  engine_load: Callable[[int], tuple[EngineWeights, int]], homes: Homes,
-                 peer_sends: Callable[[Sequence[tuple[int, EngineWeights]]], list[CallHandle[int]]] = lambda _: []):
+                 peer_sends: Callable[[Sequence[tuple[int, EngineWeights]]], list[CallHandle[int]]]):
         self.c, self.group, self.ledger, self.calls = cluster, cluster.group, cluster.ledger, cluster.endpoints
         self.drain, self.engine_load, self.peer_sends = drain, engine_load, peer_sends
         self.program_inputs: ProgramInputs | None = None
@@ -184,12 +184,12 @@ class RayActuator:
             self._migrate_wave(wave, out)
         return out
 
-    def _exchange(self, wave: list[Move]) -> tuple[list[MoveResult], dict[int, list[int]]]:
+    def _exchange(self, wave: list[Move]) -> tuple[list[MoveResult], dict[int, list[int]], list[KVRoute]]:
         """One call per device and phase: each source exports its moves' counts in wave order (small packages;
         the KV stays in its blocks) and streams the KV of its point-to-point moves; each target, at once, imports
         its packages in wave order, taking the KV by each move's route (`WorkerGroup.transfer_route`; the transfer
         layer, never the object store or the driver). Every device runs its transfers in wave order, so no two
-        wait on each other. Returns each move's result and the moves per source."""
+        wait on each other. Returns each move's result, the moves per source and each move's route."""
         g = self.group
         by_src: dict[int, list[int]] = {}
         by_dst: dict[int, list[int]] = {}
@@ -225,14 +225,14 @@ class RayActuator:
                     res[k] = replace(r, receipt=pkg.receipt())
                 except Exception:  # noqa: BLE001 - the export itself failed: nothing to settle
                     pass
-        return res, by_src
+        return res, by_src, routes
 
     def _migrate_wave(self, wave: list[Move], out: dict[str, Any]) -> None:
         c, st = self.c, self._st
         t_idle = c.clock()
         self.drain({d for s, t, _ in wave for d in (s, t)})
         t0 = c.clock()
-        res, by_src = self._exchange(wave)
+        res, by_src, routes = self._exchange(wave)
         failed = [(k, r.error) for k, r in enumerate(res) if not r.ok]
         # each source settles its exports: commit, or cancel where the import failed
         settles = [self.calls.rollout.settle_exports(s, [rec for k in ks if (rec := res[k].receipt) is not None],
@@ -248,10 +248,10 @@ class RayActuator:
         phases = {"drain": t0 - t_idle, "fetch": max((r.fetch_s for r in res), default=0.0),
                   "import": max((r.import_s for r in res), default=0.0)}
         first = True   # the wave's first recorded move carries its seconds for the tables (`wave_first`)
-        for (src, dst, _), r in zip(wave, res):
+        for (src, dst, _), r, route in zip(wave, res, routes):
             if not r.ok or r.summary is None:
                 continue
-            m, route = r.summary, self.group.transfer_route(src, dst)
+            m = r.summary
             st.moved(src, dst, m)
             c.record("migration", step=st.step, src=src, dst=dst, groups=m.groups, requests=m.requests,
                      kv_bytes=m.kv_bytes, mode="reprefill" if route == "reprefill" else "kv", route=route,

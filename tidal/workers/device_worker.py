@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.workers.store_audit import StoreAudit
+from tidal.workers.store_audit import StoreAudit, tensor_bytes
 
 CONTROL_GROUP = "control"
 
@@ -199,7 +199,9 @@ class DeviceWorker:
             self._busy = (fn_path, time.monotonic())
         try:
             result = fn(self._ctx, *args, **kwargs)
-            self._audit.note(fn_path, result)   # the result goes back through Ray's object store
+            nbytes = tensor_bytes(result)   # the result goes back through Ray's object store
+            with self._lock:   # `store_audit` reads and resets it from the control thread
+                self._audit.record(fn_path, nbytes)
             return result
         finally:
             with self._lock:

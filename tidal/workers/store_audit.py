@@ -48,9 +48,11 @@ class StoreAudit:
         self.largest: dict[str, int] = {}
 
     def note(self, name: str, value: Any) -> None:
-        n = tensor_bytes(value)
-        if n > self.largest.get(name, -1):
-            self.largest[name] = n
+        self.record(name, tensor_bytes(value))
+
+    def record(self, name: str, nbytes: int) -> None:
+        if nbytes > self.largest.get(name, -1):
+            self.largest[name] = nbytes
 
     def take(self, reset: bool = True) -> dict[str, int]:
         out = dict(self.largest)

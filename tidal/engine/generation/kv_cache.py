@@ -221,21 +221,6 @@ class PagedKVCache:
             return pool[idx].transpose(0, 1).reshape(h, -1, d)[:, :length].contiguous()
         return [(one(self.k[layer]), one(self.v[layer])) for layer in range(self.num_layers)]
 
-    def write_blocks(self, blocks: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Per-layer (k, v) [H_kv, L, D] into the first L positions of `blocks` (held by no slot yet); returns L."""
-        length = kv[0][0].shape[1]
-        n = self.blocks_for(length)
-        assert len(blocks) >= n, f"{len(blocks)} blocks hold fewer than {length} positions"
-        idx = torch.tensor(blocks[:n], dtype=torch.long, device=self.device)
-        pad = n * self.block_size - length
-        for layer, (k, v) in enumerate(kv):
-            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-                x = x.to(self.device, self.dtype)
-                if pad:   # the last block's tail: positions past L, never read unmasked
-                    x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1)
-                pool.index_copy_(0, idx, x.reshape(x.shape[0], n, self.block_size, x.shape[2]).transpose(0, 1))
-        return length
-
     # ---- the model's `kv_cache` hooks -------------------------------------------------------------------
     def prefill_writer(self, slots: torch.Tensor) -> _PrefillWriter:
         return _PrefillWriter(self, slots)
