@@ -73,22 +73,18 @@ def _export(engine: GenerationEngine, ids: Sequence[str], reprefill: bool) -> li
     pool (`kv_pool`), as tensors where it has none, dropped for a re-prefill."""
     if reprefill:
         return [st.without_kv() for st in engine.export_state(ids)]
-    if getattr(engine, "kv_pool", None) is None:
-        return engine.export_state(ids)
-    return engine.export_state(ids, in_place=True)  # type: ignore[call-arg]
+    return engine.export_state(ids, in_place=engine.kv_pool is not None)
 
 
 def _pool(engine: GenerationEngine) -> torch.Tensor:
-    return engine.kv_pool  # type: ignore[attr-defined]
-
-
-def _destination(engine: GenerationEngine, rid: str) -> list[int] | None:
-    return engine.kv_destination(rid)  # type: ignore[attr-defined]
+    pool = engine.kv_pool
+    assert pool is not None, "only an engine with a paged pool names blocks or takes them"
+    return pool
 
 
 def _wanted(states: Sequence[RequestState], engine: GenerationEngine) -> list[int]:
     """Per state, 1 where the target took blocks for its KV (the source streams them), else 0."""
-    return [int(st.kv_blocks is not None and _destination(engine, st.request_id) is not None) for st in states]
+    return [int(st.kv_blocks is not None and engine.kv_destination(st.request_id) is not None) for st in states]
 
 
 def migrate(source: GenerationEngine, target: GenerationEngine, ids: Sequence[str] | None = None,
@@ -104,7 +100,7 @@ def migrate(source: GenerationEngine, target: GenerationEngine, ids: Sequence[st
         raise MigrationFailed(f"migration of {len(ids)} requests failed on the target, they continue on the "
                               f"source: {e}") from e
     for st in states:
-        into = _destination(target, st.request_id) if st.kv_blocks is not None else None
+        into = target.kv_destination(st.request_id) if st.kv_blocks is not None else None
         if st.kv_blocks is not None and into is not None:
             copy_blocks(_pool(source), st.kv_blocks, _pool(target), into)
     source.commit_export(ids)
@@ -227,7 +223,7 @@ def receive_requests(engine: GenerationEngine, src: int, group=None, device: tor
         send_ints(wanted, src, group)
     for st, w in zip(states, wanted):
         if w:
-            recv_blocks(_pool(engine), cast(list[int], _destination(engine, st.request_id)), src, group)
+            recv_blocks(_pool(engine), cast(list[int], engine.kv_destination(st.request_id)), src, group)
     _send_flag(1, src, group)
     commit = _recv_flag(src, group)
     if commit == 1:

@@ -204,7 +204,20 @@ class GenerationEngine(ABC):
     def abort(self, ids: Sequence[str]) -> None: ...
 
     @abstractmethod
-    def export_state(self, ids: Sequence[str]) -> list[RequestState]: ...
+    def export_state(self, ids: Sequence[str], in_place: bool = False) -> list[RequestState]:
+        """Freeze `ids` and return their states; `in_place` asks the KV to stay in this engine's blocks, named by
+        the states (`RequestState.kv_blocks`), where the engine has a paged pool (`kv_pool`)."""
+
+    @property
+    def kv_pool(self) -> torch.Tensor | None:
+        """The paged KV pool the transfer layer reads and writes block by block; None: this engine has none (its
+        states carry KV as tensors, or none)."""
+        return None
+
+    def kv_destination(self, rid: str) -> list[int] | None:
+        """The blocks of `kv_pool` a staged request's KV lands in, in the source's order; None: the engine
+        re-prefills it (no pool, or no free blocks), so its source sends no KV."""
+        return None
 
     @abstractmethod
     def commit_export(self, ids: Sequence[str]) -> None: ...

@@ -452,8 +452,9 @@ class VLLMEngine(GenerationEngine):
         for rid in ids:
             self._forget(rid, "aborted")
 
-    def export_state(self, ids: Sequence[str]) -> list[RequestState]:
-        """Freeze: vLLM gives up the requests (abort) after reporting their generator states; no KV leaves."""
+    def export_state(self, ids: Sequence[str], in_place: bool = False) -> list[RequestState]:
+        """Freeze: vLLM gives up the requests (abort) after reporting their generator states; no KV leaves
+        (`in_place` changes nothing: there is no pool to name blocks of)."""
         self._need_ready("export_state")
         ids = self._check_ids("export_state", ids, False)
         states = self._server.call("export", self.config.op_timeout_s, ids=ids)["states"] if ids else {}
