@@ -340,6 +340,23 @@ class AlgorithmConfig(Section):
         0.0, ge=0,
         description="KL-to-reference coefficient of the GRPO loss (k3 estimator; RLinf: algorithm.kl_beta). `tidal "
                     "train` and `tidal validate` take 0 only: the pipeline keeps no reference model.")
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None,
+        description="Off-policy correction by truncated importance sampling (TIS): each token's policy-gradient term "
+                    "times min(pi_old / pi_sampler, rollout_is_threshold), per token or with the sequence's product; "
+                    "null: none (verl: algorithm.rollout_correction.rollout_is). Needs rollout.temperature 1.")
+    rollout_is_threshold: float = Field(
+        2.0, gt=0, le=1e6,
+        description="The cap of rollout_is's weights (verl: algorithm.rollout_correction.rollout_is_threshold).")
+    use_decoupled_loss: bool = Field(
+        False,
+        description="Decoupled PPO: each token's term times pi_old / pi_sampler, 0 where that exceeds "
+                    "behav_imp_weight_cap (AReaL: actor.use_decoupled_loss). Not with rollout_is. Needs "
+                    "rollout.temperature 1.")
+    behav_imp_weight_cap: float | None = Field(
+        None, gt=0, le=1e6,
+        description="Decoupled PPO's cap: tokens whose weight exceeds it drop out of the loss; null keeps every "
+                    "weight (AReaL: actor.behav_imp_weight_cap).")
 
 
 class DataConfig(Section):

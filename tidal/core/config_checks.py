@@ -36,6 +36,7 @@ def check_cross_fields(cfg: TidalConfig) -> None:
                           f"give at least {cfg.max_seq_len} (e.g. 8 x that for 8 sequences), or null")
     _check_actor_backend(cfg)
     _check_run_policies(cfg)
+    _check_rollout_correction(cfg)
 
 
 def _check_parallel_sizes(cfg: TidalConfig) -> None:
@@ -146,3 +147,22 @@ def _check_actor_backend(cfg: TidalConfig) -> None:
                           "`transformer_engine` is not installed here",
                           "install it (pip install 'transformer_engine[pytorch]', CUDA only), or set "
                           "actor.megatron_transformer_engine: auto (TE where it imports) or false")
+
+
+def _check_rollout_correction(cfg: TidalConfig) -> None:
+    """One off-policy correction at a time, its cap only with it, and a sampler whose log-probs are the policy's
+    (the actor's log-probs carry no temperature; tidal/engine/rollout_correction.py)."""
+    a = cfg.algorithm
+    if a.rollout_is is not None and a.use_decoupled_loss:
+        raise ConfigError("algorithm.use_decoupled_loss", True, f"and algorithm.rollout_is={a.rollout_is} are two "
+                          "corrections of the same ratio",
+                          "choose one: drop use_decoupled_loss or set rollout_is: null")
+    if a.behav_imp_weight_cap is not None and not a.use_decoupled_loss:
+        raise ConfigError("algorithm.behav_imp_weight_cap", a.behav_imp_weight_cap,
+                          "is read only by the decoupled loss", "set algorithm.use_decoupled_loss: true or drop it")
+    if (a.rollout_is is not None or a.use_decoupled_loss) and cfg.rollout.temperature != 1.0:
+        key = "algorithm.rollout_is" if a.rollout_is is not None else "algorithm.use_decoupled_loss"
+        raise ConfigError(key, a.rollout_is or True, f"weighs the sampler's log-probs against the actor's, and "
+                          f"rollout.temperature={cfg.rollout.temperature:g} makes them two different policies "
+                          "(the actor's carry no temperature)", "sample at rollout.temperature: 1, or drop the "
+                          "correction")

@@ -30,6 +30,9 @@ Where this deviates from the paper, and why:
 - KL: Schulman's k3 estimator of KL(pi || pi_ref), in the loss (as the paper does), evaluated at the
   sampled tokens; `kl_coef=0` skips it and needs no reference log-probs.
 - Clip: `clip_eps_high` (DAPO's "clip-higher") may widen the upper bound; by default it equals clip_eps.
+- Off-policy correction (`correction`, tidal/engine/rollout_correction.py): each token's clipped term times a
+  detached weight pi_old / pi_behaviour from the sampler's own log-probs (`behav_logprobs_BT`), truncated (TIS)
+  or masked above a cap (decoupled PPO); off by default.
 
 Layout of a packed batch (`pack_samples`), B sequences right-padded to T:
 
@@ -64,6 +67,7 @@ import torch
 
 from tidal.core.errors import TidalError
 from tidal.engine.records import RolloutGroup, ScoredGroup
+from tidal.engine.rollout_correction import Correction, importance_weights
 from tidal.engine.shapes import micro_batches, padded_len
 
 ADV_EPS = 1e-6
@@ -101,6 +105,9 @@ class ScoredSample:
     """[len(response_ids)] fp32."""
     ref_logprobs: torch.Tensor | None
     """[len(response_ids)] fp32, or None without a reference model."""
+    behav_logprobs: torch.Tensor | None = None
+    """[len(response_ids)]: the sampler's own log-probs (`RolloutGroup.rollout_logprobs`), the behaviour policy
+    of an off-policy correction."""
 
     @property
     def num_response_tokens(self) -> int:
@@ -126,7 +133,7 @@ def flatten_groups(groups: Iterable[ScoredGroup], eps: float = ADV_EPS,
         adv = group_advantages(torch.tensor([g.rewards], dtype=torch.float64), eps, scale_by_std)[0]
         for i, resp in enumerate(g.response_ids):
             out.append(ScoredSample(g.group_id, i, g.prompt_ids, resp, float(adv[i]), g.old_logprobs[i],
-                                    None if g.ref_logprobs is None else g.ref_logprobs[i]))
+                                    None if g.ref_logprobs is None else g.ref_logprobs[i], g.rollout_logprobs[i]))
     return out
 
 
@@ -210,6 +217,8 @@ class GRPOBatch:
     """[B, T-1] fp32: inference's log-probs on response columns, 0 elsewhere."""
     ref_logprobs_BT: torch.Tensor | None
     """[B, T-1] fp32 like old_logprobs under the reference model, or None."""
+    behav_logprobs_BT: torch.Tensor | None = None
+    """[B, T-1] fp32 like old_logprobs, the sampler's own (packed for an off-policy correction), or None."""
 
     @property
     def num_tokens(self) -> int:
@@ -220,9 +229,10 @@ class GRPOBatch:
         """This batch on `device` (the actor's), copied once per iter rather than per use."""
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
-        ref = self.ref_logprobs_BT
+        ref, behav = self.ref_logprobs_BT, self.behav_logprobs_BT
         return GRPOBatch(move(self.input_ids_BT), move(self.response_mask_BT), move(self.advantages_BT),
-                         move(self.old_logprobs_BT), None if ref is None else move(ref))
+                         move(self.old_logprobs_BT), None if ref is None else move(ref),
+                         None if behav is None else move(behav))
 
 
 def _scatter(mask_BT: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -231,8 +241,10 @@ def _scatter(mask_BT: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Ten
     return out
 
 
-def pack_samples(samples: Sequence[ScoredSample], pad_id: int, seq_len: int | None = None) -> GRPOBatch:
-    """A micro-batch from samples (any subset of an iter)."""
+def pack_samples(samples: Sequence[ScoredSample], pad_id: int, seq_len: int | None = None,
+                 behaviour: bool = False) -> GRPOBatch:
+    """A micro-batch from samples (any subset of an iter); `behaviour`: with the sampler's log-probs (an
+    off-policy correction needs them)."""
     ids, mask = pack_sequences([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id, seq_len)
     has_ref = {s.ref_logprobs is not None for s in samples}
     if len(has_ref) > 1:
@@ -240,7 +252,13 @@ def pack_samples(samples: Sequence[ScoredSample], pad_id: int, seq_len: int | No
     adv = _scatter(mask, [torch.full((s.num_response_tokens,), s.advantage) for s in samples])
     old = _scatter(mask, [s.old_logprobs for s in samples])
     ref = _scatter(mask, [cast(torch.Tensor, s.ref_logprobs) for s in samples]) if has_ref == {True} else None
-    return GRPOBatch(ids, mask, adv, old, ref)
+    behav = None
+    if behaviour:
+        if any(s.behav_logprobs is None for s in samples):
+            raise ValueError("an off-policy correction needs every sample's behaviour log-probs (ScoredSample."
+                             "behav_logprobs, from the group's rollout_logprobs)")
+        behav = _scatter(mask, [cast(torch.Tensor, s.behav_logprobs) for s in samples])
+    return GRPOBatch(ids, mask, adv, old, ref, behav)
 
 
 def build_batch(groups: Iterable[ScoredGroup], pad_id: int, eps: float = ADV_EPS,
@@ -269,7 +287,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logprobs_BT: torch.Tensor, batch: GRPOBatch, num_tokens_in_iter: int, *, clip_eps: float = 0.2,
-              clip_eps_high: float | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+              clip_eps_high: float | None = None, kl_coef: float = 0.0,
+              correction: Correction | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The SUM-style loss of a micro-batch: per-token terms summed over its response tokens, divided by
     the response tokens of the whole iter. Summing this over the iter's micro-batches (and DP ranks) gives
     the iter's loss and gradients exactly.
@@ -286,6 +305,9 @@ def grpo_loss(logprobs_BT: torch.Tensor, batch: GRPOBatch, num_tokens_in_iter: i
                          "response tokens; pass count_response_tokens(iter samples)")
     if kl_coef > 0 and batch.ref_logprobs_BT is None:
         raise ValueError("kl_coef > 0 needs reference log-probs in the batch (ScoredGroup.ref_logprobs)")
+    if correction is not None and batch.behav_logprobs_BT is None:
+        raise ValueError("an off-policy correction needs the sampler's log-probs in the batch "
+                         "(pack_samples(..., behaviour=True))")
     mask = batch.response_mask_BT
     lp = logprobs_BT.float()
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
@@ -293,6 +315,12 @@ def grpo_loss(logprobs_BT: torch.Tensor, batch: GRPOBatch, num_tokens_in_iter: i
     logratio = torch.where(mask, lp - batch.old_logprobs_BT.to(lp.device), zero)
     pg_tok, clipped = ppo_clip_loss(logratio, batch.advantages_BT.to(lp.device), clip_eps,
                                     clip_eps if clip_eps_high is None else clip_eps_high)
+    weights = capped = None
+    if correction is not None:
+        weights, capped = importance_weights(batch.old_logprobs_BT.to(lp.device),
+                                             cast(torch.Tensor, batch.behav_logprobs_BT).to(lp.device), mask,
+                                             correction)
+        pg_tok = pg_tok * weights
     per_tok = pg_tok
     inv_n = 1.0 / num_tokens_in_iter
 
@@ -308,6 +336,9 @@ def grpo_loss(logprobs_BT: torch.Tensor, batch: GRPOBatch, num_tokens_in_iter: i
             "grpo/kl_old": float(tok_sum(kl_k3(logratio, torch.zeros_like(logratio)))),
             "grpo/tokens": float(n_mb),
         }
+        if weights is not None and capped is not None:   # sum-style shares of the iter's token means
+            metrics["rollout_is/weight_mean"] = float(tok_sum(weights))
+            metrics["rollout_is/capped_frac"] = float(tok_sum(capped.float()))
     if batch.ref_logprobs_BT is not None:
         ref = torch.where(mask, batch.ref_logprobs_BT.to(lp.device), zero)
         kl_tok = kl_k3(torch.where(mask, lp, zero), ref)

@@ -40,6 +40,7 @@ from tidal.engine.model import ModelArgs, Transformer, init_global_weights, para
 from tidal.engine.optim import OptimConfig
 from tidal.engine.prompt_source import TaskSource
 from tidal.engine.rl_tasks import Task
+from tidal.engine.rollout_correction import correction_for
 from tidal.engine.verifier import Verifier
 from tidal.engine.warmstart import EvalPoint, WarmStartSpec, plateaued, task_examples, warm_start
 from tidal.pipeline.checkpointing import resume, save, saved_step
@@ -173,7 +174,9 @@ def run_spec(cfg: TidalConfig, inputs: RunInputs) -> RunSpec:
                    gpu_memory_utilization=r.gpu_memory_utilization, dtype=cfg.actor.dtype,
                    activation_checkpointing=cfg.actor.activation_checkpointing, backend=cfg.actor.backend,
                    backend_options={"transformer_engine": cfg.actor.megatron_transformer_engine}
-                   if cfg.actor.backend == "megatron" else {})
+                   if cfg.actor.backend == "megatron" else {},
+                   correction=correction_for(cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
+                                             cfg.algorithm.use_decoupled_loss, cfg.algorithm.behav_imp_weight_cap))
 
 
 class TrainingRun:

@@ -53,6 +53,7 @@ from tidal.engine.model import ModelArgs, Transformer, compute_dtype, param_spec
 from tidal.engine.optim import OptimConfig
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.reshard import PreparedProgram
+from tidal.engine.rollout_correction import Correction
 from tidal.engine.transfer import (
     BucketLayout,
     CudaIpcTensor,
@@ -122,6 +123,8 @@ class RunSpec:
     """`actor.backend`: the registry name of the actor's training engine (`make_backend`)."""
     backend_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments only that backend takes (megatron: `transformer_engine`)."""
+    correction: Correction | None = None
+    """The loss's off-policy correction (`algorithm.rollout_is` / `use_decoupled_loss`), or None."""
 
 
 @dataclass
@@ -247,7 +250,8 @@ def _grpo_loss_fn(spec: RunSpec) -> tuple[LossFn, list[dict[str, float]]]:
 
     def loss_fn(model: Transformer, batch: Any, num_tokens_in_iter: int) -> torch.Tensor:
         logprobs, entropy = model.token_logprobs_entropy(batch.input_ids_BT)
-        loss, metrics = grpo_loss(logprobs, batch, num_tokens_in_iter, clip_eps=spec.clip_eps, kl_coef=spec.kl_coef)
+        loss, metrics = grpo_loss(logprobs, batch, num_tokens_in_iter, clip_eps=spec.clip_eps, kl_coef=spec.kl_coef,
+                                  correction=spec.correction)
         # the policy's entropy per response token (a sum-style share of the iter's mean, like grpo_loss's metrics)
         metrics["grpo/entropy"] = float((entropy * batch.response_mask_BT).sum()) / num_tokens_in_iter
         collected.append(metrics)
@@ -271,7 +275,8 @@ def actor_train_iter(ctx: WorkerContext, samples: list[ScoredSample] | ObjectRef
     spec, tok = roles_of(ctx).run, roles_of(ctx).tok
     scored: list[ScoredSample] = _resolve(samples)
     # shapes follow the tokens (tidal/engine/shapes.py): the same micro-batches whatever the DP size
-    batches = [pack_samples([scored[i] for i in idx], tok.pad_id, width).to(ctx.device)
+    batches = [pack_samples([scored[i] for i in idx], tok.pad_id, width, behaviour=spec.correction is not None)
+               .to(ctx.device)
                for idx, width in actor_micro_batches(spec, scored)]
     loss_fn, loss_metrics = _grpo_loss_fn(spec)
     cuda = ctx.device.type == "cuda"
