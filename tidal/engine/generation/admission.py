@@ -195,6 +195,21 @@ class RequestTable:
                                  key=lambda lv: lv.admitted), drew)
         self.cache.upload()
 
+    def requeue_for_reprefill(self) -> None:
+        """Every request's KV dropped (the weights that computed it changed): running ones leave their slots for
+        the head of the queue in admission order, waiting ones give up imported KV; each re-prefills its prompt
+        and replays its tokens at its next admission. Not counted as preemptions."""
+        for live in sorted(self.running(), key=lambda lv: lv.admitted, reverse=True):
+            self.free_slot(live)
+            live.kv_len, live.replay = 0, deque()
+            self.waiting.appendleft(live.request.request_id)
+        for rid in self.waiting:
+            live = self.live[rid]
+            if live.parked is not None:
+                self.cache.give(live.parked)
+                live.parked = None
+            live.pending_kv, live.kv_len = None, 0
+
     def preempt(self, live: Live, drew: Sequence[Drawn]) -> None:
         """Free a request's slot and blocks and put it first in line; re-admitted, it re-prefills its prompt
         and replays its tokens through decode rows (its KV rebuilt bit for bit on CPU). Its draw in the step

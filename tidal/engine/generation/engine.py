@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Literal, cast
 
 import torch
 
@@ -78,7 +78,7 @@ from tidal.engine.generation.decode_step import DecodeStep, Launched, draws, pla
 from tidal.engine.generation.engine_setup import CPU_KV_BLOCK, CPU_ROW_MULTIPLE, EngineConfig, EngineSetup
 from tidal.engine.generation.kv_cache import PagedKVCache
 from tidal.engine.generation.prefill import Prefill
-from tidal.engine.generation.protocol import EngineStatus, GenerationEngine, check_prompt
+from tidal.engine.generation.protocol import EngineBusyError, EngineStatus, GenerationEngine, check_prompt
 from tidal.engine.generation.requests import Request, RequestEvent, RequestResult, RequestState
 from tidal.engine.generation.slots import Live, SlotParams
 from tidal.engine.model import EAGER, Transformer
@@ -222,6 +222,8 @@ class NativeEngine(GenerationEngine):
                 live.generator.set_state(state)
 
     def _record(self, live: Live, token: int, logprob: float, events: list[RequestEvent]) -> None:
+        if not live.version_starts or live.version_starts[-1][1] != self._version:
+            live.version_starts.append((len(live.tokens), self._version))
         live.tokens.append(token)
         live.logprobs.append(logprob)
         self.tokens_generated += 1
@@ -238,7 +240,8 @@ class NativeEngine(GenerationEngine):
             return
         rid = live.request.request_id
         result = RequestResult(rid, live.request.prompt_ids, tuple(live.tokens), tuple(live.logprobs), reason,
-                               cast(int, live.version), live.migrations)  # set when it sampled a token
+                               cast(int, live.version), live.migrations,   # set when it sampled a token
+                               tuple(live.version_starts))
         self._table.remove(rid, "finished")
         events.append(RequestEvent(rid, *new, result=result))
 
@@ -327,13 +330,27 @@ class NativeEngine(GenerationEngine):
         for name, p in own.items():
             p.copy_(weights[name])
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int,
+                       in_flight: Literal["keep", "recompute"] | None = None) -> None:
+        """Load `weights` as policy `version`. Without `in_flight` the engine must be idle. With it, requests in
+        flight continue under the new weights (a partial rollout), each token recording the version it was
+        sampled with (`RequestResult.version_starts`): `keep` continues on the KV the old weights computed;
+        `recompute` frees their KV, and each re-prefills its prompt and replays its tokens under the new weights
+        at its next admission (the KV the new weights give, no token drawn again). Requests frozen by a
+        migration in progress are refused: commit or cancel it first."""
         self._need_ready("update_weights")
-        self._need_idle("update_weights")
+        if in_flight is None:
+            self._need_idle("update_weights")
+        frozen = [rid for rid, live in self._live.items() if live.frozen]
+        if frozen:
+            raise EngineBusyError(f"update_weights: {len(frozen)} requests are exported ({frozen[:4]}); commit or "
+                                  "cancel their migration before the weights change")
         self._discard_launched()
         self._check_version(version)
         self._load(weights)
         self._version = version
+        if in_flight == "recompute":
+            self._table.requeue_for_reprefill()
 
     def release_memory(self, offload: bool = False, keep_weights: bool = False) -> None:
         """Free KV and weights (parameters become empty). `offload`: keep a host copy for `resume()`.

@@ -36,7 +36,7 @@ def export_state(live: Live, cache: PagedKVCache, numerics: str, in_place: bool 
     if in_place and blocks is not None:
         return RequestState(live.request, list(live.tokens), list(live.logprobs), live.generator.get_state(),
                             live.version, None, live.kv_len, numerics, live.migrations, tuple(blocks),
-                            cache.layout, len(blocks) * cache.block_nbytes)
+                            cache.layout, len(blocks) * cache.block_nbytes, tuple(live.version_starts))
     if live.parked is not None:
         kv, kv_len = cache.read_blocks(live.parked, live.kv_len), live.kv_len
     elif live.slot is not None:
@@ -46,7 +46,8 @@ def export_state(live: Live, cache: PagedKVCache, numerics: str, in_place: bool 
     else:
         kv, kv_len = None, 0
     return RequestState(live.request, list(live.tokens), list(live.logprobs), live.generator.get_state(),
-                        live.version, kv, kv_len, numerics if kv is not None else "", live.migrations)
+                        live.version, kv, kv_len, numerics if kv is not None else "", live.migrations,
+                        version_starts=tuple(live.version_starts))
 
 
 def live_from_state(st: RequestState, batch_ids: list[str], live: Mapping[str, Live], version: int,
@@ -61,7 +62,7 @@ def live_from_state(st: RequestState, batch_ids: list[str], live: Mapping[str, L
     gen = torch.Generator()
     gen.set_state(st.generator_state.to("cpu", torch.uint8))
     out = Live(st.request, gen, list(st.token_ids), list(st.logprobs), st.policy_version,
-               migrations=st.num_migrations + 1)
+               migrations=st.num_migrations + 1, version_starts=[(int(i), int(v)) for i, v in st.version_starts])
     if st.kv is not None:
         _check_kv(st, st.kv, where, args, num_kv_heads, numerics)
         out.pending_kv = st.kv

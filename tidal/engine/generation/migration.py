@@ -124,7 +124,8 @@ def states_to_bytes(states: Sequence[RequestState]) -> bytes:
                      "num_layers": None if st.kv is None else len(st.kv), "kv_len": st.kv_len,
                      "numerics": st.numerics, "num_migrations": st.num_migrations,
                      "kv_blocks": None if st.kv_blocks is None else list(st.kv_blocks),
-                     "kv_layout": st.kv_layout, "kv_nbytes": st.kv_nbytes})
+                     "kv_layout": st.kv_layout, "kv_nbytes": st.kv_nbytes,
+                     "version_starts": [list(run) for run in st.version_starts]})
     return st_save(tensors, metadata={_META_KEY: json.dumps(meta)})
 
 
@@ -146,7 +147,8 @@ def states_from_bytes(blob: bytes, device: torch.device | str = "cpu") -> list[R
         out.append(RequestState(Request.from_meta(m["request"]), list(m["token_ids"]), list(m["logprobs"]),
                                 tensors[f"{i}.gen"], m["policy_version"], kv, int(m["kv_len"]), m["numerics"],
                                 int(m["num_migrations"]), None if blocks is None else tuple(int(b) for b in blocks),
-                                str(m.get("kv_layout", "")), int(m.get("kv_nbytes", 0))))
+                                str(m.get("kv_layout", "")), int(m.get("kv_nbytes", 0)),
+                                tuple((int(i), int(v)) for i, v in m.get("version_starts", ()))))
     return out
 
 

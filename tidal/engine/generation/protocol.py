@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -107,10 +107,11 @@ def check_importable(st, batch_ids: Sequence[str], live: Mapping[str, object], v
     if rid in live or list(batch_ids).count(rid) > 1:
         raise GenerationError(f"{where} is already here (a request runs in exactly one place; "
                               "commit or cancel the earlier migration first)")
-    if st.policy_version is not None and st.policy_version != version:
-        raise GenerationError(f"{where} sampled with policy version {st.policy_version} but this engine holds "
-                              f"version {version}; a response never mixes policies: migrate within one "
-                              "RL step, before the weight update")
+    current = st.current_version
+    if current is not None and current != version:
+        raise GenerationError(f"{where} sampled with policy version {current} but this engine holds "
+                              f"version {version}; a response changes policy only where its engine's weights are "
+                              "updated: migrate between engines of one version")
     return where
 
 
@@ -232,7 +233,10 @@ class GenerationEngine(ABC):
     def activate(self, ids: Sequence[str]) -> None: ...
 
     @abstractmethod
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int,
+                       in_flight: Literal["keep", "recompute"] | None = None) -> None:
+        """Load `weights` as policy `version`; idle engines only, unless `in_flight` says what requests in flight
+        do under the new weights (a partial rollout: `keep` their KV, `recompute` it)."""
 
     @abstractmethod
     def release_memory(self, offload: bool = False) -> None: ...

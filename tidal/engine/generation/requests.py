@@ -119,7 +119,12 @@ class RequestResult:
     finish_reason: str
     """"stop" (a stop token), "length" (max_new_tokens or the model's max_seq_len)."""
     policy_version: int
+    """The version of the weights its first token was sampled with (the oldest of its tokens')."""
     num_migrations: int = 0
+    version_starts: tuple[tuple[int, int], ...] = ()
+    """(first token index, policy version) of each run of tokens sampled under one version, in order: more than
+    one where the weights were updated with the request in flight (a partial rollout); empty: every token under
+    `policy_version`."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,13 @@ class RequestState:
     """With `kv_blocks`: the source pool's block geometry (`PagedKVCache.layout`); the target's must be equal."""
     kv_nbytes: int = 0
     """With `kv_blocks`: the bytes those blocks hold over every layer (what the transfer moves)."""
+    version_starts: tuple[tuple[int, int], ...] = ()
+    """As `RequestResult.version_starts`: the runs of its tokens sampled under one version."""
+
+    @property
+    def current_version(self) -> int | None:
+        """The version its next token must be sampled with: its last run's (None: nothing sampled yet)."""
+        return self.version_starts[-1][1] if self.version_starts else self.policy_version
 
     @property
     def request_id(self) -> str:
@@ -172,4 +184,5 @@ class RequestState:
     def without_kv(self) -> RequestState:
         """The same request for the re-prefill path (tokens + generator state only)."""
         return RequestState(self.request, list(self.token_ids), list(self.logprobs), self.generator_state.clone(),
-                            self.policy_version, None, 0, "", self.num_migrations)
+                            self.policy_version, None, 0, "", self.num_migrations,
+                            version_starts=self.version_starts)

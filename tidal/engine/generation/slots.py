@@ -34,6 +34,9 @@ class Live:
     parked: list[int] | None = None  # blocks holding imported KV (kv_len positions), taken before it has a slot
     frozen: bool = False  # exported, waiting for commit/cancel
     migrations: int = 0
+    #: (first token index, policy version) of each run of tokens sampled under one version: weights updated
+    #: with the request in flight start a new run (`NativeEngine.update_weights(in_flight=...)`)
+    version_starts: list[tuple[int, int]] = field(default_factory=list)
 
     def all_tokens(self) -> list[int]:
         return list(self.request.prompt_ids) + self.tokens

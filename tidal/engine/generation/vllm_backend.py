@@ -71,7 +71,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Literal, cast
 
 import torch
 from safetensors.torch import save_file
@@ -523,9 +523,14 @@ class VLLMEngine(GenerationEngine):
                     gen.numpy().tobytes(), st.num_migrations + 1, False)
 
     # ---- weights and memory ------------------------------------------------------------------------------
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Write the new global weights to the private model dir; the server reloads them in place."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int,
+                       in_flight: Literal["keep", "recompute"] | None = None) -> None:
+        """Write the new global weights to the private model dir; the server reloads them in place. The server
+        reloads only between requests: a partial rollout (`in_flight`) is the native engine's."""
         self._need_ready("update_weights")
+        if in_flight is not None:
+            raise GenerationError(f"update_weights(in_flight={in_flight!r}): the vLLM backend reloads weights only "
+                                  "with no request in flight; finish or export them first")
         self._need_idle("update_weights")
         self._check_version(version)
         write_hf_model(self.model_dir, self.args, weights, self.config.dtype, self.hf_config)
