@@ -6,9 +6,12 @@ every one after it the new weights' (a plain forward over the whole sequence, no
 the old weights' KV: its tokens before the switch are the unswitched run's, bit for bit, and a request migrated
 after the switch continues exactly. Per-token versions survive migration and the wire format."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from tidal.core.errors import TidalError
 from tidal.engine.generation import EngineConfig, GenerationError, NativeEngine, Request, SamplingParams
 from tidal.engine.generation.migration import migrate, states_from_bytes, states_to_bytes
 from tidal.engine.generation.protocol import EngineBusyError
@@ -139,3 +142,51 @@ def test_an_update_with_requests_in_flight_needs_a_mode_and_no_migration_in_prog
     e.cancel_export(["p0"])
     e.update_weights(W1, 1, in_flight="keep")
     assert e.policy_version == 1
+
+
+def _replayed(original, in_flight, steps_before_update):
+    """The original's requests with its version_starts as their schedules, on a fresh engine: the engine is
+    stepped `steps_before_update` times (requests reaching their switch wait there), then stepped until every
+    scheduled request waits, then takes W1; the rest runs to the end."""
+    e = NativeEngine(_model(W0), EngineConfig(8))
+    for r in _requests():
+        e.add(dataclasses.replace(r, version_schedule=original[r.request_id].version_starts))
+    out = {}
+    for _ in range(steps_before_update):
+        out.update({ev.request_id: ev.result for ev in e.step() if ev.finished})
+    while e.num_held() < len(e.request_ids()):
+        out.update({ev.request_id: ev.result for ev in e.step() if ev.finished})
+    e.update_weights(W1, 1, in_flight=in_flight)
+    return _finish([e], out)
+
+
+@pytest.mark.parametrize("in_flight", ["keep", "recompute"])
+def test_a_partial_rollout_replayed_with_its_schedule_is_the_same_bit_for_bit(in_flight):
+    original = _switched(in_flight)
+    for steps in (1, SWITCH_AFTER, 20):   # the update comes earlier than, as, or later than the original's
+        replay = _replayed(original, in_flight, steps)
+        assert set(replay) == set(original)
+        for rid, r in original.items():
+            assert (replay[rid].token_ids, replay[rid].logprobs, replay[rid].version_starts) == \
+                (r.token_ids, r.logprobs, r.version_starts), (rid, steps)
+
+
+def test_a_schedule_is_checked_and_holds_back_the_update_until_every_request_reaches_it():
+    with pytest.raises(TidalError, match="version_schedule"):
+        Request("x", (1, 2), SAMPLED, version_schedule=((1, 0),))
+    with pytest.raises(TidalError, match="version_schedule"):
+        Request("x", (1, 2), SAMPLED, version_schedule=((0, 1), (3, 1)))
+    r = Request("x", (1, 2), SAMPLED, version_schedule=((0, 0), (3, 1)))
+    assert [r.version_due(i) for i in range(5)] == [0, 0, 0, 1, 1]
+    assert Request.from_meta(r.to_meta()) == r
+    e = NativeEngine(_model(W0), EngineConfig(8))
+    e.add(r)
+    e.step()
+    with pytest.raises(EngineBusyError, match="scheduled under version 0 still to sample"):
+        e.update_weights(W1, 1, in_flight="keep")
+    for _ in range(6):
+        e.step()
+    assert e.num_held() == 1 and e.has_work()   # three tokens, then it waits for version 1
+    e.update_weights(W1, 1, in_flight="keep")
+    (res,) = _finish([e], {}).values()
+    assert res.version_starts == ((0, 0), (3, 1))

@@ -17,7 +17,7 @@ Example::
 
     table = RequestTable(cache, params, width=8, max_seq_len=64, reprefill="replay")
     table.enqueue(live)
-    jobs = table.admit()   # [(live, token ids to prefill)], in admission order
+    jobs = table.admit(version)   # [(live, token ids to prefill)], in admission order
 """
 
 from __future__ import annotations
@@ -96,17 +96,18 @@ class RequestTable:
         self.params.clear(slot)
 
     # ---- admission -----------------------------------------------------------------------------------------
-    def admit(self) -> list[tuple[Live, list[int]]]:
+    def admit(self, version: int) -> list[tuple[Live, list[int]]]:
         """Waiting requests into free slots (module doc), moved KV written into their blocks; the prefills this
-        admission needs, in admission order: (request, the token ids to prefill). Uploads the slots' sampling
-        params and the block table."""
+        admission needs, in admission order: (request, the token ids to prefill). A request whose first token is
+        scheduled under a version newer than `version` keeps its place, like a frozen one. Uploads the slots'
+        sampling params and the block table."""
         skipped: list[str] = []
         jobs: list[tuple[Live, list[int]]] = []
         # running requests that may still need a block: admission leaves one free block for each
         growing = sum(1 for rid in self.slots if rid is not None and self._may_grow(self.live[rid]))
         while self.waiting and None in self.slots:
             live = self.live[self.waiting[0]]
-            if live.frozen:
+            if live.frozen or (not live.tokens and live.held_at(0, version)):
                 skipped.append(self.waiting.popleft())
                 continue
             slot = self.slots.index(None)

@@ -58,10 +58,11 @@ def draws(lives: list[Live], sampling: list[bool]) -> list[float]:
             for lv, s in zip(lives, sampling)]
 
 
-def plan_rows(table: RequestTable, ahead: dict[int, bool], num_rows: int
+def plan_rows(table: RequestTable, ahead: dict[int, bool], num_rows: int, version: int
               ) -> tuple[list[Row], list[int], list[int], list[bool]]:
     """The rows of the step being launched and each slot's input token, position and whether it takes the
-    in-flight step's token (`ahead`: that step's rows, by `id` of their request: True if sampling there)."""
+    in-flight step's token (`ahead`: that step's rows, by `id` of their request: True if sampling there). A
+    request whose next token is scheduled under a version newer than `version` gets no sampling row."""
     ids, pos, prev = [0] * num_rows, [0] * num_rows, [False] * num_rows
     rows: list[Row] = []
     for slot, rid in enumerate(table.slots):
@@ -75,6 +76,8 @@ def plan_rows(table: RequestTable, ahead: dict[int, bool], num_rows: int
         replay = len(live.replay) - (was is False)   # recorded tokens still to feed after the in-flight step
         if was is True and table.finishes_by_length(live, 1):
             continue   # ends in the in-flight step: no row here (its throw-away write lands past its tokens)
+        if replay <= 0 and live.held_at(len(live.tokens) + (was is True), version):
+            continue   # waits for its scheduled version (its K/V write, if any, lands again when it resumes)
         if was is True:
             prev[slot] = True
         elif replay > 0:

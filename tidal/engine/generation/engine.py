@@ -135,6 +135,10 @@ class NativeEngine(GenerationEngine):
     def free_slots(self) -> int:
         return self._table.slots.count(None)
 
+    def num_held(self) -> int:
+        """Requests waiting for a newer version at their next token (`Request.version_schedule`)."""
+        return sum(1 for live in self._live.values() if live.held_at(len(live.tokens), self._version))
+
     # ---- requests in -------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self._check_new(request)
@@ -168,7 +172,7 @@ class NativeEngine(GenerationEngine):
     def _admit(self, events: list[RequestEvent]) -> None:
         """Admission (`RequestTable.admit`), then its prefills; a prompt's first token is sampled from its
         prefill's logits, a re-prefilled request replays its recorded tokens through decode rows."""
-        jobs = self._table.admit()
+        jobs = self._table.admit(self._version)
         p = self._params
         for (live, _), logits in zip(jobs, self._prefill.run(jobs)):
             if live.tokens:
@@ -192,7 +196,7 @@ class NativeEngine(GenerationEngine):
         yet, whose rows this one continues (input token from the device, position + 1). None: no active row."""
         ahead = {id(lv): samples for lv, _, samples in inflight.rows} if inflight is not None else {}
         self._table.grow(ahead, inflight.drew if inflight is not None else ())
-        rows, ids, pos, prev = plan_rows(self._table, ahead, self.rows)
+        rows, ids, pos, prev = plan_rows(self._table, ahead, self.rows, self._version)
         if not rows:
             return None
         return self._decode_step.launch(rows, ids, pos, prev)
@@ -345,6 +349,12 @@ class NativeEngine(GenerationEngine):
         if frozen:
             raise EngineBusyError(f"update_weights: {len(frozen)} requests are exported ({frozen[:4]}); commit or "
                                   "cancel their migration before the weights change")
+        early = [rid for rid, live in self._live.items()
+                 if live.request.version_schedule and not live.held_at(len(live.tokens), self._version)]
+        if early:
+            raise EngineBusyError(f"update_weights: {len(early)} requests ({early[:4]}) have tokens scheduled under "
+                                  f"version {self._version} still to sample; step until num_held() counts every "
+                                  "scheduled request")
         self._discard_launched()
         self._check_version(version)
         self._load(weights)

@@ -21,6 +21,7 @@ sample_index)`, a hash (not a sum), so neighbouring groups or steps never share 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,11 @@ class Request:
     seed: int = 0
     stream: bool = False
     """Emit a `RequestEvent` for every token (else only when finished)."""
+    version_schedule: tuple[tuple[int, int], ...] = ()
+    """The versions its tokens must be sampled under, as (first token index, policy version) runs (a replay of a
+    partial rollout's `RequestResult.version_starts`): it waits at a run's first token until its engine holds
+    that run's version, and its engine takes no newer weights before it reaches that token. Empty: whatever
+    version the engine holds."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -97,15 +103,31 @@ class Request:
         if len(self.prompt_ids) == 0:
             raise TidalError("prompt_ids", self.request_id, "prompt is empty", "give at least one token (e.g. bos)")
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        sched = tuple((int(i), int(v)) for i, v in self.version_schedule)
+        if sched and (sched[0][0] != 0 or any(a[0] >= b[0] or a[1] >= b[1] for a, b in itertools.pairwise(sched))):
+            raise TidalError("version_schedule", sched, f"request {self.request_id!r}: runs must start at token 0 "
+                             "with token indices and versions both increasing", "replay a result's version_starts")
+        object.__setattr__(self, "version_schedule", sched)
+
+    def version_due(self, index: int) -> int | None:
+        """The version token `index` must be sampled under (`version_schedule`); None: any."""
+        due = None
+        for start, version in self.version_schedule:
+            if start > index:
+                break
+            due = version
+        return due
 
     def to_meta(self) -> dict:
         return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids), "seed": self.seed,
-                "stream": self.stream, "params": self.params.to_meta()}
+                "stream": self.stream, "params": self.params.to_meta(),
+                "version_schedule": [list(run) for run in self.version_schedule]}
 
     @staticmethod
     def from_meta(meta: dict) -> Request:
         return Request(str(meta["request_id"]), tuple(meta["prompt_ids"]), SamplingParams.from_meta(meta["params"]),
-                       int(meta["seed"]), bool(meta["stream"]))
+                       int(meta["seed"]), bool(meta["stream"]),
+                       tuple((int(i), int(v)) for i, v in meta.get("version_schedule", ())))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ class Live:
     def all_tokens(self) -> list[int]:
         return list(self.request.prompt_ids) + self.tokens
 
+    def held_at(self, index: int, version: int) -> bool:
+        """Its token `index` is scheduled under a version newer than `version` (`Request.version_schedule`)."""
+        due = self.request.version_due(index)
+        return due is not None and due > version
+
 
 class SlotParams:
     """Per-slot temperature, top-p and top-k on the device (`temp`, `top_p`, `top_k`; inactive slots are greedy
