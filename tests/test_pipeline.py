@@ -122,8 +122,9 @@ def _check_object_store(audit, run, model_bytes):
     assert not moved or any(e["kv_bytes"] > 0 for e in moved), moved[:2]   # a waiting request moves no KV
 
 
-def _run(tmp_path, name, overrides, policy=None, base=TINY):
-    """(the run, what it trained: `training_equality.Trained`, groups scored per step, versions per step)"""
+def _run(tmp_path, name, overrides, policy=None, base=TINY, metrics=None):
+    """(the run, what it trained: `training_equality.Trained`, groups scored per step, versions per step);
+    `metrics`: a list each step's metrics are appended to."""
     cfg = build_config(base, [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     run = TrainingRun(cfg, tmp_path / name)
     run.policy = policy
@@ -135,7 +136,9 @@ def _run(tmp_path, name, overrides, policy=None, base=TINY):
         model_bytes = sum(t.numel() * t.element_size() for t in run.pipe.global_weights().values())
         group.store_audit()   # from here on: what the steps send through Ray's object store
         for _ in range(cfg.run.num_steps):
-            run.step()
+            step_metrics = run.step()
+            if metrics is not None:
+                metrics.append(step_metrics)
             _check_object_store(group.store_audit(), run, model_bytes)
             st = run.pipe.step_state
             scored.append(sorted(st.scored))
@@ -210,6 +213,26 @@ def test_dynamic_run_equals_static_run(tmp_path, family, hf_run_inputs):
     assert all(e["prepared"] for e in events if e["kind"] == "reshard")
     assert sum(e["requests"] for e in events if e["kind"] == "migration") > 0  # in-flight requests moved (KV)
     assert static.rewards == dynamic.rewards
+    assert_same_training(s_trained, d_trained)
+
+
+def test_an_off_policy_correction_keeps_dynamic_equal_to_static(tmp_path):
+    """`algorithm.rollout_is: sequence` weighs each token by its sequence's pi_old / pi_sampler (TIS): the weights
+    come with the samples, so the scripted reshards and migrations leave the update bit for bit; the weights are
+    active in every iter (their metrics) and near 1 here (sampler and scorer share the model's CPU numerics)."""
+    waves = ["rollout.max_running_requests=4", "data.rollout_batch_size=32", "algorithm.rollout_is=sequence"]
+    seen: dict[str, list[dict[str, float]]] = {"static": [], "dynamic": []}
+    _, s_trained, s_scored, _ = _run(tmp_path, "static", waves, metrics=seen["static"])
+    dynamic, d_trained, d_scored, _ = _run(tmp_path, "dynamic", ["cluster.auto_scheduler=true", *waves], scripted,
+                                           metrics=seen["dynamic"])
+    assert s_scored == d_scored == [list(range(32))] * 2
+    assert sum(e["kind"] == "reshard" for e in dynamic.pipe.cluster.events) >= 6
+    for name, steps in seen.items():
+        for m in steps:
+            assert 0.9 < m["rollout_is/weight_mean"] < 1.1, (name, m["rollout_is/weight_mean"])
+            assert 0 <= m["rollout_is/capped_frac"] < 0.1, (name, m["rollout_is/capped_frac"])
+    for s_m, d_m in zip(seen["static"], seen["dynamic"]):   # the same weights, summed over other DP sizes
+        assert d_m["rollout_is/weight_mean"] == pytest.approx(s_m["rollout_is/weight_mean"], rel=1e-5)
     assert_same_training(s_trained, d_trained)
 
 
