@@ -313,6 +313,11 @@ class RolloutConfig(Section):
                     "preempted and re-prefilled when none is free). On a device shared with the "
                     "actor, count what the actor keeps resident there while it generates (see `actor.offload_*`). CPU "
                     "devices: unused.")
+    partial: Literal["keep", "recompute"] = Field(
+        "keep",
+        description="An asynchronous run's requests in flight at a weight sync continue under the new weights (a "
+                    "partial rollout): `keep` their KV cache, or `recompute` it (re-prefilled under the new "
+                    "weights, as AReaL's interruptible generation). Read with algorithm.max_staleness >= 1.")
     slices_ahead: int = Field(
         2, ge=1, le=4,
         description="Generation time slices (0.1 s) kept queued per instance holding work: with 2 the next slice "
@@ -340,6 +345,12 @@ class AlgorithmConfig(Section):
         0.0, ge=0,
         description="KL-to-reference coefficient of the GRPO loss (k3 estimator; RLinf: algorithm.kl_beta). `tidal "
                     "train` and `tidal validate` take 0 only: the pipeline keeps no reference model.")
+    max_staleness: int = Field(
+        0, ge=0, le=8,
+        description="Asynchronous steps: rollout generates groups of up to this many steps ahead while the actor "
+                    "trains, every token sampled under weights at most this many versions older than those the "
+                    "step trains from (0: synchronous, on-policy). Static placements of rollout on its own devices "
+                    "(AReaL: max_head_offpolicyness; verl: async_training.staleness_threshold).")
     rollout_is: Literal["token", "sequence"] | None = Field(
         None,
         description="Off-policy correction by truncated importance sampling (TIS): each token's policy-gradient term "

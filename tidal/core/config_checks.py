@@ -37,6 +37,7 @@ def check_cross_fields(cfg: TidalConfig) -> None:
     _check_actor_backend(cfg)
     _check_run_policies(cfg)
     _check_rollout_correction(cfg)
+    _check_async(cfg)
 
 
 def _check_parallel_sizes(cfg: TidalConfig) -> None:
@@ -166,3 +167,24 @@ def _check_rollout_correction(cfg: TidalConfig) -> None:
                           f"rollout.temperature={cfg.rollout.temperature:g} makes them two different policies "
                           "(the actor's carry no temperature)", "sample at rollout.temperature: 1, or drop the "
                           "correction")
+
+
+def _check_async(cfg: TidalConfig) -> None:
+    """What asynchronous steps (`algorithm.max_staleness` >= 1) run on: rollout instances on devices of their own,
+    on a placement the scheduler does not move (tidal/pipeline/ahead.py)."""
+    k = cfg.algorithm.max_staleness
+    if not k:
+        return
+    if cfg.cluster.auto_scheduler:
+        raise ConfigError("algorithm.max_staleness", k, "asynchronous steps run on static placements: dynamic "
+                          "scheduling does not move instances holding later steps' groups",
+                          "set cluster.auto_scheduler: false, or algorithm.max_staleness: 0")
+    p = cfg.placement
+    shared = sorted(set(p.rollout) & (set(p.actor) | set(p.inference)))
+    if shared:
+        raise ConfigError("algorithm.max_staleness", k, f"needs rollout on devices of its own, and devices {shared} "
+                          "also hold the actor or inference (rollout there waits for them each step)",
+                          "place rollout on devices no other component uses, or set algorithm.max_staleness: 0")
+    if cfg.rollout.backend != "native":
+        raise ConfigError("algorithm.max_staleness", k, f"updates weights with requests in flight, which the "
+                          f"{cfg.rollout.backend} backend does not", "use rollout.backend: native")

@@ -360,7 +360,15 @@ def step_metrics(groups: Sequence[ScoredGroup], eps: float = ADV_EPS) -> dict[st
     lengths = torch.tensor([len(r) for g in groups for r in g.response_ids], dtype=torch.float64)
     reasons = [f for g in groups for f in g.finish_reasons]
     drift = torch.cat([(ro - old).abs() for g in groups for ro, old in zip(g.rollout_logprobs, g.old_logprobs)])
+    # version lag: how many updates older than the step's own weights each token's (each sample's oldest) were
+    token_lags = [g.step - v for g in groups for i in range(g.group_size) for v in g.token_versions(i)]
+    sample_lags = [g.step - min(g.token_versions(i), default=g.policy_version) for g in groups
+                   for i in range(g.group_size)]
+    lag_hist = {f"grpo/samples_at_lag_{j}": float(sample_lags.count(j)) for j in sorted(set(sample_lags))}
     return {
+        **lag_hist,
+        "grpo/version_lag_tokens_mean": sum(token_lags) / max(1, len(token_lags)),
+        "grpo/version_lag_max": float(max(sample_lags, default=0)),
         "grpo/reward_mean": float(rewards.mean()),
         "grpo/reward_std": float(rewards.std(correction=0)),
         "grpo/adv_std": float(advs.std(correction=0)),

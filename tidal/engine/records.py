@@ -101,6 +101,18 @@ class RolloutGroup:
     """Weights version the rollout engine generated with."""
     finish_reasons: tuple[FinishReason, ...]
     """G reasons: "eos" (wrote `<eos>`) or "length" (hit max_new_tokens)."""
+    version_starts: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per response, (first token index, policy version) of each run of its tokens sampled under one version
+    (`RequestResult.version_starts`); empty: every token under `policy_version`."""
+
+    def token_versions(self, i: int) -> list[int]:
+        """The policy version each token of response `i` was sampled under."""
+        runs = self.version_starts[i] if self.version_starts else ((0, self.policy_version),)
+        n = len(self.response_ids[i])
+        out: list[int] = []
+        for (start, version), nxt in zip(runs, [*(s for s, _ in runs[1:]), n]):
+            out.extend([version] * (min(nxt, n) - start))
+        return out
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,7 +151,7 @@ class RolloutGroup:
                ref_logprobs: tuple[torch.Tensor, ...] | None = None) -> ScoredGroup:
         """This group plus inference's log-probs."""
         return ScoredGroup(self.group_id, self.step, self.prompt_ids, self.response_ids, self.rollout_logprobs,
-                           self.rewards, self.policy_version, self.finish_reasons,
+                           self.rewards, self.policy_version, self.finish_reasons, self.version_starts,
                            old_logprobs=old_logprobs, inference_version=inference_version,
                            ref_logprobs=ref_logprobs)
 

@@ -46,6 +46,7 @@ from tidal.engine.layout import Layout
 from tidal.engine.prompt_source import PromptSource
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.actuator import RayActuator
+from tidal.pipeline.ahead import Ahead, step_groups
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepResult, StepState, StepTrace
 from tidal.pipeline.control import ControlLoop
 from tidal.pipeline.faults import Recovery, overdue
@@ -126,6 +127,7 @@ class Pipeline:
         #: static placements whose components share devices: who waits for whom there (tidal.pipeline.sharing)
         self.sharing = Sharing.of(p, cfg.actor)
         self.data_pos = DataPosition()
+        self._next_pos = DataPosition()   # the stream's position after the running step's prompts
         #: the initial weights until start() has sent them: global tensors, or a checkpoint each worker reads itself
         self._weights: dict[str, torch.Tensor] | HFWeights | None = weights
         #: the policy versions the engines run (`tidal.pipeline.generations`)
@@ -134,8 +136,12 @@ class Pipeline:
         self.slice_s = 0.1  # rollout time slice: how often instances report (and can be migrated)
         self.gc = GcPauses.install()   # this process's collector pauses, reported per step
         self._next_check = 0.0         # when the step's loop next looks for dead workers
+        #: an asynchronous run's groups of later steps (`algorithm.max_staleness` >= 1; tidal.pipeline.ahead)
+        self.ahead = Ahead(cfg.algorithm.max_staleness, cfg.run.num_steps - 1,
+                           lambda pos: self.source.take(cfg.data.rollout_batch_size, pos)) \
+            if cfg.algorithm.max_staleness else None
         #: a lost rollout or inference device's work to the survivors (`tidal.pipeline.faults`)
-        self._recovery = Recovery(self.cluster, self.ledger, self._on_result, self.actuator)
+        self._recovery = Recovery(self.cluster, self.ledger, self._on_result, self.actuator, self.ahead)
         #: replacement workers for failed devices, back to the free pool once they answer (`cluster.replace_failed`)
         self.rejoin = Rejoin(self.cluster, self.ledger, spec)
 
@@ -235,13 +241,25 @@ class Pipeline:
         """Stream one step; `sync=False` leaves the weight sync to the caller (`sync_weights`, e.g. a flow task)."""
         cfg, c = self.cfg, self.cluster
         t_start = self.clock()
-        prompts, next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
-        groups = [PromptGroup(i, ids, label) for i, (ids, label) in enumerate(prompts)]
         if self.generations.unsynced:   # our invariant: the caller of run_step(sync=False) syncs before the next step
             raise RuntimeError("run_step: the previous step's weights were never synced (call sync_weights after "
                                "run_step(sync=False))")
-        st = StepState(step, deque(groups), len(groups), {g.group_id: g for g in groups}, t_start=t_start)
+        early = self.ahead.pop(step) if self.ahead is not None else None
+        if early is None:
+            prompts, next_pos = self.source.take(cfg.data.rollout_batch_size, self.data_pos)
+            groups = step_groups(step, prompts)
+            st = StepState(step, deque(groups), len(groups), {g.group_id: g for g in groups}, t_start=t_start)
+        else:   # generated ahead in part (an asynchronous run): in flight stays given, generated is scored first
+            next_pos = early.next_pos
+            st = StepState(step, early.queue, len(early.groups), early.groups, given=dict(early.given),
+                           t_start=t_start)
+            carried = [early.generated[gid] for gid in sorted(early.generated)]
+            st.generated = len(carried)
+            st.gen_time.update((r.group_id, t_start) for r in carried)
+            st.to_score.extend(carried)
+            st.measured.work["rollout/groups_generated_ahead"] = float(len(carried))
         self.step_state = st
+        self._next_pos = next_pos
         self._control.consult("start", st)
         n = cfg.algorithm.n_minibatches
         while st.iters_done < n:
@@ -385,25 +403,36 @@ class Pipeline:
         whatever the driver does meanwhile (applying a scheduler action: 0.1-0.7 s per step, instances stalled)."""
         st, c = self.step_state, self.cluster
         rollout = self.placement.rollout
-        share = -(-len(st.queue) // max(1, len(rollout)))
-        ahead = self.cfg.rollout.slices_ahead
-        room = {inst: ahead - c.calls(inst, CallKind.ROLLOUT) for inst in rollout}
+        slices_ahead = self.cfg.rollout.slices_ahead
+        room = {inst: slices_ahead - c.calls(inst, CallKind.ROLLOUT) for inst in rollout}
         open_ = [inst for inst in rollout if room[inst] > 0]
         give: dict[int, list[PromptGroup]] = {inst: [] for inst in open_}
         cap = self._capacity_groups()
-        dealt = True
-        while st.queue and dealt:
-            dealt = False
-            for inst in open_:
-                if st.queue and len(give[inst]) < share and st.given.get(inst, 0) + len(give[inst]) < cap:
-                    give[inst].append(st.queue.popleft())
-                    dealt = True
+        later = self.ahead.given_to if self.ahead is not None else (lambda inst: 0)
+
+        def deal(queue: deque[PromptGroup], given: Callable[[int], int]) -> dict[int, int]:
+            share = -(-len(queue) // max(1, len(rollout)))
+            dealt, took = True, dict.fromkeys(open_, 0)
+            while queue and dealt:
+                dealt = False
+                for inst in open_:
+                    if queue and took[inst] < share and given(inst) + len(give[inst]) < cap:
+                        give[inst].append(queue.popleft())
+                        took[inst] += 1
+                        dealt = True
+            return took
+
+        took = deal(st.queue, lambda inst: st.given.get(inst, 0) + later(inst))
+        if self.ahead is not None and not st.queue:   # the step's own groups all dealt: later steps' next
+            for a in self.ahead.dealable(st.step, self.generations.version, self._next_pos):
+                for inst, n in deal(a.queue, lambda inst: st.given.get(inst, 0) + later(inst)).items():
+                    a.dealt(inst, n)
         now = self.clock()
         for inst in open_:
-            if not give[inst] and st.given.get(inst, 0) == 0:
+            if not give[inst] and st.given.get(inst, 0) + later(inst) == 0:
                 continue  # nothing to do there
-            st.given[inst] = st.given.get(inst, 0) + len(give[inst])
-            st.total_given[inst] = st.total_given.get(inst, 0) + len(give[inst]) * self.cfg.algorithm.group_size
+            st.given[inst] = st.given.get(inst, 0) + took[inst]
+            st.total_given[inst] = st.total_given.get(inst, 0) + took[inst] * self.cfg.algorithm.group_size
             if inst in st.waiting_since:
                 gap = now - st.waiting_since.pop(inst)
                 st.measured.rollout_gap_s += gap
@@ -498,6 +527,9 @@ class Pipeline:
         if report.pumps > 0:
             st.measured.pump_samples.append(report.busy_s / report.pumps)
         c.timeline.add_busy([f.device], "rollout", "generate", t0, now)
+        if self.ahead is not None:   # later steps' groups wait for their step (module tidal.pipeline.ahead)
+            self.ahead.arrived(f.device, [r for r in records if r.step != st.step])
+            records = [r for r in records if r.step == st.step]
         st.given[f.device] = max(0, st.given.get(f.device, 0) - len(records))
         st.measured.rollout_busy_s += report.busy_s
         st.measured.rollout_gc_s += report.gc_s
@@ -506,7 +538,8 @@ class Pipeline:
         st.measured.add_work("work/rollout_prefill_tokens", report.call_prefill_tokens)
         st.measured.add_work("work/rollout_preemptions", report.call_preemptions)
         st.measured.rollout_call_s += now - t0
-        if st.given[f.device] and not c.calls(f.device, CallKind.ROLLOUT):
+        later = self.ahead.given_to(f.device) if self.ahead is not None else 0
+        if st.given[f.device] + later and not c.calls(f.device, CallKind.ROLLOUT):
             st.waiting_since[f.device] = now
         st.generated += len(records)
         st.gen_time.update((r.group_id, now) for r in records)

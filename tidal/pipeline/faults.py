@@ -42,6 +42,7 @@ from typing import Any
 
 from tidal.core.devices import DeviceFailure, DeviceLedger, Owner
 from tidal.pipeline.actuator import RayActuator
+from tidal.pipeline.ahead import Ahead
 from tidal.pipeline.cluster import CallKind, Cluster, Flight, StepState
 from tidal.workers.errors import WorkerDied
 
@@ -91,8 +92,9 @@ class Recovery:
     the work is done again (`generated`, `scored`: the driver hands it what comes back)."""
 
     def __init__(self, c: Cluster, ledger: DeviceLedger, handle: Callable[[Flight, Any], None],
-                 actuator: RayActuator):
+                 actuator: RayActuator, ahead: Ahead | None = None):
         self.c, self.ledger, self.handle, self.actuator = c, ledger, handle, actuator
+        self.ahead = ahead   # an asynchronous run's later steps, whose groups a lost instance held too
         self.redoing: list[Redo] = []   # recoveries whose redone groups are not all back
 
     def recoverable(self, device: int) -> bool:
@@ -166,14 +168,19 @@ class Recovery:
             per_instance.pop(d, None)
         survivors = list(self.actuator.placement.rollout)
         c.drain(self.handle, set(survivors))   # their slices end; what they finished reaches the driver first
-        held = c.group.gather(c.endpoints.rollout.holding(survivors))
-        lost = lost_groups(st.num_groups, st.gen_time, (g.group_id for g in st.queue), (i for h in held for i in h))
+        held = [key for keys in c.group.gather(c.endpoints.rollout.holding(survivors)) for key in keys]
+        lost = lost_groups(st.num_groups, st.gen_time, (g.group_id for g in st.queue),
+                           (gid for s, gid in held if s == st.step))
+        later = self.ahead.lost(d, held) if self.ahead is not None else {}   # back to their steps' queues
         # back to the front of the shared queue, which stays in group-id order
         st.queue.extend(st.groups[i] for i in lost)
         ordered = sorted(st.queue, key=lambda g: g.group_id)
         st.queue.clear()
         st.queue.extend(ordered)
-        return {"groups_regenerated": lost, "bytes": payload_bytes(st.groups[i] for i in lost)}
+        detail: dict[str, Any] = {"groups_regenerated": lost, "bytes": payload_bytes(st.groups[i] for i in lost)}
+        if later:
+            detail["later_groups_regenerated"] = {str(t): gids for t, gids in later.items()}
+        return detail
 
     def _inference_lost(self, d: int, st: StepState, lost_calls: list[Flight]) -> dict[str, Any]:
         self.actuator.lose(d)

@@ -176,7 +176,8 @@ def run_spec(cfg: TidalConfig, inputs: RunInputs) -> RunSpec:
                    backend_options={"transformer_engine": cfg.actor.megatron_transformer_engine}
                    if cfg.actor.backend == "megatron" else {},
                    correction=correction_for(cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold,
-                                             cfg.algorithm.use_decoupled_loss, cfg.algorithm.behav_imp_weight_cap))
+                                             cfg.algorithm.use_decoupled_loss, cfg.algorithm.behav_imp_weight_cap),
+                   partial=r.partial)
 
 
 class TrainingRun:

@@ -143,6 +143,8 @@ def continue_on_survivors(pipe: Pipeline, died: WorkerDied, generation: Path) ->
     c.inflight.clear()
     actuator.abandon_step()
     pipe.generations.forget()
+    if pipe.ahead is not None:
+        pipe.ahead.clear()   # the engines holding later steps' groups are dropped: drawn again when dealt
     g.gather(c.endpoints.worker.abandon_engines(g.live_ids))
     abandon_s = pipe.clock() - t0
     # 3. the placement without the lost devices

@@ -179,7 +179,7 @@ class RolloutCalls:
         """One time slice numbered `seq` (an interrupt `roles.ROLLOUT_INTERRUPT` up to `seq` ends it early)."""
         return self.group.submit(device, roles.rollout_run, groups=groups, budget_s=budget_s, seq=seq)
 
-    def holding(self, devices: Sequence[int]) -> list[CallHandle[list[int]]]:
+    def holding(self, devices: Sequence[int]) -> list[CallHandle[list[tuple[int, int]]]]:
         """The group ids each instance holds and has not returned."""
         return self.group.submit_all(roles.rollout_holding, devices)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from tidal.engine.backends.protocol import ActorBackend, PolicyModel, ProgramInp
 from tidal.engine.evaluation import EvalItem, greedy_accuracy
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
 from tidal.engine.generation.requests import SamplingParams
+from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.grpo import (
     ScoredSample,
     group_width,
@@ -125,6 +126,8 @@ class RunSpec:
     """Keyword arguments only that backend takes (megatron: `transformer_engine`)."""
     correction: Correction | None = None
     """The loss's off-policy correction (`algorithm.rollout_is` / `use_decoupled_loss`), or None."""
+    partial: Literal["keep", "recompute"] = "keep"
+    """`rollout.partial`: what requests in flight at a weight sync do under the new weights (`rollout_start`)."""
 
 
 @dataclass
@@ -550,6 +553,12 @@ def rollout_start(ctx: WorkerContext, instance_id: str, weights: EngineWeights |
     spec = roles.run
     loaded = None if weights is None else _weights(ctx, weights)
     old = roles.rollout
+    if old is not None and loaded is not None and old.version != version and _holds_work(old):
+        # an asynchronous run: groups of later steps are in flight here; they go on under the new weights
+        # (a partial rollout: `RunSpec.partial`), the instance's queue and finished groups kept
+        old.engine.update_weights(rollout_shard(spec.args, [loaded], 1, 0), version, in_flight=spec.partial)
+        old.version, old.step, old.inst.step = version, step, step
+        return instance_id
     if old is not None and old.version == version and loaded is None:
         engine = old.engine
     else:
@@ -566,11 +575,17 @@ def rollout_start(ctx: WorkerContext, instance_id: str, weights: EngineWeights |
     return instance_id
 
 
-def _to_record(g: FinishedGroup, verifier: Verifier, tok: Tokenizer, step: int) -> RolloutGroup:
+def _holds_work(r: RolloutSlot) -> bool:
+    """Groups queued, in the engine, or finished and not returned yet."""
+    return bool(r.queue.remaining() or r.inst.group_keys() or r.out)
+
+
+def _to_record(g: FinishedGroup, verifier: Verifier, tok: Tokenizer) -> RolloutGroup:
     rewards = tuple(verifier.score(g.label, tok.response_text(s.token_ids)) for s in g.samples)
-    return RolloutGroup(g.group_id, step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
+    return RolloutGroup(g.group_id, g.step, tuple(g.prompt_ids), tuple(tuple(s.token_ids) for s in g.samples),
                         tuple(torch.tensor(s.logprobs, dtype=torch.float32) for s in g.samples), rewards,
-                        g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples))
+                        g.policy_version, tuple("eos" if s.finish_reason == "stop" else "length" for s in g.samples),
+                        tuple(s.version_starts for s in g.samples))
 
 
 #: `WorkerGroup.interrupt` name that ends a `rollout_run` time slice after the engine pump in progress
@@ -604,7 +619,7 @@ def rollout_run(ctx: WorkerContext, groups: list[PromptGroup], budget_s: float, 
     finished, r.out[:] = list(r.out), []
     verifier, tok = roles.verifier, roles.tok
     timeouts0 = verifier.num_timeouts
-    records = [_to_record(g, verifier, tok, r.step) for g in finished]
+    records = [_to_record(g, verifier, tok) for g in finished]
     s = inst.signals()
     eng = r.engine  # tokens generated so far by unfinished requests (what the scheduler's length model needs)
     progress = sum(len(eng._live[rid].tokens) for rid in eng.request_ids()) if hasattr(eng, "_live") else 0
@@ -618,12 +633,14 @@ def rollout_run(ctx: WorkerContext, groups: list[PromptGroup], budget_s: float, 
         call_preemptions=getattr(eng, "preemptions", 0) - preempted0)
 
 
-def rollout_holding(ctx: WorkerContext) -> list[int]:
-    """Ids of the groups this instance holds and has not returned: waiting in its queue, open in its engine,
-    finished but not yet returned. The driver asks the survivors of a lost instance (their slices drained), so
-    what no one holds is what the lost one took with it."""
+def rollout_holding(ctx: WorkerContext) -> list[tuple[int, int]]:
+    """(step, group id) of the groups this instance holds and has not returned: waiting in its queue, open in its
+    engine, finished but not yet returned (later steps' too, in an asynchronous run). The driver asks the
+    survivors of a lost instance (their slices drained), so what no one holds is what the lost one took with it."""
     r = rollout_slot(ctx)
-    return sorted({*r.queue.group_ids(), *r.inst.group_ids(), *(g.group_id for g in r.out)})
+    inst = r.inst
+    return sorted({*((inst.step_of(g), g.group_id) for g in r.queue.groups()), *inst.group_keys(),
+                   *((g.step, g.group_id) for g in r.out)})
 
 
 def rollout_release(ctx: WorkerContext) -> int:

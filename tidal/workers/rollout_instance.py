@@ -44,16 +44,20 @@ from tidal.engine.generation.requests import Request, RequestResult, SamplingPar
 
 @dataclass(frozen=True)
 class PromptGroup:
-    """One prompt of the step; `group_size` samples are drawn from it."""
+    """One prompt of an RL step; `group_size` samples are drawn from it."""
 
     group_id: int
     prompt_ids: tuple[int, ...]
     label: PromptLabel | None = None
+    step: int | None = None
+    """The RL step it belongs to; None: its instance's (`RolloutInstance.step`). An asynchronous run gives an
+    instance groups of later steps too (generated under older weights)."""
 
 
 @dataclass(frozen=True)
 class RolloutGroup:
-    """A finished GRPO group: `samples[k]` is sample k; every sample carries the same policy version."""
+    """A finished GRPO group: `samples[k]` is sample k; `policy_version` is the oldest of its samples' (they differ
+    where the weights were updated while the group was in flight: a partial rollout)."""
 
     step: int
     group_id: int
@@ -109,6 +113,11 @@ class GroupQueue:
         with self._lock:
             return [g.group_id for g in self._groups]
 
+    def groups(self) -> list[PromptGroup]:
+        """The groups waiting here, front first."""
+        with self._lock:
+            return list(self._groups)
+
     def pop_back(self) -> PromptGroup:
         """The last group (migration takes not-started groups from the back)."""
         with self._lock:
@@ -125,9 +134,10 @@ def request_id(step: int, group_id: int, k: int) -> str:
     return f"s{step}/g{group_id}/i{k}"
 
 
-def _group_of(rid: str) -> tuple[int, int]:
-    _, g, k = rid.split("/")
-    return int(g[1:]), int(k[1:])
+def _group_of(rid: str) -> tuple[tuple[int, int], int]:
+    """((step, group id), sample index) of a request id."""
+    s, g, k = rid.split("/")
+    return (int(s[1:]), int(g[1:])), int(k[1:])
 
 
 class RolloutInstance:
@@ -139,7 +149,7 @@ class RolloutInstance:
         self.instance_id, self.engine, self.queue, self.emit = instance_id, engine, queue, emit
         self.params, self.group_size, self.run_seed, self.step = params, group_size, run_seed, step
         self.clock, self.rate_window_s = clock, rate_window_s
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[tuple[int, int], _Group] = {}   # by (step, group id)
         self._queue_empty = False
         self._emitted = 0
         self._tokens = 0
@@ -157,10 +167,11 @@ class RolloutInstance:
             if group is None:
                 self._queue_empty = True
                 break
-            self._groups[group.group_id] = _Group(group)
+            step = self.step_of(group)
+            self._groups[step, group.group_id] = _Group(group)
             for k in range(self.group_size):
-                self.engine.add(Request(request_id(self.step, group.group_id, k), group.prompt_ids, self.params,
-                                        derive_seed(self.run_seed, self.step, group.group_id, k)))
+                self.engine.add(Request(request_id(step, group.group_id, k), group.prompt_ids, self.params,
+                                        derive_seed(self.run_seed, step, group.group_id, k)))
             pulled += 1
         return pulled
 
@@ -179,18 +190,15 @@ class RolloutInstance:
             self._rate_samples.popleft()
         return made
 
+    def step_of(self, group: PromptGroup) -> int:
+        return self.step if group.step is None else group.step
+
     def _collect(self, result: RequestResult) -> None:
-        gid, k = _group_of(result.request_id)
-        g = self._groups[gid]
+        key, k = _group_of(result.request_id)
+        g = self._groups[key]
         assert k not in g.results, f"sample {result.request_id} finished twice"
         g.results[k] = result
-        if len(g.results) == self.group_size:
-            del self._groups[gid]
-            samples = tuple(g.results[i] for i in range(self.group_size))
-            versions = {s.policy_version for s in samples}
-            assert len(versions) == 1, f"group {gid} mixes policy versions {versions}"
-            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, versions.pop(), g.group.label))
-            self._emitted += 1
+        self._emit_if_complete(key)
 
     def done(self) -> bool:
         """True when the shared queue gave nothing more and every pulled group was emitted or moved away."""
@@ -207,6 +215,11 @@ class RolloutInstance:
                                self.engine.num_waiting(), self._tokens, rate, self._emitted, self.queue.remaining())
 
     def group_ids(self) -> list[int]:
+        """Ids of the open groups of this instance's step."""
+        return [gid for step, gid in self._groups if step == self.step]
+
+    def group_keys(self) -> list[tuple[int, int]]:
+        """(step, group id) of every open group, later steps' included."""
         return list(self._groups)
 
     def reopen(self) -> None:
@@ -214,29 +227,32 @@ class RolloutInstance:
         self._queue_empty = False
 
     def group_snapshot(self, gid: int) -> tuple[PromptGroup, dict[int, RequestResult]]:
-        """(the group, its finished samples) of an open group, for moving it to another process."""
-        g = self._groups[gid]
+        """(the group, its finished samples) of an open group of this instance's step, for moving it to another
+        process."""
+        g = self._groups[self.step, gid]
         return g.group, dict(g.results)
 
     def adopt_group(self, group: PromptGroup, results: dict[int, RequestResult]) -> None:
         """Take over an open group whose running samples were imported into this engine."""
-        if group.group_id in self._groups:
+        key = (self.step_of(group), group.group_id)
+        if key in self._groups:
             raise GenerationError(f"adopt_group: group {group.group_id} is already open on {self.instance_id}")
-        self._groups[group.group_id] = _Group(group, dict(results))
-        self._emit_if_complete(group.group_id)  # every sample may have finished before the move
+        self._groups[key] = _Group(group, dict(results))
+        self._emit_if_complete(key)  # every sample may have finished before the move
 
-    def _emit_if_complete(self, gid: int) -> None:
-        g = self._groups[gid]
+    def _emit_if_complete(self, key: tuple[int, int]) -> None:
+        g = self._groups[key]
         if len(g.results) == self.group_size:
-            del self._groups[gid]
+            del self._groups[key]
             samples = tuple(g.results[i] for i in range(self.group_size))
-            self.emit(RolloutGroup(self.step, gid, g.group.prompt_ids, samples, samples[0].policy_version,
-                                   g.group.label))
+            self.emit(RolloutGroup(key[0], key[1], g.group.prompt_ids, samples,
+                                   min(s.policy_version for s in samples), g.group.label))
             self._emitted += 1
 
     def drop_group(self, gid: int) -> None:
-        """Forget an open group that moved to another instance (its requests were committed away)."""
-        self._groups.pop(gid, None)
+        """Forget an open group of this instance's step that moved to another instance (its requests were
+        committed away)."""
+        self._groups.pop((self.step, gid), None)
 
 
 def migrate_groups(source: RolloutInstance, target: RolloutInstance, group_ids: Sequence[int] | None = None
@@ -250,14 +266,14 @@ def migrate_groups(source: RolloutInstance, target: RolloutInstance, group_ids: 
                               f"({source.step, source.group_size, source.run_seed} vs "
                               f"{target.step, target.group_size, target.run_seed})")
     gids = list(source.group_ids() if group_ids is None else group_ids)
-    unknown = [g for g in gids if g not in source._groups]
+    unknown = [g for g in gids if (source.step, g) not in source._groups]
     if unknown:
         raise GenerationError(f"migrate_groups: groups {unknown} are not in progress on {source.instance_id} "
                               f"(in progress: {source.group_ids()[:8]})")
-    wanted = set(gids)
+    wanted = {(source.step, g) for g in gids}
     ids = [rid for rid in source.engine.request_ids() if _group_of(rid)[0] in wanted]
     migrate(source.engine, target.engine, ids)
-    for gid in gids:
-        target._groups[gid] = source._groups.pop(gid)
+    for key in wanted:
+        target._groups[key] = source._groups.pop(key)
     # a group whose samples had all finished but one can now complete on the target only: nothing to do here
     return gids
