@@ -126,7 +126,7 @@ def documented_metrics() -> list[re.Pattern]:
     table = text[text.index("### Metrics and their units"):]
     names = [n for cell in re.findall(r"^\| (`[^|]+) \|", table, flags=re.M) for n in re.findall(r"`([^`]+)`", cell)]
     assert names
-    return [re.compile(re.sub(r"<[a-z_]+>", "[a-z_]+", re.escape(n)) + "$") for n in names]
+    return [re.compile(re.sub(r"<[a-z_]+>", "[a-z0-9_]+", re.escape(n)) + "$") for n in names]
 
 
 @pytest.mark.slow
