@@ -190,3 +190,20 @@ def test_a_schedule_is_checked_and_holds_back_the_update_until_every_request_rea
     e.update_weights(W1, 1, in_flight="keep")
     (res,) = _finish([e], {}).values()
     assert res.version_starts == ((0, 0), (3, 1))
+
+
+def test_a_groups_token_versions_and_the_steps_lag_metrics():
+    from tidal.engine.grpo import step_metrics
+    from tidal.engine.records import RecordError, RolloutGroup
+
+    lp = (torch.zeros(4), torch.zeros(2), torch.zeros(3))
+    g = RolloutGroup(0, 5, (1, 2), ((3, 4, 5, 6), (7, 8), (9, 9, 9)), lp, (1.0, 0.0, 1.0), 4,
+                     ("eos", "eos", "length"), (((0, 4), (2, 5)), ((0, 5),), ()))
+    assert [g.token_versions(i) for i in range(3)] == [[4, 4, 5, 5], [5, 5], [4, 4, 4]]
+    m = step_metrics([g.scored(lp, 5)])
+    assert (m["grpo/samples_at_lag_0"], m["grpo/samples_at_lag_1"]) == (1.0, 2.0)
+    assert m["grpo/version_lag_max"] == 1.0
+    assert m["grpo/version_lag_tokens_mean"] == pytest.approx(5 / 9)
+    with pytest.raises(RecordError, match="version_starts"):
+        RolloutGroup(0, 5, (1, 2), ((3,), (4,)), (torch.zeros(1), torch.zeros(1)), (1.0, 0.0), 4, ("eos", "eos"),
+                     (((0, 4),),))

@@ -107,7 +107,8 @@ class RolloutGroup:
 
     def token_versions(self, i: int) -> list[int]:
         """The policy version each token of response `i` was sampled under."""
-        runs = self.version_starts[i] if self.version_starts else ((0, self.policy_version),)
+        runs = self.version_starts[i] if self.version_starts and self.version_starts[i] else \
+            ((0, self.policy_version),)
         n = len(self.response_ids[i])
         out: list[int] = []
         for (start, version), nxt in zip(runs, [*(s for s, _ in runs[1:]), n]):
@@ -138,6 +139,9 @@ class RolloutGroup:
             raise RecordError(f"rewards must be {g} finite numbers, got {self.rewards!r}")
         if len(self.finish_reasons) != g or not set(self.finish_reasons) <= FINISH_REASONS:
             raise RecordError(f"finish_reasons must be {g} of {sorted(FINISH_REASONS)}, got {self.finish_reasons!r}")
+        if self.version_starts and len(self.version_starts) != g:
+            raise RecordError(f"version_starts must be empty or one run list per response ({g}), got "
+                              f"{len(self.version_starts)}")
 
     def check_matches(self, prompt: PromptGroup) -> None:
         """Raise unless this group answers `prompt` (same id, step, prompt, group size)."""
