@@ -221,7 +221,7 @@ def test_imports_inside_functions_keep_a_heavy_dependency_out():
 
 
 def test_the_driver_names_worker_functions_by_reference_not_by_string():
-    """Worker calls pass the function itself (`roles.rollout_run`): a typo is an import or attribute error where
+    """Worker calls pass the function itself (`roles_rollout.rollout_run`): a typo is an import or attribute error where
     the code is read, not a failure on a worker at run time."""
     path = re.compile(r"""["']tidal\.workers\.[a-z_.]+:[a-z_]+["']""")
     for module, p in _modules().items():

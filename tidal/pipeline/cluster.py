@@ -20,7 +20,7 @@ from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.pipeline.timeline import Timeline
 from tidal.workers.endpoints import Endpoints
 from tidal.workers.messages import MoveSummary, RolloutReport
-from tidal.workers.roles import ROLLOUT_INTERRUPT
+from tidal.workers.roles_rollout import ROLLOUT_INTERRUPT
 from tidal.workers.rollout_instance import PromptGroup
 from tidal.workers.runtime import CallHandle, WorkerGroup
 

@@ -16,7 +16,7 @@ Recovery (`Recovery.recover`), what the step still owes and who redoes it::
     ───────────────────                                 ─────────────────────
     its calls forgotten (a late result is dropped)      its calls forgotten; the groups they carried go
     survivors' slices drained, then each says which     back to the scoring queue (`to_score`), scored
-      groups it holds (`roles.rollout_holding`)         again on a survivor
+      groups it holds (`roles_rollout.rollout_holding`)         again on a survivor
     lost = not generated, not in the shared queue,
       not held by a survivor: back to the front of
       the shared queue, regenerated from their prompts

@@ -26,8 +26,8 @@ of P parameters, P_t of them on TP rank t (`ZeroShape.param_total`), O = its ZeR
     kept copy            c x P                   the whole replica an actor rank keeps at the step end for the
                                                  engines on its device (`actor_keep_weights`), while they load it
     rollout weights      c x P                   the engine's model (rollout and inference run TP 1)
-    rollout kv           CUDA: gpu_memory_utilization x capacity - weights (`roles._kv_budget`); CPU: one slot per
-                         running request at max_seq_len, 16-position blocks + the null block (`NativeEngine`)
+    rollout kv           CUDA: gpu_memory_utilization x capacity - weights (`roles_rollout._kv_budget`); CPU: one
+                         slot per running request at max_seq_len, 16-position blocks + the null block (`NativeEngine`)
     rollout logits       rows x V x 4            a decode step's logits (rows: max_running_requests, CPU: to 64s)
     actor checkpoint     2 x (c + 12) x O        CPU: a checkpoint's clones of the owned param, master and moments
                                                  and their serialized bytes (`checkpoint.write_shard`)

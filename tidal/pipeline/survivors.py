@@ -45,7 +45,7 @@ from tidal.engine.model import ModelArgs, check_tp
 from tidal.pipeline.checkpointing import resume
 from tidal.pipeline.placement import Homes
 from tidal.workers.errors import WorkerDied
-from tidal.workers.roles import ROLLOUT_INTERRUPT
+from tidal.workers.roles_rollout import ROLLOUT_INTERRUPT
 
 if TYPE_CHECKING:
     from tidal.pipeline.driver import Pipeline

@@ -6,7 +6,7 @@ takes, and returns at once with typed `CallHandle`s; `WorkerGroup.gather` turns 
 
     driver                                   device workers
     ──────                                   ──────────────
-    rollout.run_slice(3, groups, 0.1, seq) ─► roles.rollout_run(ctx, groups=..., budget_s=..., seq=...)
+    rollout.run_slice(3, groups, 0.1, seq) ─► roles_rollout.rollout_run(ctx, groups=..., budget_s=..., seq=...)
       -> CallHandle[tuple[list[RolloutGroup], RolloutReport]]
     inference.score(4, groups)             ─► roles.inference_score(ctx, groups=...)
       -> CallHandle[list[ScoredGroup]]
@@ -38,7 +38,7 @@ from tidal.engine.layout import Layout
 from tidal.engine.records import RolloutGroup, ScoredGroup
 from tidal.engine.reshard import PreparedProgram
 from tidal.engine.transfer import CudaIpcTensor
-from tidal.workers import roles, roles_ckpt, roles_migration
+from tidal.workers import roles, roles_ckpt, roles_migration, roles_rollout
 from tidal.workers.messages import (
     BroadcastWeights,
     ExportReceipt,
@@ -171,17 +171,17 @@ class RolloutCalls:
 
     def start(self, device: int, weights: EngineWeights | None, version: int, step: int) -> CallHandle[str]:
         """Become the instance of `step` with weights `version` (`weights` None: keep the engine of that version)."""
-        return self.group.submit(device, roles.rollout_start, instance_id=str(device), weights=weights,
+        return self.group.submit(device, roles_rollout.rollout_start, instance_id=str(device), weights=weights,
                                  version=version, step=step)
 
     def run_slice(self, device: int, groups: list[PromptGroup], budget_s: float,
                   seq: int) -> CallHandle[tuple[list[RolloutGroup], RolloutReport]]:
-        """One time slice numbered `seq` (an interrupt `roles.ROLLOUT_INTERRUPT` up to `seq` ends it early)."""
-        return self.group.submit(device, roles.rollout_run, groups=groups, budget_s=budget_s, seq=seq)
+        """One time slice numbered `seq` (an interrupt `roles_rollout.ROLLOUT_INTERRUPT` up to `seq` ends it early)."""
+        return self.group.submit(device, roles_rollout.rollout_run, groups=groups, budget_s=budget_s, seq=seq)
 
     def holding(self, devices: Sequence[int]) -> list[CallHandle[list[tuple[int, int]]]]:
         """The group ids each instance holds and has not returned."""
-        return self.group.submit_all(roles.rollout_holding, devices)
+        return self.group.submit_all(roles_rollout.rollout_holding, devices)
 
     def export_many(self, device: int, counts: Sequence[int | None],
                     routes: Sequence[KVRoute]) -> CallHandle[list[MigrationPackage]]:
@@ -205,11 +205,11 @@ class RolloutCalls:
 
     def free_kv(self, devices: Sequence[int]) -> list[CallHandle[None]]:
         """Generation is done on `devices`: free the engines' KV caches, keep their weights for scoring."""
-        return self.group.submit_all(roles.rollout_free_kv, devices)
+        return self.group.submit_all(roles_rollout.rollout_free_kv, devices)
 
     def release(self, device: int) -> CallHandle[int]:
         """Stop being an instance and free the engine (refused with requests in flight)."""
-        return self.group.submit(device, roles.rollout_release)
+        return self.group.submit(device, roles_rollout.rollout_release)
 
 
 class InferenceCalls:
