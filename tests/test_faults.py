@@ -7,6 +7,7 @@ parameters of the run without a fault, bit for bit."""
 
 import os
 import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from tidal.pipeline.run import TrainingRun
 from tidal.pipeline.run_metrics import step_event_metrics, table_fields
 from tidal.pipeline.timeline import Timeline
 from tidal.workers import roles_ckpt
+from tidal.workers.compute_share import process_alive
 from tidal.workers.errors import WorkerDied
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
@@ -202,6 +204,37 @@ def test_an_inference_worker_killed_while_scoring_costs_its_work_not_the_run(out
     step, groups = killed[0]
     assert (ev["device"], ev["role"], ev["step"]) == (4, "inference", step), ev
     assert ev["groups_rescored"] == sorted(groups), ev
+    assert pipe.ledger.owner(4) is Owner.FAILED and pipe.placement.inference == (3,)
+    assert scored == clean[1]
+    assert_same_training(clean[0], faulted)
+
+
+@pytest.mark.slow
+def test_an_inference_worker_found_dead_as_its_call_is_submitted_loses_no_group(out, clean):
+    """Device 4's worker dies between calls: the submission of its next scoring call finds the process gone and
+    raises before any call is made; the groups that call was to take stay queued and device 3 scores them, so
+    the run ends like the run without the fault."""
+    found: list[list[int]] = []
+
+    def arm(pipe):
+        inference = pipe.calls.inference
+        score = inference.score
+
+        def spy(device, groups):
+            if device == 4 and not found:
+                pid = pipe.group.pid(4)
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while process_alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                found.append([g.group_id for g in groups])
+            return score(device, groups)
+        inference.score = spy
+
+    faulted, scored, pipe = _run(out, "inference-found-dead", arm)
+    assert found
+    (ev,) = [e for e in pipe.cluster.events if e["kind"] == "device_failed"]
+    assert (ev["device"], ev["role"], ev["calls_lost"]) == (4, "inference", 0), ev
     assert pipe.ledger.owner(4) is Owner.FAILED and pipe.placement.inference == (3,)
     assert scored == clean[1]
     assert_same_training(clean[0], faulted)

@@ -456,9 +456,13 @@ class Pipeline:
         takes = scoring_calls([g.group_id for g in st.to_score], len(idle), len(inference) - len(idle), nxt,
                               reserve=len(inference) > 1 and any(gid not in st.gen_time for gid in nxt))
         for d, take in zip(idle, takes):
-            batch, st.to_score = st.to_score[:take], st.to_score[take:]
+            batch = st.to_score[:take]
+            # submitted before the groups leave the queue: a worker found dead here raises WorkerDied with its
+            # groups still queued for the survivors (taken first, they were in no queue and no call: lost)
+            handle = self.calls.inference.score(d, batch)
+            st.to_score = st.to_score[take:]
             st.scoring += len(batch)
-            c.track(CallKind.INFERENCE, self.calls.inference.score(d, batch), payload=batch)
+            c.track(CallKind.INFERENCE, handle, payload=batch)
 
     def _iter_groups(self, k: int) -> list[int]:
         g, n = self.cfg.algorithm.group_size, self.cfg.algorithm.n_minibatches
