@@ -54,7 +54,12 @@ def test_sigterm_shuts_the_run_down_and_records_it_aborted(tmp_path):
             time.sleep(0.5)
         assert proc.poll() is None, log.read_text()[-3000:]
         os.kill(proc.pid, signal.SIGTERM)
-        rc = proc.wait(timeout=120)
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:   # every thread's stack into the log (the CLI's SIGUSR1), then fail
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(3)
+            pytest.fail("no exit within 120 s of SIGTERM; the log's end:\n" + log.read_text()[-12000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import faulthandler
 import importlib
 import importlib.util
 import signal
@@ -218,9 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # `kill -USR1 PID` prints every thread's stack to stderr: how a run that does not answer is inspected
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         return _main(argv)
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         signal.signal(signal.SIGTERM, previous)
 
 
