@@ -9,6 +9,7 @@ component). Both record events here.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,11 @@ class Flight:
     payload: Any = None
 
 
+#: the actor's per-iter metrics that are counts (summed over the step's iters); the others (`grpo/pg_loss`,
+#: `grpo/clip_frac`, ...) are token means of an iter, averaged over the step's iters
+STEP_SUMS = frozenset({"grpo/tokens"})
+
+
 @dataclass
 class StepMeasurements:
     """What one step measured, appended to as results come back (the driver's result handlers write it; the
@@ -74,6 +80,30 @@ class StepMeasurements:
 
     def add_work(self, key: str, value: float) -> None:
         self.work[key] = self.work.get(key, 0.0) + float(value)
+
+    def metrics(self, iters_done: int) -> dict[str, float]:
+        """The step's metrics from what it measured: the actor's per-iter reports folded over ranks and iters,
+        where rollout instances holding work spent their time (seconds summed over the instances), the work."""
+        out: dict[str, float] = {}
+        for m in self.actor_metrics:
+            for k, v in m.items():
+                if k.startswith("mem/"):     # peaks: the largest
+                    out[k] = max(out.get(k, 0.0), v)
+                elif k.startswith("actor/"):  # per-rank figures: the mean over ranks and iters
+                    out[k] = out.get(k, 0.0) + v / len(self.actor_metrics)
+                elif k in STEP_SUMS:         # counts: each rank's share of the iter's, the step's total
+                    out[k] = out.get(k, 0.0) + v
+                else:                        # each rank's share of the iter's mean: the mean over the iters
+                    out[k] = out.get(k, 0.0) + v / max(iters_done, 1)
+        if self.pump_samples:
+            out["rollout/pump_s_median"] = statistics.median(self.pump_samples)
+        out["rollout/busy_instance_s"] = self.rollout_busy_s
+        out["rollout/call_overhead_instance_s"] = self.rollout_call_s - self.rollout_busy_s
+        out["rollout/gap_instance_s"] = self.rollout_gap_s
+        out["rollout/gc_instance_s"] = self.rollout_gc_s
+        out["reward/timeouts"] = float(self.reward_timeouts)
+        out.update(self.work)
+        return out
 
 
 @dataclass

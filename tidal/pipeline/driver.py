@@ -24,7 +24,6 @@ change a single token.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,9 +65,6 @@ if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("tidal.pipeline")
-#: the actor's per-iter metrics that are counts (summed over the step's iters); the others (`grpo/pg_loss`,
-#: `grpo/clip_frac`, ...) are token means of an iter, averaged over the step's iters
-STEP_SUMS = frozenset({"grpo/tokens"})
 #: how often the step's loop looks for dead workers that have no call in flight (local workers: a look at /proc)
 CHECK_EVERY_S = 0.5
 
@@ -275,30 +271,10 @@ class Pipeline:
         if sync:
             self.generations.sync(step)
         self.data_pos = next_pos
-        metrics = step_metrics(list(st.scored.values()))
-        for m in st.measured.actor_metrics:
-            for k, v in m.items():
-                if k.startswith("mem/"):     # peaks: the largest
-                    metrics[k] = max(metrics.get(k, 0.0), v)
-                elif k.startswith("actor/"):  # per-rank figures: the mean over ranks and iters
-                    metrics[k] = metrics.get(k, 0.0) + v / max(len(st.measured.actor_metrics), 1)
-                elif k in STEP_SUMS:         # counts: each rank's share of the iter's, the step's total
-                    metrics[k] = metrics.get(k, 0.0) + v
-                else:                        # each rank's share of the iter's mean: the mean over the iters
-                    metrics[k] = metrics.get(k, 0.0) + v / max(st.iters_done, 1)
+        metrics = {**step_metrics(list(st.scored.values())), **st.measured.metrics(st.iters_done)}
         seconds = self.clock() - t_start
         metrics["step/time_s"] = seconds
         metrics["step/idle_fraction"] = self.idle_fraction(t_start)
-        if st.measured.pump_samples:
-            metrics["rollout/pump_s_median"] = statistics.median(st.measured.pump_samples)
-        # where rollout instances holding work spent their time: generating, in call overhead, waiting for a call
-        # (seconds summed over the instances: `_instance_s`)
-        metrics["rollout/busy_instance_s"] = st.measured.rollout_busy_s
-        metrics["rollout/call_overhead_instance_s"] = st.measured.rollout_call_s - st.measured.rollout_busy_s
-        metrics["rollout/gap_instance_s"] = st.measured.rollout_gap_s
-        metrics["rollout/gc_instance_s"] = st.measured.rollout_gc_s
-        metrics["reward/timeouts"] = float(st.measured.reward_timeouts)
-        metrics.update(st.measured.work)
         metrics["driver/gc_s"], metrics["driver/gc_max_s"], _ = self.gc.take()
         metrics["step/tokens_per_s"] = sum(len(r) for g in st.scored.values() for r in g.response_ids) / seconds
         events = [e for e in c.events if e["time"] >= t_start]
