@@ -11,6 +11,7 @@ import difflib
 import faulthandler
 import importlib
 import importlib.util
+import io
 import signal
 import sys
 import threading
@@ -219,13 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    # `kill -USR1 PID` prints every thread's stack to stderr: how a run that does not answer is inspected
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    dumps = _stack_dumps_on_sigusr1()
     try:
         return _main(argv)
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
+        if dumps:
+            faulthandler.unregister(signal.SIGUSR1)
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stack_dumps_on_sigusr1() -> bool:
+    """`kill -USR1 PID` prints every thread's stack to stderr: how a run that does not answer is inspected. Not
+    where stderr is no file (a caller capturing it)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True, chain=False)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return True
 
 
 def _main(argv: list[str]) -> int:
