@@ -12,7 +12,6 @@ import torch
 
 from tidal.core.errors import TidalError
 from tidal.engine.generation.engine import EngineConfig, NativeEngine
-from tidal.engine.generation.weights import rollout_shard
 from tidal.engine.hf_tokenizer import Tokenizer
 from tidal.engine.model import Transformer
 from tidal.engine.records import RolloutGroup
@@ -52,7 +51,7 @@ def rollout_start(ctx: WorkerContext, instance_id: str, weights: EngineWeights |
     if old is not None and loaded is not None and old.version != version and _holds_work(old):
         # an asynchronous run: groups of later steps are in flight here; they go on under the new weights
         # (a partial rollout: `RunSpec.partial`), the instance's queue and finished groups kept
-        old.engine.update_weights(rollout_shard(spec.args, [loaded], 1, 0), version, in_flight=spec.partial)
+        old.engine.update_weights(loaded, version, in_flight=spec.partial)   # TP 1: global names
         old.version, old.step, old.inst.step = version, step, step
         return instance_id
     if old is not None and old.version == version and loaded is None:
